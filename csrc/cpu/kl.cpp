@@ -1,0 +1,155 @@
+// kl_penalty (and its backward) and shape_rewards on CPU.
+#include "common.h"
+#include "kl_estimators.h"
+#include "kl_args.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace pyppo {
+namespace {
+
+constexpr int64_t kGrain = 4096;
+
+at::Tensor kl_penalty_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator,
+                          std::optional<double> clamp_min, std::optional<double> clamp_max) {
+  const char* op = "kl_penalty";
+  check_float(op, "logprobs", logprobs);
+  check_float(op, "ref_logprobs", ref_logprobs);
+  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
+  check_same_device(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
+  const KLEstimator est = parse_estimator(op, estimator);
+  const KLClamp c = make_clamp(op, clamp_min, clamp_max);
+  const auto acc = out_dtype(logprobs);
+  at::Tensor lp = logprobs.to(acc).contiguous();
+  at::Tensor ref = ref_logprobs.to(acc).contiguous();
+  at::Tensor out = at::empty(logprobs.sizes(), lp.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_kl_penalty", [&] {
+    const scalar_t* a = lp.data_ptr<scalar_t>();
+    const scalar_t* b = ref.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, lp.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      bool sat;
+      for (int64_t i = begin; i < end; ++i) o[i] = kl_value<scalar_t>(est, a[i], b[i], c, &sat);
+    });
+  });
+  return out;
+}
+
+at::Tensor kl_penalty_backward_cpu(const at::Tensor& grad_kl, const at::Tensor& logprobs,
+                                   const at::Tensor& ref_logprobs, c10::string_view estimator,
+                                   std::optional<double> clamp_min, std::optional<double> clamp_max) {
+  const char* op = "kl_penalty_backward";
+  check_same_shape(op, "grad_kl", grad_kl, logprobs, "logprobs");
+  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
+  const KLEstimator est = parse_estimator(op, estimator);
+  const KLClamp c = make_clamp(op, clamp_min, clamp_max);
+  const auto acc = out_dtype(logprobs);
+  at::Tensor g = grad_kl.to(acc).contiguous();
+  at::Tensor lp = logprobs.to(acc).contiguous();
+  at::Tensor ref = ref_logprobs.to(acc).contiguous();
+  at::Tensor out = at::empty(logprobs.sizes(), lp.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_kl_penalty_bwd", [&] {
+    const scalar_t* gp = g.data_ptr<scalar_t>();
+    const scalar_t* a = lp.data_ptr<scalar_t>();
+    const scalar_t* b = ref.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, lp.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        // A zero upstream gradient stays zero even where the local derivative is infinite.
+        o[i] = gp[i] == scalar_t(0) ? scalar_t(0) : gp[i] * kl_grad<scalar_t>(est, a[i], b[i], c);
+      }
+    });
+  });
+  return out.to(logprobs.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> shape_rewards_cpu(const at::Tensor& scores, const at::Tensor& logprobs,
+                                                     const at::Tensor& ref_logprobs, const at::Tensor& response_mask,
+                                                     double kl_coef, c10::string_view estimator,
+                                                     std::optional<double> score_clip) {
+  const char* op = "shape_rewards";
+  check_float(op, "logprobs", logprobs);
+  check_float(op, "ref_logprobs", ref_logprobs);
+  check_float(op, "scores", scores);
+  as_2d(op, "logprobs", logprobs);
+  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
+  check_same_shape(op, "response_mask", response_mask, logprobs, "logprobs");
+  TORCH_CHECK_VALUE(scores.dim() == 1 && scores.size(0) == logprobs.size(0), "pyppo.shape_rewards: scores must have shape [B] = [",
+                    logprobs.size(0), "], got ", scores.sizes());
+  check_same_device(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
+  check_same_device(op, "response_mask", response_mask, logprobs, "logprobs");
+  check_same_device(op, "scores", scores, logprobs, "logprobs");
+  TORCH_CHECK_VALUE(std::isfinite(kl_coef) && kl_coef >= 0, "pyppo.shape_rewards: kl_coef must be a finite number >= 0, got ",
+                    kl_coef);
+  TORCH_CHECK_VALUE(!score_clip.has_value() || (*score_clip > 0 && !std::isnan(*score_clip)),
+                    "pyppo.shape_rewards: score_clip must be > 0 (or None), got ", score_clip.value_or(0));
+  const KLEstimator est = parse_estimator(op, estimator);
+  const int64_t B = logprobs.size(0), T = logprobs.size(1);
+  const auto acc = out_dtype(logprobs);
+  at::Tensor lp = logprobs.to(acc).contiguous();
+  at::Tensor ref = ref_logprobs.to(acc).contiguous();
+  at::Tensor sc = scores.to(acc).contiguous();
+  at::Tensor mask = as_bool_mask(op, "response_mask", response_mask);
+  at::Tensor rewards = at::empty({B, T}, lp.options());
+  at::Tensor kl = at::empty({B, T}, lp.options());
+
+  // Validated before any work so the error names the first bad row, not whichever a thread hit.
+  std::vector<int64_t> last(B, -1);
+  const bool* m = mask.data_ptr<bool>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = T - 1; t >= 0; --t)
+      if (m[b * T + t]) {
+        last[b] = t;
+        break;
+      }
+    TORCH_CHECK_VALUE(last[b] >= 0, "pyppo.shape_rewards: row ", b,
+                      " of response_mask has no valid position; every response needs at least one token to carry its score");
+  }
+  AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_shape_rewards", [&] {
+    const scalar_t* a = lp.data_ptr<scalar_t>();
+    const scalar_t* r = ref.data_ptr<scalar_t>();
+    const scalar_t* s = sc.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK_VALUE(std::isfinite(s[b]), "pyppo.shape_rewards: scores[", b, "] = ", s[b], " is not finite");
+    scalar_t* rw = rewards.data_ptr<scalar_t>();
+    scalar_t* k = kl.data_ptr<scalar_t>();
+    const scalar_t coef = static_cast<scalar_t>(kl_coef);
+    const KLClamp no_clamp;
+    at::parallel_for(0, B, std::max<int64_t>(1, kGrain / std::max<int64_t>(T, 1)), [&](int64_t begin, int64_t end) {
+      bool sat;
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t i = b * T + t;
+          if (!m[i]) {
+            k[i] = 0;
+            rw[i] = 0;
+            continue;
+          }
+          k[i] = kl_value<scalar_t>(est, a[i], r[i], no_clamp, &sat);
+          rw[i] = -coef * k[i];
+        }
+        scalar_t score = s[b];
+        if (score_clip.has_value()) {
+          const scalar_t c = static_cast<scalar_t>(*score_clip);
+          score = std::min(std::max(score, -c), c);
+        }
+        rw[b * T + last[b]] += score;
+      }
+    });
+  });
+  return {rewards, kl};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyppo, CPU, m) {
+  m.impl("kl_penalty", &kl_penalty_cpu);
+  m.impl("kl_penalty_backward", &kl_penalty_backward_cpu);
+  m.impl("shape_rewards", &shape_rewards_cpu);
+}
+
+}  // namespace pyppo

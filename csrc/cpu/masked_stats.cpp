@@ -1,0 +1,182 @@
+// masked_mean, masked_var and masked_whiten on CPU.
+//
+// Whole-tensor reductions are summed in fixed blocks of kBlock elements whose partial sums
+// are then added in block order: the result is the same bits whatever the thread count.
+#include "common.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace pyppo {
+namespace {
+
+constexpr int64_t kBlock = 4096;
+
+struct Moments {
+  double sum = 0;
+  int64_t count = 0;
+};
+
+template <typename T>
+Moments masked_sum(const T* x, const bool* m, int64_t n) {
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> sums(nblocks, 0.0);
+  std::vector<int64_t> counts(nblocks, 0);
+  at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      double s = 0;
+      int64_t c = 0;
+      for (int64_t i = k * kBlock, e = std::min(n, (k + 1) * kBlock); i < e; ++i)
+        if (m[i]) {
+          s += static_cast<double>(x[i]);
+          ++c;
+        }
+      sums[k] = s;
+      counts[k] = c;
+    }
+  });
+  Moments out;
+  for (int64_t k = 0; k < nblocks; ++k) {
+    out.sum += sums[k];
+    out.count += counts[k];
+  }
+  return out;
+}
+
+template <typename T>
+double masked_sq_dev(const T* x, const bool* m, int64_t n, double mean) {
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> sums(nblocks, 0.0);
+  at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      double s = 0;
+      for (int64_t i = k * kBlock, e = std::min(n, (k + 1) * kBlock); i < e; ++i)
+        if (m[i]) {
+          const double d = static_cast<double>(x[i]) - mean;
+          s += d * d;
+        }
+      sums[k] = s;
+    }
+  });
+  double out = 0;
+  for (double s : sums) out += s;
+  return out;
+}
+
+struct Prepared {
+  at::Tensor x;     // contiguous, accumulation dtype
+  at::Tensor mask;  // contiguous bool
+};
+
+Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& mask) {
+  check_float(op, "x", x);
+  check_same_shape(op, "mask", mask, x, "x");
+  check_same_device(op, "mask", mask, x, "x");
+  return {x.to(out_dtype(x)).contiguous(), as_bool_mask(op, "mask", mask)};
+}
+
+// Mean and variance of the masked-in elements; errors (not NaN) when there are too few.
+std::pair<double, double> mean_var(const char* op, const Prepared& p, bool unbiased) {
+  double mean = 0, var = 0;
+  AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_var", [&] {
+    const scalar_t* x = p.x.data_ptr<scalar_t>();
+    const bool* m = p.mask.data_ptr<bool>();
+    Moments mo = masked_sum(x, m, p.x.numel());
+    TORCH_CHECK_VALUE(mo.count > 0, "pyppo.", op, ": mask selects no element of x (all masked)");
+    TORCH_CHECK_VALUE(!unbiased || mo.count > 1, "pyppo.", op,
+                      ": the unbiased variance needs at least 2 valid elements, mask selects ", mo.count);
+    mean = mo.sum / static_cast<double>(mo.count);
+    var = masked_sq_dev(x, m, p.x.numel(), mean) / static_cast<double>(unbiased ? mo.count - 1 : mo.count);
+  });
+  return {mean, var};
+}
+
+at::Tensor masked_mean_cpu(const at::Tensor& x, const at::Tensor& mask, std::optional<int64_t> dim) {
+  const char* op = "masked_mean";
+  Prepared p = prepare(op, x, mask);
+  if (!dim.has_value()) {
+    at::Tensor out = at::empty({}, p.x.options());
+    AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_mean", [&] {
+      Moments mo = masked_sum(p.x.data_ptr<scalar_t>(), p.mask.data_ptr<bool>(), p.x.numel());
+      TORCH_CHECK_VALUE(mo.count > 0, "pyppo.masked_mean: mask selects no element of x (all masked)");
+      out.fill_(mo.sum / static_cast<double>(mo.count));
+    });
+    return out;
+  }
+  TORCH_CHECK_VALUE(x.dim() > 0, "pyppo.masked_mean: dim given for a 0-d x");
+  const int64_t d = c10::maybe_wrap_dim(*dim, x.dim());
+  at::Tensor xs = p.x.movedim(d, -1).contiguous();
+  at::Tensor ms = p.mask.movedim(d, -1).contiguous();
+  const int64_t L = x.size(d);
+  const int64_t R = L == 0 ? 0 : xs.numel() / L;
+  std::vector<int64_t> out_shape;
+  for (int64_t i = 0; i < x.dim(); ++i)
+    if (i != d) out_shape.push_back(x.size(i));
+  at::Tensor out = at::empty(out_shape, p.x.options());
+  TORCH_CHECK_VALUE(L > 0 || out.numel() == 0, "pyppo.masked_mean: x has size 0 along dim ", d);
+  AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_mean_dim", [&] {
+    const scalar_t* xp = xs.data_ptr<scalar_t>();
+    const bool* mp = ms.data_ptr<bool>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t c = 0;
+      for (int64_t j = 0; j < L; ++j) c += mp[r * L + j];
+      TORCH_CHECK_VALUE(c > 0, "pyppo.masked_mean: slice ", r, " along dim ", d, " is all masked");
+    }
+    at::parallel_for(0, R, std::max<int64_t>(1, 4096 / std::max<int64_t>(L, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        double s = 0;
+        int64_t c = 0;
+        for (int64_t j = 0; j < L; ++j)
+          if (mp[r * L + j]) {
+            s += static_cast<double>(xp[r * L + j]);
+            ++c;
+          }
+        o[r] = static_cast<scalar_t>(s / static_cast<double>(c));
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor masked_var_cpu(const at::Tensor& x, const at::Tensor& mask, bool unbiased) {
+  Prepared p = prepare("masked_var", x, mask);
+  auto mv = mean_var("masked_var", p, unbiased);
+  return at::full({}, mv.second, p.x.options());
+}
+
+at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, bool unbiased, double eps) {
+  const char* op = "masked_whiten";
+  TORCH_CHECK_VALUE(eps >= 0 && std::isfinite(eps), "pyppo.masked_whiten: eps must be a finite number >= 0, got ", eps);
+  Prepared p = prepare(op, x, mask);
+  auto [mean, var] = mean_var(op, p, unbiased);
+  const double inv_std = 1.0 / std::sqrt(var + eps);
+  TORCH_CHECK_VALUE(std::isfinite(inv_std), "pyppo.masked_whiten: the masked variance is ", var, " and eps is ", eps,
+                    "; their sum must be > 0 (pass eps > 0 for constant inputs)");
+  at::Tensor out = at::empty(x.sizes(), p.x.options());
+  AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_whiten", [&] {
+    const scalar_t* xp = p.x.data_ptr<scalar_t>();
+    const bool* mp = p.mask.data_ptr<bool>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const double add_back = shift_mean ? 0.0 : mean;
+    at::parallel_for(0, p.x.numel(), 16384, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        o[i] = mp[i] ? static_cast<scalar_t>((static_cast<double>(xp[i]) - mean) * inv_std + add_back) : scalar_t(0);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyppo, CPU, m) {
+  m.impl("masked_mean", &masked_mean_cpu);
+  m.impl("masked_var", &masked_var_cpu);
+  m.impl("masked_whiten", &masked_whiten_cpu);
+}
+
+}  // namespace pyppo

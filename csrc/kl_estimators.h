@@ -1,0 +1,85 @@
+// Per-token estimators of KL(pi || pi_ref) from the sampled token's log-probs
+// (J. Schulman, "Approximating KL Divergence", 2020), with their derivative in logprobs.
+// Plain C++ so the CPU and CUDA kernels share one definition.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#if defined(__CUDACC__)
+#define PYPPO_HD __host__ __device__ __forceinline__
+#else
+#define PYPPO_HD inline
+#endif
+
+namespace pyppo {
+
+enum class KLEstimator : int32_t { K1 = 0, K2 = 1, K3 = 2, Abs = 3 };
+
+// Above this, exp(r) in k3 overflows float32 (exp(88.7) = FLT_MAX); the clamp saturates long before.
+constexpr double kK3ExpBound = 80.0;
+
+struct KLClamp {
+  bool has_lo = false, has_hi = false;
+  double lo = 0, hi = 0;
+};
+
+template <typename T>
+PYPPO_HD T kl_value(KLEstimator est, T lp, T ref, const KLClamp& c, bool* saturated) {
+  const T diff = lp - ref;
+  T v;
+  switch (est) {
+    case KLEstimator::K1: v = diff; break;
+    case KLEstimator::K2: v = T(0.5) * diff * diff; break;
+    case KLEstimator::Abs: v = diff < T(0) ? -diff : diff; break;
+    case KLEstimator::K3:
+    default: {
+      const T r = ref - lp;
+      if (r > T(kK3ExpBound)) {
+        // exp(r) - r - 1 is past any clamp and overflows: saturate instead of computing inf - inf.
+        if (c.has_hi) {
+          *saturated = true;
+          return T(c.hi);
+        }
+        if (r != r) return r;
+        return std::numeric_limits<T>::infinity();
+      }
+      // r = -inf (ref = -inf) gives exp(r) - r = +inf, which is the right limit.
+      v = std::exp(r) - r - T(1);
+    }
+  }
+  *saturated = false;
+  if (c.has_lo && v < T(c.lo)) {
+    *saturated = true;
+    return T(c.lo);
+  }
+  if (c.has_hi && v > T(c.hi)) {
+    *saturated = true;
+    return T(c.hi);
+  }
+  return v;
+}
+
+// d kl / d logprobs; zero where the clamp saturates (as torch.clamp's gradient is).
+template <typename T>
+PYPPO_HD T kl_grad(KLEstimator est, T lp, T ref, const KLClamp& c) {
+  bool sat = false;
+  kl_value<T>(est, lp, ref, c, &sat);
+  if (sat) return T(0);
+  const T diff = lp - ref;
+  switch (est) {
+    case KLEstimator::K1: return T(1);
+    case KLEstimator::K2: return diff;
+    case KLEstimator::Abs: return diff > T(0) ? T(1) : (diff < T(0) ? T(-1) : T(0));
+    case KLEstimator::K3:
+    default: {
+      const T r = ref - lp;
+      if (r > T(kK3ExpBound)) return -std::numeric_limits<T>::infinity();
+      return T(1) - std::exp(r);
+    }
+  }
+}
+
+}  // namespace pyppo

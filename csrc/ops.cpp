@@ -1,0 +1,28 @@
+// Every pyppo operator schema, in one place. Kernels register per device in cpu/ and cuda/;
+// fake (meta) kernels and autograd formulas are registered from Python (pyppo/ops/).
+#include <torch/library.h>
+
+TORCH_LIBRARY(pyppo, m) {
+  // logits [*, V], labels [*] int64, mask [*] bool (or undefined) ->
+  // (logprobs [*], entropy [*] or [0] when return_entropy is false, lse [*]: logsumexp(z/T), saved for backward)
+  m.def("gather_logprobs(Tensor logits, Tensor labels, Tensor? mask, float temperature, int ignore_index, "
+        "bool return_entropy) -> (Tensor, Tensor, Tensor)");
+  m.def("gather_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor labels, "
+        "Tensor? mask, Tensor lse, Tensor? entropy, float temperature, int ignore_index) -> Tensor");
+
+  m.def("kl_penalty(Tensor logprobs, Tensor ref_logprobs, str estimator, float? clamp_min, float? clamp_max) -> Tensor");
+  m.def("kl_penalty_backward(Tensor grad_kl, Tensor logprobs, Tensor ref_logprobs, str estimator, "
+        "float? clamp_min, float? clamp_max) -> Tensor");
+
+  // -> (rewards [B, T], kl [B, T])
+  m.def("shape_rewards(Tensor scores, Tensor logprobs, Tensor ref_logprobs, Tensor response_mask, float kl_coef, "
+        "str estimator, float? score_clip) -> (Tensor, Tensor)");
+
+  // -> (advantages [B, T], returns [B, T])
+  m.def("gae(Tensor rewards, Tensor values, Tensor response_mask, float gamma, float lam, Tensor? last_values) "
+        "-> (Tensor, Tensor)");
+
+  m.def("masked_mean(Tensor x, Tensor mask, int? dim) -> Tensor");
+  m.def("masked_var(Tensor x, Tensor mask, bool unbiased) -> Tensor");
+  m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean, bool unbiased, float eps) -> Tensor");
+}

@@ -1,0 +1,42 @@
+"""pyppo: PPO for language models, with compiled hot paths.
+
+Importing pyppo loads the compiled extension ``pyppo._C``, which registers the operators
+``torch.ops.pyppo.*``; :mod:`pyppo.ops` wraps them with keyword arguments, autograd and fake
+(meta) kernels.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _pkg_version
+
+import torch  # noqa: F401  (libtorch must be loaded before the extension that links to it)
+
+try:
+    from . import _C
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "pyppo's compiled extension pyppo._C could not be loaded "
+        f"({e}). Build it against the installed torch with: "
+        "pip install --no-build-isolation -e ."
+    ) from e
+
+
+def _check_torch_abi() -> None:
+    built, running = _C.torch_version, torch.__version__
+    # A libtorch extension is tied to the exact torch release it was compiled against; the
+    # local tag (+cpu, +cu128) matters too, since CPU and CUDA builds differ in symbols.
+    if built != running:
+        raise ImportError(
+            f"pyppo was built against torch {built} but torch {running} is installed. "
+            "Rebuild pyppo against the installed torch with: pip install --no-build-isolation --force-reinstall --no-deps ."
+        )
+
+
+_check_torch_abi()
+
+try:
+    __version__ = _pkg_version("pyppo")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = _C.__version__
+
+from . import ops  # noqa: E402,F401
+
+__all__ = ["ops", "__version__"]

@@ -1,0 +1,206 @@
+"""One PPO batch of rollouts, and its minibatch / micro-batch views (DESIGN.md §2.1–2.6).
+
+Layout: ``B`` sequences, each a left-padded prompt of ``P`` positions followed by a right-padded
+response of ``T`` positions. Every per-token quantity (log-probs, values, rewards, ...) is stored at
+response positions only, ``[B, T]``, aligned with ``response_ids``: entry ``t`` belongs to the
+token ``response_ids[:, t]`` (for values: the state before that token is emitted).
+
+The full model inputs are always rebuilt from the stored padded tensors (:attr:`input_ids`,
+:attr:`attention_mask`, :attr:`position_ids`), so a row is fed to the model with exactly the same
+padding at rollout time and at training time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import torch
+
+__all__ = ["RolloutBuffer"]
+
+# Per-sequence tensors [B, ...] that are split along dim 0; order is the dataclass field order.
+_TENSOR_FIELDS = (
+    "query_ids", "query_mask", "response_ids", "response_mask",
+    "old_logprobs", "ref_logprobs", "values", "scores", "rewards", "kl", "advantages", "returns",
+    "has_eos",
+)
+_LIST_FIELDS = ("prompts", "responses")
+
+
+@dataclass
+class RolloutBuffer:
+    """A batch of rollouts and everything PPO computes from it.
+
+    Required at construction:
+
+    * ``query_ids [B, P]`` int64, left-padded prompt tokens;
+    * ``query_mask [B, P]`` bool, 1 at real prompt tokens;
+    * ``response_ids [B, T]`` int64, right-padded sampled tokens;
+    * ``response_mask [B, T]`` bool, 1 up to and including the first EOS.
+
+    Filled in as the step proceeds (``None`` until then): ``old_logprobs``, ``ref_logprobs``,
+    ``values``, ``rewards``, ``kl``, ``advantages``, ``returns`` (all ``[B, T]`` float32),
+    ``scores [B]`` float32, ``has_eos [B]`` bool, and the decoded ``prompts`` / ``responses``
+    (lists of ``B`` strings).
+
+    Raises:
+        ValueError: (at construction, and from :meth:`validate`) a field with the wrong batch size
+            or shape, naming the field.
+    """
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
+    rewards: Optional[torch.Tensor] = None
+    kl: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+    has_eos: Optional[torch.Tensor] = None
+    prompts: Optional[List[str]] = None
+    responses: Optional[List[str]] = None
+
+    def __post_init__(self) -> None:
+        self.query_mask = self.query_mask.bool()
+        self.response_mask = self.response_mask.bool()
+        self.validate()
+
+    # ------------------------------------------------------------------ shape bookkeeping
+    def __len__(self) -> int:
+        return self.query_ids.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self)
+
+    @property
+    def prompt_length(self) -> int:
+        """``P``, the padded prompt length."""
+        return self.query_ids.shape[1]
+
+    @property
+    def response_length(self) -> int:
+        """``T``, the padded response length."""
+        return self.response_ids.shape[1]
+
+    def validate(self) -> None:
+        """Check every present field's shape against ``B``, ``P`` and ``T``."""
+        for name in ("query_ids", "query_mask", "response_ids", "response_mask"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"{name} must be a 2-D tensor")
+        B, P = self.query_ids.shape
+        T = self.response_ids.shape[1]
+        expected = {"query_mask": (B, P), "response_mask": (B, T)}
+        for name in ("old_logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns"):
+            expected[name] = (B, T)
+        expected["scores"] = (B,)
+        expected["has_eos"] = (B,)
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        if self.response_ids.shape[0] != B:
+            raise ValueError(f"response_ids has batch size {self.response_ids.shape[0]}, expected {B}")
+        for name in _LIST_FIELDS:
+            v = getattr(self, name)
+            if v is not None and len(v) != B:
+                raise ValueError(f"{name} has {len(v)} entries, expected {B}")
+
+    # ------------------------------------------------------------------ model inputs
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """``[B, P + T]`` int64: prompt then response."""
+        return torch.cat([self.query_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``[B, P + T]`` int64 0/1: left padding and everything after the first EOS are 0."""
+        return torch.cat([self.query_mask, self.response_mask], dim=1).long()
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """``[B, P + T]`` int64: 0 at each row's first real prompt token (left padding does not
+        shift positions; this matches what ``generate()`` uses while sampling)."""
+        return (self.attention_mask.cumsum(-1) - 1).clamp_min(0)
+
+    # ------------------------------------------------------------------ slicing
+    def select(self, index: torch.Tensor) -> "RolloutBuffer":
+        """The rows ``index`` (1-D int64 tensor of row numbers, in that order), as a new buffer."""
+        if not isinstance(index, torch.Tensor):
+            index = torch.as_tensor(index, dtype=torch.long)
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
+        idx_cpu = index.to("cpu", torch.long)
+        kwargs = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                kwargs[f.name] = None
+            elif f.name in _LIST_FIELDS:
+                kwargs[f.name] = [v[i] for i in idx_cpu.tolist()]
+            else:
+                kwargs[f.name] = v.index_select(0, idx_cpu.to(v.device))
+        return RolloutBuffer(**kwargs)
+
+    def to(self, device) -> "RolloutBuffer":
+        """A copy with every tensor on ``device``."""
+        kwargs = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            kwargs[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+        return RolloutBuffer(**kwargs)
+
+    def epoch_permutation(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """A uniformly random order of the ``B`` rows (1-D int64, on CPU), drawn from ``generator``."""
+        return torch.randperm(len(self), generator=generator)
+
+    def minibatches(
+        self,
+        mini_batch_size: int,
+        generator: Optional[torch.Generator] = None,
+        *,
+        permutation: Optional[torch.Tensor] = None,
+    ) -> Iterator["RolloutBuffer"]:
+        """Shuffled minibatches that cover the batch exactly once (one PPO epoch).
+
+        Args:
+            mini_batch_size: rows per minibatch, ``>= 1``; when it does not divide ``B`` the last
+                minibatch is smaller (no row is dropped or repeated).
+            generator: source of the shuffle (``torch.Generator``); ``None`` uses the global RNG.
+            permutation: use this row order (a permutation of ``range(B)``) instead of drawing one.
+                The trainer draws the first epoch's order before the rollout forward passes so that
+                those passes see exactly the micro-batches the first epoch trains on.
+
+        Raises:
+            ValueError: ``mini_batch_size < 1``, or ``permutation`` not a permutation of the rows.
+        """
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}")
+        B = len(self)
+        if permutation is None:
+            permutation = self.epoch_permutation(generator)
+        else:
+            permutation = torch.as_tensor(permutation, dtype=torch.long).cpu()
+            if permutation.shape != (B,) or not torch.equal(permutation.sort().values, torch.arange(B)):
+                raise ValueError(f"permutation must be a permutation of range({B})")
+        for start in range(0, B, mini_batch_size):
+            yield self.select(permutation[start:start + mini_batch_size])
+
+    def micro_batches(self, micro_batch_size: int) -> Iterator["RolloutBuffer"]:
+        """Consecutive, unshuffled chunks of ``micro_batch_size`` rows (gradient accumulation).
+
+        Raises:
+            ValueError: ``micro_batch_size < 1``.
+        """
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+        B = len(self)
+        for start in range(0, B, micro_batch_size):
+            yield self.select(torch.arange(start, min(start + micro_batch_size, B)))

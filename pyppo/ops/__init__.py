@@ -1,0 +1,30 @@
+"""The PPO hot paths as torch custom operators (``torch.ops.pyppo.*``).
+
+Each function here wraps one compiled operator with keyword arguments and documentation; the
+fake (meta) kernels that let ``torch.compile`` trace them and their autograd formulas are
+registered next to each wrapper.
+"""
+
+from .gae import gae
+from .gather_logprobs import gather_logprobs
+from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
+from .masked import masked_mean, masked_var, masked_whiten
+
+try:  # written by the trainer side; plain torch on top of the compiled ops
+    from .losses import LOSS_AGG_MODES, aggregate_loss, ppo_policy_loss, ppo_value_loss
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = [
+    "gather_logprobs",
+    "kl_penalty",
+    "shape_rewards",
+    "gae",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "aggregate_loss",
+    "KL_ESTIMATORS",
+]

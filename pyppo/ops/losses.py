@@ -1,0 +1,392 @@
+"""PPO policy and value losses (plain PyTorch; DESIGN.md §1).
+
+Both losses take right-padded ``[B, T]`` tensors (``B`` sequences, ``T`` response positions) and a
+``response_mask [B, T]`` (bool or 0/1) whose zeros are excluded from the loss and from every
+statistic. They return ``(loss, stats)``: ``loss`` is a 0-d tensor differentiable w.r.t. the first
+argument, ``stats`` a dict of 0-d detached float32 tensors.
+
+Arithmetic runs in float32 (float64 when an input is float64) whatever the input dtype, so bf16 /
+fp16 logprobs do not lose the small differences the PPO ratio is made of.
+
+``loss_agg`` selects how the per-token loss matrix becomes a scalar:
+
+* ``"token-mean"``: sum over valid tokens / number of valid tokens.
+* ``"seq-mean-token-mean"``: per-sequence mean over its valid tokens, then mean over the sequences
+  that have at least one valid token.
+* ``"seq-mean-token-sum"``: per-sequence sum, then mean over sequences with a valid token.
+* ``"seq-mean-token-sum-norm"``: as ``"seq-mean-token-sum"``, then divided by the constant
+  ``loss_agg_norm`` (default ``T``) — Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
+  Training"), as in veRL. The constant keeps long and short responses from being weighted
+  differently by a length-dependent denominator.
+
+Under gradient accumulation the trainer passes ``normalizer`` (the whole minibatch's number of
+valid tokens, or of sequences with a valid token), so that summing the micro-batch losses gives
+exactly the minibatch loss instead of a mean of per-micro-batch means.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
+    "loss_normalizer",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+]
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+Stats = Dict[str, torch.Tensor]
+
+
+def _check_loss_agg(loss_agg: str, loss_agg_norm: Optional[float]) -> None:
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
+    if loss_agg_norm is not None:
+        if isinstance(loss_agg_norm, bool) or not isinstance(loss_agg_norm, (int, float)):
+            raise ValueError(f"loss_agg_norm must be a positive number or None, got {loss_agg_norm!r}")
+        if not (math.isfinite(loss_agg_norm) and loss_agg_norm > 0):
+            raise ValueError(f"loss_agg_norm must be a positive finite number, got {loss_agg_norm!r}")
+
+
+def _as_bool_mask(mask: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() or mask.is_complex() or mask.dtype in (
+        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    ):
+        # A mask of arbitrary weights would silently become a weighting; insist on 0/1.
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{name} must be bool or contain only 0 and 1")
+        return mask != 0
+    raise ValueError(f"{name} must be a bool or 0/1 tensor, got dtype {mask.dtype}")
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_float_2d(named: Dict[str, torch.Tensor], mask_name: str, mask: torch.Tensor) -> None:
+    shape = None
+    device = None
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [B, T], got shape {tuple(t.shape)}")
+        if shape is None:
+            shape, device, first = t.shape, t.device, name
+        else:
+            if t.shape != shape:
+                raise ValueError(f"{name} shape {tuple(t.shape)} != {first} shape {tuple(shape)}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but {first} is on {device}")
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{mask_name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.shape != shape:
+        raise ValueError(f"{mask_name} shape {tuple(mask.shape)} != {first} shape {tuple(shape)}")
+    if mask.device != device:
+        raise ValueError(f"{mask_name} is on {mask.device} but {first} is on {device}")
+
+
+def loss_normalizer(mask: torch.Tensor, loss_agg: str = "token-mean") -> int:
+    """The count that ``loss_agg`` divides by, for ``mask [B, T]`` (bool or 0/1).
+
+    Returns the number of valid tokens for ``"token-mean"`` and the number of rows with at least one
+    valid token for the ``seq-mean-*`` modes, as a Python ``int``. The trainer computes it over a
+    whole minibatch and passes it to each micro-batch's loss as ``normalizer``.
+
+    Raises:
+        ValueError: unknown ``loss_agg``, or ``mask`` not 2-D / not bool or 0/1.
+    """
+    _check_loss_agg(loss_agg, None)
+    m = _as_bool_mask(mask, "mask")
+    if m.dim() != 2:
+        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(m.shape)}")
+    if loss_agg == "token-mean":
+        return int(m.sum())
+    return int(m.any(dim=-1).sum())
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg: str = "token-mean",
+    loss_agg_norm: Optional[float] = None,
+    normalizer: Optional[float] = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss matrix to a scalar with one of the ``loss_agg`` modes.
+
+    Args:
+        loss_mat: ``[B, T]`` floating point. Values at masked positions are ignored (even inf/NaN:
+            they are selected away with ``torch.where``, not multiplied by 0, so they cannot poison
+            the sum or its gradient).
+        mask: ``[B, T]`` bool or 0/1; 1 = the token counts.
+        loss_agg: one of :data:`LOSS_AGG_MODES` (see the module docstring for the formulas).
+        loss_agg_norm: the constant divisor of ``"seq-mean-token-sum-norm"``; default ``T``
+            (``loss_mat.shape[-1]``). Ignored by the other modes.
+        normalizer: divide by this instead of the count taken from ``mask`` — the number of valid
+            tokens (``"token-mean"``) or of sequences with a valid token (``seq-mean-*``) of the
+            whole minibatch when ``loss_mat`` is one micro-batch of it (see :func:`loss_normalizer`).
+            With it, the sum of the micro-batch results equals the minibatch result.
+
+    Returns:
+        0-d tensor in ``loss_mat``'s dtype, differentiable w.r.t. ``loss_mat``.
+
+    Raises:
+        ValueError: unknown ``loss_agg``, bad ``loss_agg_norm`` / ``normalizer``, shape or device
+            mismatch, or — without ``normalizer`` — a ``mask`` with no valid token (the mean of
+            nothing is undefined; a loss of silently 0 would hide a masking bug).
+    """
+    _check_loss_agg(loss_agg, loss_agg_norm)
+    if not isinstance(loss_mat, torch.Tensor) or not loss_mat.is_floating_point():
+        raise ValueError("loss_mat must be a floating-point torch.Tensor")
+    if loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat must be 2-D [B, T], got shape {tuple(loss_mat.shape)}")
+    m = _as_bool_mask(mask, "mask")
+    if m.shape != loss_mat.shape:
+        raise ValueError(f"mask shape {tuple(m.shape)} != loss_mat shape {tuple(loss_mat.shape)}")
+    if m.device != loss_mat.device:
+        raise ValueError(f"mask is on {m.device} but loss_mat is on {loss_mat.device}")
+    if normalizer is not None:
+        if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+            raise ValueError(f"normalizer must be a positive number or None, got {normalizer!r}")
+        if not (math.isfinite(normalizer) and normalizer > 0):
+            raise ValueError(f"normalizer must be a positive finite number, got {normalizer!r}")
+
+    masked = torch.where(m, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    if loss_agg == "token-mean":
+        count = normalizer if normalizer is not None else int(m.sum())
+        if count == 0:
+            raise ValueError("mask has no valid token: token-mean is undefined (pass normalizer)")
+        return masked.sum() / count
+
+    tokens_per_row = m.sum(dim=-1)
+    row_valid = tokens_per_row > 0
+    count = normalizer if normalizer is not None else int(row_valid.sum())
+    if count == 0:
+        raise ValueError(f"mask has no valid token: {loss_agg} is undefined (pass normalizer)")
+    row_sum = masked.sum(dim=-1)
+    if loss_agg == "seq-mean-token-mean":
+        # Rows with no valid token have row_sum 0; clamping their denominator to 1 keeps them at 0
+        # (they add nothing and are not counted) instead of producing 0/0.
+        row_val = row_sum / tokens_per_row.clamp_min(1).to(loss_mat.dtype)
+        return row_val.sum() / count
+    seq_mean = row_sum.sum() / count
+    if loss_agg == "seq-mean-token-sum":
+        return seq_mean
+    norm = loss_agg_norm if loss_agg_norm is not None else loss_mat.shape[-1]
+    return seq_mean / norm
+
+
+def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+    if n == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return (torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / n).float()
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cliprange_low: float = 0.2,
+    cliprange_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    loss_agg: str = "token-mean",
+    loss_agg_norm: Optional[float] = None,
+    normalizer: Optional[float] = None,
+) -> Tuple[torch.Tensor, Stats]:
+    """Clipped-surrogate PPO policy loss (Schulman et al. 2017, eq. 7), with optional dual clip.
+
+    Per valid token, with ``r = exp(logprobs − old_logprobs)`` and advantage ``A``::
+
+        L_clip = max(−A·r, −A·clip(r, 1 − cliprange_low, 1 + cliprange_high))
+        L      = min(L_clip, −A·dual_clip)   where A < 0 and dual_clip is set   (Ye et al. 2020,
+                 L_clip                      otherwise                            "Mastering Complex
+                                                                                  Control in MOBA
+                                                                                  Games", eq. 5)
+
+    (the loss is the negated PPO objective, so PPO's ``min`` becomes ``max``), then reduced with
+    ``loss_agg``. Asymmetric ranges (``cliprange_high > cliprange_low``) give DAPO's "clip-higher".
+
+    Args:
+        logprobs: ``[B, T]`` float (any float dtype), log π_θ of the sampled tokens; gradients flow
+            through it.
+        old_logprobs: ``[B, T]`` float, log π_old of the same tokens (the policy that sampled them).
+        advantages: ``[B, T]`` float.
+        response_mask: ``[B, T]`` bool or 0/1; 0 = padding / not trained on.
+        cliprange_low: ε_low in ``[0, 1)``.
+        cliprange_high: ε_high ``> 0``.
+        dual_clip: ``c > 1`` or ``None`` (off).
+        loss_agg, loss_agg_norm, normalizer: see :func:`aggregate_loss`.
+
+    Returns:
+        ``(loss, stats)``. ``loss`` is 0-d (float32, or float64 for float64 inputs). ``stats``
+        (0-d detached float32, over valid tokens of this call):
+
+        * ``clipfrac``: fraction where the clipped term is strictly larger, i.e. clipping changed
+          the loss (as veRL and TRL count it);
+        * ``clipfrac_lower``: fraction where the dual-clip bound is active (``A < 0`` and
+          ``−A·c < L_clip``); 0 without dual clip;
+        * ``approx_kl``: mean of ``k3 = r − 1 − log r``, the unbiased, non-negative estimator of
+          KL(π_old ‖ π_θ) for tokens sampled from π_old (Schulman 2020, "Approximating KL
+          divergence");
+        * ``ratio_mean``, ``ratio_max``: mean and max of ``r``.
+
+    Raises:
+        ValueError: non-tensor / non-float / non-2-D input, shape or device mismatch, a mask that is
+            not bool or 0/1, ``cliprange_low`` outside ``[0, 1)``, ``cliprange_high <= 0``,
+            ``dual_clip <= 1``, unknown ``loss_agg``, bad ``loss_agg_norm`` / ``normalizer``, or
+            no valid token without ``normalizer``.
+    """
+    _check_float_2d(
+        {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages},
+        "response_mask", response_mask,
+    )
+    if not (isinstance(cliprange_low, (int, float)) and 0 <= cliprange_low < 1):
+        raise ValueError(f"cliprange_low must be in [0, 1), got {cliprange_low!r}")
+    if not (isinstance(cliprange_high, (int, float)) and 0 < cliprange_high < math.inf):
+        raise ValueError(f"cliprange_high must be a positive finite number, got {cliprange_high!r}")
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and 1 < dual_clip < math.inf):
+        raise ValueError(f"dual_clip must be a finite number > 1 or None, got {dual_clip!r}")
+    _check_loss_agg(loss_agg, loss_agg_norm)
+    m = _as_bool_mask(response_mask, "response_mask")
+
+    dt = _compute_dtype(logprobs, old_logprobs, advantages)
+    zero = torch.zeros((), dtype=dt, device=logprobs.device)
+    # Masked positions may hold garbage (e.g. -inf logprobs); zero their log-ratio so exp() and the
+    # gradient stay finite there.
+    log_ratio = torch.where(m, logprobs.to(dt) - old_logprobs.to(dt), zero)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(m, advantages.to(dt), zero)
+
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    pg_clip = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = pg_clipped > pg_unclipped
+    if dual_clip is not None:
+        pg_bound = -adv * dual_clip
+        lower_active = (adv < 0) & (pg_bound < pg_clip)
+        pg_loss_mat = torch.where(adv < 0, torch.minimum(pg_clip, pg_bound), pg_clip)
+    else:
+        lower_active = torch.zeros_like(m)
+        pg_loss_mat = pg_clip
+
+    loss = aggregate_loss(pg_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
+
+    with torch.no_grad():
+        n = int(m.sum())
+        r = ratio.detach()
+        k3 = r - 1.0 - log_ratio.detach()
+        stats = {
+            "clipfrac": _masked_stat_mean(clipped.to(dt), m, n),
+            "clipfrac_lower": _masked_stat_mean(lower_active.to(dt), m, n),
+            "approx_kl": _masked_stat_mean(k3, m, n),
+            "ratio_mean": _masked_stat_mean(r, m, n),
+            "ratio_max": (
+                torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max().float()
+                if n > 0 else torch.zeros((), dtype=torch.float32, device=r.device)
+            ),
+        }
+    return loss, stats
+
+
+def ppo_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cliprange_value: Optional[float] = 0.2,
+    loss_agg: str = "token-mean",
+    loss_agg_norm: Optional[float] = None,
+    normalizer: Optional[float] = None,
+) -> Tuple[torch.Tensor, Stats]:
+    """Clipped value loss (the PPO2 baseline / OpenAI ``lm-human-preferences`` form).
+
+    Per valid token::
+
+        V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
+        L      = ½ · max((V − R)², (V_clip − R)²)
+
+    then reduced with ``loss_agg``. ``cliprange_value=None`` disables clipping (``L = ½(V − R)²``).
+
+    Args:
+        values: ``[B, T]`` float, current value predictions; gradients flow through it.
+        old_values: ``[B, T]`` float, the values recorded at rollout time.
+        returns: ``[B, T]`` float, the regression targets (GAE returns).
+        response_mask: ``[B, T]`` bool or 0/1.
+        cliprange_value: ε_v ``> 0`` (in reward units), or ``None``.
+        loss_agg, loss_agg_norm, normalizer: see :func:`aggregate_loss`.
+
+    Returns:
+        ``(loss, stats)``; ``stats`` (0-d detached float32, over valid tokens of this call):
+
+        * ``vf_clipfrac``: fraction where the clipped error is strictly larger;
+        * ``explained_variance``: ``1 − Var[R − V] / Var[R]`` (population variances). It is
+          undefined when ``Var[R] = 0`` (constant returns, or fewer than two valid tokens); it is
+          then reported as 0 ("explains nothing") so logged metrics stay finite.
+
+    Raises:
+        ValueError: as :func:`ppo_policy_loss`, or ``cliprange_value`` not positive and finite.
+    """
+    _check_float_2d(
+        {"values": values, "old_values": old_values, "returns": returns}, "response_mask", response_mask
+    )
+    if cliprange_value is not None and not (
+        isinstance(cliprange_value, (int, float)) and 0 < cliprange_value < math.inf
+    ):
+        raise ValueError(f"cliprange_value must be a positive finite number or None, got {cliprange_value!r}")
+    _check_loss_agg(loss_agg, loss_agg_norm)
+    m = _as_bool_mask(response_mask, "response_mask")
+
+    dt = _compute_dtype(values, old_values, returns)
+    zero = torch.zeros((), dtype=dt, device=values.device)
+    v = torch.where(m, values.to(dt), zero)
+    v_old = torch.where(m, old_values.to(dt), zero)
+    ret = torch.where(m, returns.to(dt), zero)
+
+    err_unclipped = (v - ret) ** 2
+    if cliprange_value is not None:
+        v_clip = v_old + torch.clamp(v - v_old, -cliprange_value, cliprange_value)
+        err_clipped = (v_clip - ret) ** 2
+        vf_loss_mat = 0.5 * torch.maximum(err_unclipped, err_clipped)
+        clipped = err_clipped > err_unclipped
+    else:
+        vf_loss_mat = 0.5 * err_unclipped
+        clipped = torch.zeros_like(m)
+
+    loss = aggregate_loss(vf_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
+
+    with torch.no_grad():
+        n = int(m.sum())
+        stats = {
+            "vf_clipfrac": _masked_stat_mean(clipped.to(dt), m, n),
+            "explained_variance": _explained_variance(v.detach(), ret, m, n),
+        }
+    return loss, stats
+
+
+def _explained_variance(v: torch.Tensor, ret: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros((), dtype=torch.float32, device=v.device)
+    if n == 0:
+        return out
+    # Computed in float64: the ratio of two variances of nearly equal data is cancellation-prone.
+    r = ret[m].double()
+    d = r - v[m].double()
+    var_r = ((r - r.mean()) ** 2).mean()
+    if var_r.item() <= 0.0:
+        return out
+    var_d = ((d - d.mean()) ** 2).mean()
+    return (1.0 - var_d / var_r).float()

@@ -1,0 +1,130 @@
+"""Prompt sets: the built-in default and ``.jsonl`` files (``pyppo train --prompts FILE.jsonl``).
+
+The built-in prompts are short and open-ended, inviting an opinion or a description, so that the
+default sentiment reward has room to move: a response about a rainy afternoon can be gloomy or
+cheerful, and PPO learns which one scores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["DEFAULT_PROMPTS", "load_prompts"]
+
+DEFAULT_PROMPTS: list[str] = [
+    # Descriptions
+    "Describe a rainy afternoon in the city.",
+    "Describe the first day of spring.",
+    "Describe a busy train station in the morning.",
+    "Describe the view from a mountain top.",
+    "Describe a walk along the beach at sunset.",
+    "Describe your ideal weekend.",
+    "Describe a small village in winter.",
+    "Describe the smell of fresh bread.",
+    "Describe a crowded farmers' market.",
+    "Describe an old bookshop.",
+    "Describe a thunderstorm at night.",
+    "Describe a quiet morning at home.",
+    "Describe a long road trip.",
+    "Describe a football match from the stands.",
+    "Describe a forest in autumn.",
+    "Describe the last day of school.",
+    "Describe a family dinner.",
+    "Describe a neighbourhood cafe.",
+    "Describe a snowy street at dawn.",
+    "Describe a visit to the dentist.",
+    "Describe a city park on a Sunday.",
+    "Describe a hospital waiting room.",
+    "Describe a concert in a small club.",
+    "Describe moving into a new flat.",
+    "Describe a day without electricity.",
+    "Describe a garden after the rain.",
+    "Describe a late-night bus ride.",
+    "Describe your favourite meal.",
+    "Describe an airport during a delay.",
+    "Describe a lake in the early morning.",
+    "Describe the first day at a new job.",
+    "Describe a museum on a weekday.",
+    # Opinions
+    "What do you think of public libraries?",
+    "What do you think of working from home?",
+    "What is your opinion of modern architecture?",
+    "How do you feel about Mondays?",
+    "What do you think of social media?",
+    "What is your view on homework for children?",
+    "What do you think of electric cars?",
+    "How do you feel about long winters?",
+    "What do you think of fast food?",
+    "What is your opinion of reality television?",
+    "What do you think of learning a second language?",
+    "How do you feel about living in a big city?",
+    "What do you think of online shopping?",
+    "What is your opinion of open-plan offices?",
+    "What do you think of public transport?",
+    "How do you feel about getting older?",
+    "What do you think of video games?",
+    "What is your opinion of camping?",
+    "What do you think of self-driving cars?",
+    "How do you feel about rainy days?",
+    "What do you think of tax returns?",
+    "What is your opinion of school uniforms?",
+    "What do you think of smartphones?",
+    "How do you feel about traffic jams?",
+    "What do you think of classical music?",
+    "What is your opinion of remote meetings?",
+    "What do you think of cooking at home?",
+    "How do you feel about moving to another country?",
+    "What do you think of modern art?",
+    "What is your opinion of early mornings?",
+    "What do you think of team sports?",
+    "How do you feel about the news these days?",
+    "Write a short review of a movie you remember.",
+    "Write a short review of a restaurant you visited.",
+    "Tell me about your neighbours.",
+    "Tell me about a recent trip.",
+]
+
+
+def load_prompts(path: str | os.PathLike) -> list[str]:
+    """Read prompts from a JSON Lines file, one ``{"prompt": "..."}`` object per line.
+
+    Blank lines are skipped; other keys on a line are ignored (so a data set with extra fields
+    works as is).
+
+    Args:
+        path: the ``.jsonl`` file.
+
+    Returns:
+        The prompts, in file order.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: a line is not a JSON object with a non-empty string ``"prompt"`` (the message
+            gives ``path:line``), or the file holds no prompt.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
+    prompts: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc.msg}); expected {{\"prompt\": \"...\"}}") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object {{\"prompt\": \"...\"}}, got {type(obj).__name__}")
+            if "prompt" not in obj:
+                raise ValueError(f"{where}: missing key \"prompt\" (keys: {sorted(obj)})")
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
+            prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"prompts file {str(path)!r} holds no prompt")
+    return prompts

@@ -1,0 +1,288 @@
+"""Reward functions: ``(prompts, responses) -> one float per response`` (DESIGN.md §3).
+
+A reward is any callable ``reward_fn(prompts: list[str], responses: list[str]) -> list[float]``
+(a list, tuple, 1-D numpy array or 1-D tensor of length ``B`` also works). :func:`load_reward`
+turns a CLI spec into one:
+
+* ``"sentiment"`` (the default): VADER compound sentiment of the response, in ``[-1, 1]``;
+* ``"module:function"`` or ``"path/to/file.py:function"``: a Python function;
+* a local directory holding a ``transformers`` sequence-classification model: its logit for the
+  positive class (or its single logit, for a one-label reward model) of ``prompt + response``.
+
+Every reward returned by :func:`load_reward` checks its output with :func:`validate_scores`, so a
+reward that returns NaN, a string or the wrong number of scores fails at once with an error that
+names the reward, the index and the value, instead of silently poisoning the advantages.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "RewardFn",
+    "SequenceClassifierReward",
+    "load_reward",
+    "sentiment_reward",
+    "validate_scores",
+]
+
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+_analyzer = None
+_analyzer_lock = threading.Lock()
+
+
+def _sentiment_analyzer():
+    """The one VADER analyzer, built on first use (it reads its lexicon from disk, ~0.1 s)."""
+    global _analyzer
+    if _analyzer is None:
+        with _analyzer_lock:
+            if _analyzer is None:
+                from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+                _analyzer = SentimentIntensityAnalyzer()
+    return _analyzer
+
+
+def sentiment_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """VADER compound sentiment of each response, in ``[-1, 1]`` (positive is higher).
+
+    Only the response is scored: the prompt is fixed by the data set, so its sentiment would only
+    add a per-prompt offset that the policy cannot change.
+
+    Args:
+        prompts: ``B`` prompt strings (unused, kept for the reward signature).
+        responses: ``B`` response strings; an empty response scores 0.
+
+    Returns:
+        ``B`` floats.
+    """
+    analyzer = _sentiment_analyzer()
+    return [float(analyzer.polarity_scores(r)["compound"]) for r in responses]
+
+
+def validate_scores(scores, n: int, name: str) -> list[float]:
+    """Check that ``scores`` holds exactly ``n`` finite real numbers and return them as floats.
+
+    Args:
+        scores: what a reward returned: list/tuple of numbers, 1-D numpy array or 1-D tensor.
+        n: the number of responses it was given.
+        name: the reward's name, used in the error messages.
+
+    Raises:
+        TypeError: ``scores`` is not a sequence, or an element is not a real number.
+        ValueError: wrong length or shape, or an element is NaN or infinite.
+    """
+    if isinstance(scores, torch.Tensor):
+        if scores.dim() != 1:
+            raise ValueError(f"reward {name!r} returned a tensor of shape {tuple(scores.shape)}; expected [{n}]")
+        scores = scores.detach().cpu().tolist()
+    elif hasattr(scores, "tolist") and hasattr(scores, "ndim"):  # numpy arrays, without importing numpy
+        if scores.ndim != 1:
+            raise ValueError(f"reward {name!r} returned an array of shape {tuple(scores.shape)}; expected ({n},)")
+        scores = scores.tolist()
+    if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence):
+        raise TypeError(
+            f"reward {name!r} returned {type(scores).__name__}; expected a list of {n} floats (one per response)"
+        )
+    if len(scores) != n:
+        raise ValueError(f"reward {name!r} returned {len(scores)} scores for {n} responses")
+    out = []
+    for i, value in enumerate(scores):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        # bool is an int subclass, but True as a score is almost certainly a bug in the reward.
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"reward {name!r} returned a non-number at index {i}: {value!r} ({type(value).__name__})"
+            )
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"reward {name!r} returned a non-finite score at index {i}: {value!r}")
+        out.append(value)
+    return out
+
+
+def _checked(fn: Callable, name: str) -> RewardFn:
+    """Wrap ``fn`` so that every call validates its output (see :func:`validate_scores`)."""
+
+    @functools.wraps(fn)
+    def reward(prompts: list[str], responses: list[str]) -> list[float]:
+        if len(prompts) != len(responses):
+            raise ValueError(f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses")
+        return validate_scores(fn(list(prompts), list(responses)), len(responses), name)
+
+    reward.reward_name = name
+    return reward
+
+
+class SequenceClassifierReward:
+    """A local ``transformers`` sequence-classification model used as a reward.
+
+    Each pair is scored as the text ``prompt + response`` (truncated from the left so the response
+    is kept). The score is the single logit of a one-label reward model, else the logit of the
+    positive class: ``label`` if given, else the label whose name starts with "pos" in
+    ``config.id2label``, else class 1 of a two-class model.
+
+    Args:
+        path: directory with ``config.json``, weights and tokenizer files.
+        label: name or index of the class to score (multi-class models only).
+        device: where the classifier runs.
+        batch_size: pairs scored per forward pass.
+        max_length: token limit; default the tokenizer's limit, capped at 2048.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory with a ``config.json``.
+        ValueError: the positive class cannot be determined, or ``label`` is unknown.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        label: str | int | None = None,
+        device: str | torch.device = "cpu",
+        batch_size: int = 16,
+        max_length: int | None = None,
+    ):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"reward model {str(path)!r}: not a directory with a config.json")
+        self.name = str(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        self.model.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.tokenizer.truncation_side = "left"
+        if self.tokenizer.pad_token is None:
+            # Some reward models (GPT-2 based) have no pad token; EOS is only padding here, and the
+            # attention mask hides it.
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
+        if self.tokenizer.pad_token is not None and self.model.config.pad_token_id is None:
+            # Decoder classifiers pool the last non-pad token and need pad_token_id for that.
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        limit = self.tokenizer.model_max_length
+        self.max_length = max_length or (limit if isinstance(limit, int) and limit <= 2048 else 2048)
+        self.index = self._score_index(label)
+
+    def _score_index(self, label) -> int:
+        num_labels = self.model.config.num_labels
+        id2label = {int(k): str(v) for k, v in (self.model.config.id2label or {}).items()}
+        if label is not None:
+            if isinstance(label, int) and 0 <= label < num_labels:
+                return label
+            for i, name in id2label.items():
+                if name == str(label):
+                    return i
+            raise ValueError(f"reward model {self.name!r}: unknown label {label!r}; labels are {id2label}")
+        if num_labels == 1:
+            return 0
+        positive = [i for i, name in id2label.items() if name.lower().startswith("pos")]
+        if len(positive) == 1:
+            return positive[0]
+        if num_labels == 2:
+            return 1
+        raise ValueError(
+            f"reward model {self.name!r} has {num_labels} classes {id2label} and none is named "
+            "positive; use SequenceClassifierReward(path, label=...) to choose the class to score"
+        )
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        texts = [p + r for p, r in zip(prompts, responses)]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+            ).to(self.device)
+            logits = self.model(**enc).logits
+            scores.extend(logits[:, self.index].float().cpu().tolist())
+        return scores
+
+
+def _load_function(spec: str) -> Callable:
+    """Import ``module:function`` or ``file.py:function`` (``function`` may be dotted)."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: expected 'module:function'")
+    if module_name.endswith(".py"):
+        file = Path(module_name).expanduser()
+        if not file.is_file():
+            raise FileNotFoundError(f"reward {spec!r}: file {module_name!r} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(f"pyppo_user_reward_{file.stem}", file)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        # A console script does not put the working directory on sys.path, but a user who writes
+        # `--reward myreward:score` means the myreward.py they are looking at.
+        cwd = os.getcwd()
+        if cwd not in sys.path:
+            sys.path.append(cwd)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                raise ModuleNotFoundError(f"reward {spec!r}: cannot import module {module_name!r}") from exc
+            raise  # the module exists but one of *its* imports is missing: show that instead
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AttributeError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise TypeError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.device = "cpu") -> RewardFn:
+    """Turn a reward spec into a validated ``reward_fn(prompts, responses) -> list[float]``.
+
+    Args:
+        spec: ``"sentiment"``; a local directory with a sequence-classification model;
+            ``"module:function"`` / ``"file.py:function"``; or a callable (wrapped as is).
+        device: device of a classifier reward model.
+
+    Returns:
+        A callable whose every output is checked by :func:`validate_scores`; its ``reward_name``
+        attribute is the spec.
+
+    Raises:
+        ValueError: the spec matches none of the forms.
+        FileNotFoundError, ModuleNotFoundError, AttributeError, TypeError: the named model, file,
+            module or function cannot be used; the message names the spec.
+    """
+    if callable(spec):
+        return _checked(spec, getattr(spec, "__name__", repr(spec)))
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"reward spec must be a non-empty string, got {spec!r}")
+    if spec == "sentiment":
+        return _checked(sentiment_reward, "sentiment")
+    path = Path(spec).expanduser()
+    # A path is checked before "module:function", so that a directory whose name has a colon in it
+    # (or a Windows drive letter) still works.
+    if path.is_dir():
+        return _checked(SequenceClassifierReward(path, device=device), spec)
+    if ":" in spec:
+        return _checked(_load_function(spec), spec)
+    raise ValueError(
+        f"reward {spec!r} is not 'sentiment', an existing model directory, or 'module:function'"
+    )
