@@ -1,7 +1,11 @@
 // The Python module object `pyppo._C`. Loading it also runs the TORCH_LIBRARY registrations
 // compiled into the same library; pybind only carries build information.
 #include <ATen/Parallel.h>
+
+#include "cpu/kernels/kernels.h"
 #include <pybind11/pybind11.h>
+
+#include <string>
 
 #ifndef PYPPO_VERSION
 #define PYPPO_VERSION "unknown"
@@ -34,6 +38,9 @@ PYBIND11_MODULE(_C, m) {
 #else
       "unknown";
 #endif
+  m.attr("cpu_isas") = PYPPO_CPU_ISAS;
+  m.def("cpu_capability", []() { return std::string(pyppo::cpu::cpu_kernels().name); },
+        "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512); PYPPO_CPU_CAPABILITY caps it.");
   m.def("num_threads", []() { return at::get_num_threads(); },
         "Threads that at::parallel_for (and so every pyppo CPU kernel) uses.");
 }

@@ -1,20 +1,12 @@
-// gather_logprobs on CPU: per row, one read of the logits with a blocked online logsumexp,
-// and a backward that writes the gradient in one pass.
-//
-// Each row is reduced by exactly one thread in a fixed order (block by block, lane by lane),
-// so the result depends neither on the thread count nor on the other rows of the batch: the
-// log-probs computed at rollout time and at training time agree bit for bit.
+// gather_logprobs on CPU: argument checks and allocation. The row loops live in
+// cpu/kernels/gather_logprobs_kernel.cpp, compiled once per instruction set.
 #include "common.h"
-#include "cpu/row_softmax.h"
+#include "cpu/kernels/kernels.h"
 
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <limits>
-#include <vector>
 
 namespace pyppo {
 namespace {
@@ -65,12 +57,6 @@ Prepared prepare(const at::Tensor& logits, const at::Tensor& labels, const std::
   return p;
 }
 
-inline bool row_valid(const int64_t* lab, const bool* msk, int64_t i, int64_t ignore_index) {
-  return (!msk || msk[i]) && lab[i] != ignore_index;
-}
-
-int64_t grain_for(int64_t V) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)); }
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cpu(const at::Tensor& logits, const at::Tensor& labels,
                                                                   const std::optional<at::Tensor>& mask,
                                                                   double temperature, int64_t ignore_index,
@@ -81,33 +67,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cpu(const at::Ten
   at::Tensor lse = at::empty({p.N}, opts);
   at::Tensor entropy = return_entropy ? at::empty({p.N}, opts) : at::empty({0}, opts);
   if (p.N > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.logits.scalar_type(), "pyppo_gather_logprobs", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const scalar_t* z = p.logits.data_ptr<scalar_t>();
-      const int64_t row_stride = p.logits.stride(0);
-      const int64_t* lab = p.labels.data_ptr<int64_t>();
-      const bool* msk = p.mask.defined() ? p.mask.data_ptr<bool>() : nullptr;
-      acc_t* out_lp = logprobs.data_ptr<acc_t>();
-      acc_t* out_lse = lse.data_ptr<acc_t>();
-      acc_t* out_ent = return_entropy ? entropy.data_ptr<acc_t>() : nullptr;
-      const acc_t inv_tau = acc_t(1) / acc_t(temperature);
-      at::parallel_for(0, p.N, grain_for(p.V), [&](int64_t begin, int64_t end) {
-        std::vector<acc_t> buf(kRowBlock);
-        for (int64_t i = begin; i < end; ++i) {
-          if (!row_valid(lab, msk, i, ignore_index)) {
-            out_lp[i] = 0;
-            out_lse[i] = 0;
-            if (out_ent) out_ent[i] = 0;
-            continue;
-          }
-          const scalar_t* row = z + i * row_stride;
-          RowStats<acc_t> st = row_logsumexp<scalar_t, acc_t>(row, p.V, inv_tau, out_ent != nullptr, buf.data());
-          out_lse[i] = st.lse;
-          out_lp[i] = acc_t(row[lab[i]]) * inv_tau - st.lse;
-          if (out_ent) out_ent[i] = st.entropy;
-        }
-      });
-    });
+    cpu::GatherFwdArgs a;
+    a.dtype = p.logits.scalar_type();
+    a.logits = p.logits.const_data_ptr();
+    a.row_stride = p.logits.stride(0);
+    a.N = p.N;
+    a.V = p.V;
+    a.labels = p.labels.const_data_ptr<int64_t>();
+    a.mask = p.mask.defined() ? p.mask.const_data_ptr<bool>() : nullptr;
+    a.ignore_index = ignore_index;
+    a.temperature = temperature;
+    a.logprobs = logprobs.data_ptr();
+    a.lse = lse.data_ptr();
+    a.entropy = return_entropy ? entropy.data_ptr() : nullptr;
+    cpu::cpu_kernels().gather_fwd(a);
   }
   auto shape = labels.sizes();
   return {logprobs.view(shape), return_entropy ? entropy.view(shape) : entropy, lse.view(shape)};
@@ -138,33 +111,24 @@ at::Tensor gather_logprobs_backward_cpu(const at::Tensor& grad_logprobs, const s
     g_ent = grad_entropy->to(acc_dtype).reshape({p.N}).contiguous();
     ent_c = entropy->to(acc_dtype).reshape({p.N}).contiguous();
   }
-  at::Tensor grad = at::empty({p.N, p.V}, logits.options());
+  at::Tensor grad = at::empty({p.N, p.V}, logits.options().memory_format(at::MemoryFormat::Contiguous));
   if (p.N > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.logits.scalar_type(), "pyppo_gather_logprobs_bwd", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const scalar_t* z = p.logits.data_ptr<scalar_t>();
-      const int64_t row_stride = p.logits.stride(0);
-      scalar_t* gz = grad.data_ptr<scalar_t>();
-      const int64_t* lab = p.labels.data_ptr<int64_t>();
-      const bool* msk = p.mask.defined() ? p.mask.data_ptr<bool>() : nullptr;
-      const acc_t* glp = g_lp.data_ptr<acc_t>();
-      const acc_t* l = lse_c.data_ptr<acc_t>();
-      const acc_t* ge = has_ent_grad ? g_ent.data_ptr<acc_t>() : nullptr;
-      const acc_t* h = has_ent_grad ? ent_c.data_ptr<acc_t>() : nullptr;
-      const acc_t inv_tau = acc_t(1) / acc_t(temperature);
-      at::parallel_for(0, p.N, grain_for(p.V), [&](int64_t begin, int64_t end) {
-        std::vector<acc_t> buf(kRowBlock);
-        for (int64_t i = begin; i < end; ++i) {
-          scalar_t* out = gz + i * p.V;
-          if (!row_valid(lab, msk, i, ignore_index)) {
-            std::fill(out, out + p.V, scalar_t(0));
-            continue;
-          }
-          row_softmax_grad<scalar_t, acc_t>(z + i * row_stride, out, p.V, inv_tau, l[i], glp[i], ge ? ge[i] : acc_t(0),
-                                            h ? h[i] : acc_t(0), lab[i], buf.data());
-        }
-      });
-    });
+    cpu::GatherBwdArgs a;
+    a.dtype = p.logits.scalar_type();
+    a.logits = p.logits.const_data_ptr();
+    a.row_stride = p.logits.stride(0);
+    a.N = p.N;
+    a.V = p.V;
+    a.labels = p.labels.const_data_ptr<int64_t>();
+    a.mask = p.mask.defined() ? p.mask.const_data_ptr<bool>() : nullptr;
+    a.ignore_index = ignore_index;
+    a.temperature = temperature;
+    a.grad_logprobs = g_lp.const_data_ptr();
+    a.grad_entropy = has_ent_grad ? g_ent.const_data_ptr() : nullptr;
+    a.lse = lse_c.const_data_ptr();
+    a.entropy = has_ent_grad ? ent_c.const_data_ptr() : nullptr;
+    a.grad_logits = grad.data_ptr();
+    cpu::cpu_kernels().gather_bwd(a);
   }
   return grad.view(logits.sizes());
 }

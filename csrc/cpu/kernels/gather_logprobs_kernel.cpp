@@ -1,0 +1,97 @@
+// gather_logprobs forward and backward row loops; compiled once per instruction set.
+//
+// Each row is reduced by exactly one thread in a fixed order, so the result depends neither on
+// the thread count nor on the other rows of the batch: log-probs computed at rollout time and
+// at training time agree bit for bit.
+#include "cpu/kernels/kernels.h"
+#include "cpu/kernels/row_softmax.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+namespace pyppo {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+int64_t grain_for(int64_t V) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)); }
+
+inline bool row_valid(const int64_t* lab, const bool* msk, int64_t i, int64_t ignore_index) {
+  return (!msk || msk[i]) && lab[i] != ignore_index;
+}
+
+template <typename scalar_t, typename acc_t>
+void fwd(const GatherFwdArgs& a) {
+  const scalar_t* z = static_cast<const scalar_t*>(a.logits);
+  acc_t* out_lp = static_cast<acc_t*>(a.logprobs);
+  acc_t* out_lse = static_cast<acc_t*>(a.lse);
+  acc_t* out_ent = static_cast<acc_t*>(a.entropy);
+  const acc_t inv_tau = acc_t(1) / static_cast<acc_t>(a.temperature);
+  at::parallel_for(0, a.N, grain_for(a.V), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> buf(kRowBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      if (!row_valid(a.labels, a.mask, i, a.ignore_index)) {
+        out_lp[i] = 0;
+        out_lse[i] = 0;
+        if (out_ent) out_ent[i] = 0;
+        continue;
+      }
+      const scalar_t* row = z + i * a.row_stride;
+      RowStats<acc_t> st = row_logsumexp<scalar_t, acc_t>(row, a.V, inv_tau, out_ent != nullptr, buf.data());
+      out_lse[i] = st.lse;
+      out_lp[i] = static_cast<acc_t>(row[a.labels[i]]) * inv_tau - st.lse;
+      if (out_ent) out_ent[i] = st.entropy;
+    }
+  });
+}
+
+template <typename scalar_t, typename acc_t>
+void bwd(const GatherBwdArgs& a) {
+  const scalar_t* z = static_cast<const scalar_t*>(a.logits);
+  scalar_t* gz = static_cast<scalar_t*>(a.grad_logits);
+  const acc_t* glp = static_cast<const acc_t*>(a.grad_logprobs);
+  const acc_t* ge = static_cast<const acc_t*>(a.grad_entropy);
+  const acc_t* lse = static_cast<const acc_t*>(a.lse);
+  const acc_t* h = static_cast<const acc_t*>(a.entropy);
+  const acc_t inv_tau = acc_t(1) / static_cast<acc_t>(a.temperature);
+  at::parallel_for(0, a.N, grain_for(a.V), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> buf(kRowBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      scalar_t* out = gz + i * a.V;
+      if (!row_valid(a.labels, a.mask, i, a.ignore_index)) {
+        std::fill(out, out + a.V, scalar_t(0));
+        continue;
+      }
+      row_softmax_grad<scalar_t, acc_t>(z + i * a.row_stride, out, a.V, inv_tau, lse[i], glp[i],
+                                        ge ? ge[i] : acc_t(0), h ? h[i] : acc_t(0), a.labels[i], buf.data());
+    }
+  });
+}
+
+}  // namespace
+
+void gather_fwd(const GatherFwdArgs& a) {
+  switch (a.dtype) {
+    case c10::ScalarType::Float: return fwd<float, float>(a);
+    case c10::ScalarType::Double: return fwd<double, double>(a);
+    case c10::ScalarType::BFloat16: return fwd<c10::BFloat16, float>(a);
+    case c10::ScalarType::Half: return fwd<c10::Half, float>(a);
+    default: TORCH_CHECK(false, "pyppo.gather_logprobs: unsupported dtype ", a.dtype);
+  }
+}
+
+void gather_bwd(const GatherBwdArgs& a) {
+  switch (a.dtype) {
+    case c10::ScalarType::Float: return bwd<float, float>(a);
+    case c10::ScalarType::Double: return bwd<double, double>(a);
+    case c10::ScalarType::BFloat16: return bwd<c10::BFloat16, float>(a);
+    case c10::ScalarType::Half: return bwd<c10::Half, float>(a);
+    default: TORCH_CHECK(false, "pyppo.gather_logprobs_backward: unsupported dtype ", a.dtype);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace pyppo

@@ -1,0 +1,64 @@
+// The CPU kernels that are compiled once per instruction set (DEFAULT, AVX2, AVX512) and
+// chosen at run time: a wheel built here runs on any x86-64, yet uses the widest vector unit
+// the machine has. The ATen glue (checks, allocation) calls them through cpu_kernels().
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace pyppo {
+namespace cpu {
+
+struct GatherFwdArgs {
+  c10::ScalarType dtype;      // of logits; outputs are float (double for double logits)
+  const void* logits;         // [N, V], unit stride along V
+  int64_t row_stride;
+  int64_t N, V;
+  const int64_t* labels;      // [N]
+  const bool* mask;           // [N] or nullptr
+  int64_t ignore_index;
+  double temperature;
+  void* logprobs;             // [N]
+  void* lse;                  // [N]
+  void* entropy;              // [N] or nullptr
+};
+
+struct GatherBwdArgs {
+  c10::ScalarType dtype;
+  const void* logits;         // [N, V], unit stride along V
+  int64_t row_stride;
+  int64_t N, V;
+  const int64_t* labels;
+  const bool* mask;
+  int64_t ignore_index;
+  double temperature;
+  const void* grad_logprobs;  // [N], accumulation dtype
+  const void* grad_entropy;   // [N] or nullptr
+  const void* lse;            // [N]
+  const void* entropy;        // [N] or nullptr
+  void* grad_logits;          // [N, V] contiguous, logits' dtype
+};
+
+struct KernelTable {
+  const char* name;
+  void (*gather_fwd)(const GatherFwdArgs&);
+  void (*gather_bwd)(const GatherBwdArgs&);
+};
+
+// The table for this machine: the widest of AVX512 / AVX2 / DEFAULT that both the build and
+// the CPU support, or the one named by the environment variable PYPPO_CPU_CAPABILITY.
+const KernelTable& cpu_kernels();
+
+#define PYPPO_DECLARE_ISA(ISA)                    \
+  namespace ISA {                                 \
+  void gather_fwd(const GatherFwdArgs& a);        \
+  void gather_bwd(const GatherBwdArgs& a);        \
+  }
+PYPPO_DECLARE_ISA(DEFAULT)
+PYPPO_DECLARE_ISA(AVX2)
+PYPPO_DECLARE_ISA(AVX512)
+#undef PYPPO_DECLARE_ISA
+
+}  // namespace cpu
+}  // namespace pyppo
