@@ -10,6 +10,15 @@ TORCH_LIBRARY(pyppo, m) {
   m.def("gather_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, Tensor labels, "
         "Tensor? mask, Tensor lse, Tensor? entropy, float temperature, int ignore_index) -> Tensor");
 
+  // hidden [*, H], weight [V, H], labels [*] -> as gather_logprobs(hidden @ weight.T + bias, ...),
+  // computed in chunks of chunk_size tokens (0: chosen from N and V).
+  m.def("linear_logprobs(Tensor hidden, Tensor weight, Tensor labels, Tensor? mask, Tensor? bias, float temperature, "
+        "int ignore_index, bool return_entropy, int chunk_size) -> (Tensor, Tensor, Tensor)");
+  // -> (grad_hidden, grad_weight, grad_bias); output_mask says which are wanted.
+  m.def("linear_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+        "Tensor labels, Tensor? mask, Tensor? bias, Tensor lse, Tensor? entropy, float temperature, int ignore_index, "
+        "int chunk_size, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+
   m.def("kl_penalty(Tensor logprobs, Tensor ref_logprobs, str estimator, float? clamp_min, float? clamp_max) -> Tensor");
   m.def("kl_penalty_backward(Tensor grad_kl, Tensor logprobs, Tensor ref_logprobs, str estimator, "
         "float? clamp_min, float? clamp_max) -> Tensor");

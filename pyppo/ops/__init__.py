@@ -8,6 +8,7 @@ registered next to each wrapper.
 from .gae import gae
 from .gather_logprobs import gather_logprobs
 from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
+from .linear_logprobs import linear_logprobs
 from .masked import masked_mean, masked_var, masked_whiten
 
 try:  # written by the trainer side; plain torch on top of the compiled ops
@@ -17,6 +18,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "gather_logprobs",
+    "linear_logprobs",
     "kl_penalty",
     "shape_rewards",
     "gae",

