@@ -11,7 +11,7 @@ PY=${PYTHON:-python}
 TORCH_SPEC=${PYPPO_TORCH:-torch==2.13.0}
 
 $PY -m pip install --quiet "$TORCH_SPEC"
-$PY -m pip install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja
+$PY -m pip install --quiet "scikit-build-core>=1.0" "pybind11>=2.12" cmake ninja
 # --no-build-isolation: the extension must be compiled against the torch installed above,
 # not a second copy in a throw-away build environment.
 $PY -m pip install --quiet --no-build-isolation -e ".[test]"

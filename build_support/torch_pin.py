@@ -1,0 +1,55 @@
+"""Build-time metadata for pyppo (a scikit-build-core dynamic-metadata provider).
+
+A libtorch extension only loads under the torch release it was compiled against, so the
+wheel (1) pins that release in its dependencies, as torchvision and torchaudio do, and (2)
+carries a local version tag naming it, e.g. ``0.1.0+torch2.13cpu`` or ``0.1.0+torch2.13cu128``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+BASE_VERSION = "0.1.0"
+
+DEPENDENCIES = [
+    "numpy",
+    "transformers>=4.46",
+    "accelerate",
+    "gguf",
+    "vaderSentiment",
+    "tqdm",
+    "matplotlib",
+    "tomli-w",
+]
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - exercised by a user without torch
+        raise RuntimeError(
+            "pyppo: torch is not importable in the build environment. Install torch first "
+            "(e.g. `pip install torch==2.13.0`), then build against it with "
+            "`pip install --no-build-isolation .`"
+        ) from e
+    return torch
+
+
+def torch_tag(version: str, cuda: str | None) -> str:
+    """``2.13.0+cpu``, None -> ``torch2.13cpu``; ``2.13.0+cu128``, "12.8" -> ``torch2.13cu128``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if not m:
+        raise RuntimeError(f"pyppo: cannot parse the torch version {version!r}")
+    accel = "cu" + cuda.replace(".", "") if cuda else "cpu"
+    return f"torch{m.group(1)}.{m.group(2)}{accel}"
+
+
+def dynamic_metadata(settings: Mapping[str, Any], project: Mapping[str, Any]) -> dict[str, Any]:
+    torch = _torch()
+    release = torch.__version__.split("+")[0]
+    return {
+        "version": f"{BASE_VERSION}+{torch_tag(torch.__version__, torch.version.cuda)}",
+        "dependencies": [f"torch=={release}", *DEPENDENCIES],
+    }
