@@ -13,7 +13,7 @@ padding at rollout time and at training time.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 import torch
@@ -97,6 +97,8 @@ class RolloutBuffer:
                 raise ValueError(f"{name} must be a 2-D tensor")
         B, P = self.query_ids.shape
         T = self.response_ids.shape[1]
+        if self.response_ids.shape[0] != B:
+            raise ValueError(f"response_ids has batch size {self.response_ids.shape[0]}, expected {B}")
         expected = {"query_mask": (B, P), "response_mask": (B, T)}
         for name in ("old_logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns"):
             expected[name] = (B, T)
@@ -106,8 +108,6 @@ class RolloutBuffer:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-        if self.response_ids.shape[0] != B:
-            raise ValueError(f"response_ids has batch size {self.response_ids.shape[0]}, expected {B}")
         for name in _LIST_FIELDS:
             v = getattr(self, name)
             if v is not None and len(v) != B:

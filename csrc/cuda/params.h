@@ -119,7 +119,7 @@ constexpr int64_t kGaeBlockScanMinT = 1024;
 //   stats[3] = variance (sum of squared deviations / (count - unbiased); NaN when undefined).
 // `partials` is a device workspace of 2 * masked_num_partials(n) doubles.
 constexpr int64_t kMaskedChunk = 4096;
-inline int64_t masked_num_partials(int64_t n) { return n <= 0 ? 1 : (n + kMaskedChunk - 1) / kMaskedChunk; }
+PYPPO_HD int64_t masked_num_partials(int64_t n) { return n <= 0 ? 1 : (n + kMaskedChunk - 1) / kMaskedChunk; }
 
 struct MaskedStatsParams {
   bool is_double = false;

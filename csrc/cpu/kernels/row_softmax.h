@@ -123,25 +123,30 @@ RowStats<acc_t> row_logsumexp(const scalar_t* row, int64_t V, acc_t inv_tau, boo
     }
     if (m == ninf) continue;  // every logit so far is -inf: nothing to add
     const Vec vm(m);
-    Vec vs(acc_t(0)), vt(acc_t(0));
+    // One summation order whether or not the entropy is wanted, so that asking for it never
+    // changes a log-prob's bits. Two accumulators hide the add latency behind the next exp.
+    Vec vs(acc_t(0)), vs2(acc_t(0)), vt(acc_t(0)), vt2(acc_t(0));
     int64_t j = 0;
-    if (want_entropy) {
-      for (; j + W <= n; j += W) {
-        Vec d = Vec::loadu(x + j) - vm;
-        Vec e = vexp(d);
-        vs = vs + e;
-        vt = at::vec::fmadd(e, at::vec::maximum(d, floor_v), vt);
+    for (; j + 2 * W <= n; j += 2 * W) {
+      const Vec d0 = Vec::loadu(x + j) - vm;
+      const Vec d1 = Vec::loadu(x + j + W) - vm;
+      const Vec e0 = vexp(d0);
+      const Vec e1 = vexp(d1);
+      vs = vs + e0;
+      vs2 = vs2 + e1;
+      if (want_entropy) {
+        vt = at::vec::fmadd(e0, at::vec::maximum(d0, floor_v), vt);
+        vt2 = at::vec::fmadd(e1, at::vec::maximum(d1, floor_v), vt2);
       }
-    } else {
-      // Two accumulators hide the add latency behind the exp of the next vector.
-      Vec vs2(acc_t(0));
-      for (; j + 2 * W <= n; j += 2 * W) {
-        vs = vs + vexp(Vec::loadu(x + j) - vm);
-        vs2 = vs2 + vexp(Vec::loadu(x + j + W) - vm);
-      }
-      for (; j + W <= n; j += W) vs = vs + vexp(Vec::loadu(x + j) - vm);
-      vs = vs + vs2;
     }
+    for (; j + W <= n; j += W) {
+      const Vec d = Vec::loadu(x + j) - vm;
+      const Vec e = vexp(d);
+      vs = vs + e;
+      if (want_entropy) vt = at::vec::fmadd(e, at::vec::maximum(d, floor_v), vt);
+    }
+    vs = vs + vs2;
+    vt = vt + vt2;
     acc_t bs = at::vec::vec_reduce_all<acc_t>([](const Vec& a, const Vec& b) { return a + b; }, vs);
     acc_t bt = want_entropy ? at::vec::vec_reduce_all<acc_t>([](const Vec& a, const Vec& b) { return a + b; }, vt)
                             : acc_t(0);

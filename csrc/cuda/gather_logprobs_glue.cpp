@@ -1,0 +1,159 @@
+// ATen glue of gather_logprobs on CUDA: the CPU kernel's checks and messages, then one kernel
+// launch on the current stream (kernels in gather_logprobs.cu).
+//
+// Host syncs: validating the labels needs their values on the host, so each call does one
+// device-to-host sync (`bad.any().item()`), plus one more when the mask is a 0/1 number
+// tensor rather than bool (common.h's as_bool_mask). An error costs a few more, only then.
+#include "cuda/glue.h"
+
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace pyppo {
+namespace {
+
+using namespace cuda_glue;
+
+constexpr const char* kOp = "gather_logprobs";
+
+struct Prepared {
+  at::Tensor logits;  // [N, V], unit stride along V
+  at::Tensor labels;  // [N] int64, contiguous
+  at::Tensor mask;    // [N] bool or undefined
+  int64_t N = 0, V = 0;
+};
+
+Prepared prepare(const at::Tensor& logits, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
+                 double temperature, int64_t ignore_index) {
+  check_float(kOp, "logits", logits);
+  TORCH_CHECK_VALUE(logits.dim() >= 1, "pyppo.gather_logprobs: logits must have shape [*, V], got a 0-d tensor");
+  TORCH_CHECK_VALUE(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
+                    "pyppo.gather_logprobs: labels must be int64 (or int32), got ", labels.scalar_type());
+  TORCH_CHECK_VALUE(labels.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+                    "pyppo.gather_logprobs: labels has shape ", labels.sizes(), " but logits has shape ",
+                    logits.sizes(), "; labels must be logits.shape[:-1]");
+  check_same_device(kOp, "labels", labels, logits, "logits");
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
+                    "pyppo.gather_logprobs: temperature must be a finite number > 0, got ", temperature);
+  Prepared p;
+  p.V = logits.size(-1);
+  TORCH_CHECK_VALUE(p.V > 0, "pyppo.gather_logprobs: logits has an empty vocabulary dimension (V = 0)");
+  p.N = labels.numel();
+  p.logits = logits.reshape({p.N, p.V});
+  if (p.V > 1 && p.logits.stride(1) != 1) p.logits = p.logits.contiguous();
+  p.labels = labels.reshape({p.N}).to(at::kLong).contiguous();
+  if (mask.has_value() && mask->defined()) {
+    check_same_device(kOp, "mask", *mask, logits, "logits");
+    TORCH_CHECK_VALUE(mask->sizes() == labels.sizes(), "pyppo.gather_logprobs: mask has shape ", mask->sizes(),
+                      " but labels has shape ", labels.sizes(), "; they must match");
+    p.mask = as_bool_mask(kOp, "mask", *mask).reshape({p.N});
+  }
+  // An unmasked label outside [0, V) is an error, and the kernel reads logits[label]: check on
+  // the device, read one flag back (one sync), and find the first bad label only on error.
+  if (p.N > 0) {
+    at::Tensor active = p.labels.ne(ignore_index);
+    if (p.mask.defined()) active = active.logical_and(p.mask);
+    at::Tensor bad = p.labels.lt(0).logical_or(p.labels.ge(p.V)).logical_and(active);
+    if (bad.any().item<bool>()) {
+      const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();  // row-major order: the first
+      const int64_t v = p.labels[i].item<int64_t>();
+      TORCH_CHECK_VALUE(false, "pyppo.gather_logprobs: labels[", i, "] = ", v, " is outside [0, V=", p.V,
+                        ") at an unmasked position (ignore_index is ", ignore_index, ")");
+    }
+  }
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cuda(const at::Tensor& logits, const at::Tensor& labels,
+                                                                   const std::optional<at::Tensor>& mask,
+                                                                   double temperature, int64_t ignore_index,
+                                                                   bool return_entropy) {
+  Prepared p = prepare(logits, labels, mask, temperature, ignore_index);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto opts = logits.options().dtype(out_dtype(logits));
+  at::Tensor logprobs = at::empty({p.N}, opts);
+  at::Tensor lse = at::empty({p.N}, opts);
+  at::Tensor entropy = return_entropy ? at::empty({p.N}, opts) : at::empty({0}, opts);
+  if (p.N > 0) {
+    cuda::GatherFwdParams k;
+    k.logits = p.logits.const_data_ptr();
+    k.dtype = dtype_of(p.logits);
+    k.N = p.N;
+    k.V = p.V;
+    k.row_stride = p.logits.stride(0);
+    k.labels = p.labels.const_data_ptr<int64_t>();
+    k.mask = ptr_or_null<bool>(p.mask);
+    k.ignore_index = ignore_index;
+    k.temperature = temperature;
+    k.logprobs = logprobs.mutable_data_ptr();
+    k.entropy = return_entropy ? entropy.mutable_data_ptr() : nullptr;
+    k.lse = lse.mutable_data_ptr();
+    k.stream = current_stream();
+    check_launch(kOp, cuda::launch_gather_logprobs_fwd(k));
+  }
+  auto shape = labels.sizes();
+  return {logprobs.view(shape), return_entropy ? entropy.view(shape) : entropy, lse.view(shape)};
+}
+
+at::Tensor gather_logprobs_backward_cuda(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+                                         const at::Tensor& logits, const at::Tensor& labels,
+                                         const std::optional<at::Tensor>& mask, const at::Tensor& lse,
+                                         const std::optional<at::Tensor>& entropy, double temperature,
+                                         int64_t ignore_index) {
+  Prepared p = prepare(logits, labels, mask, temperature, ignore_index);
+  TORCH_CHECK_VALUE(grad_logprobs.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_logprobs has shape ",
+                    grad_logprobs.sizes(), ", expected ", labels.sizes());
+  TORCH_CHECK_VALUE(lse.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: lse has shape ", lse.sizes(),
+                    ", expected ", labels.sizes());
+  const bool has_ent_grad = grad_entropy.has_value() && grad_entropy->defined();
+  if (has_ent_grad) {
+    TORCH_CHECK_VALUE(grad_entropy->sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_entropy has shape ",
+                      grad_entropy->sizes(), ", expected ", labels.sizes());
+    TORCH_CHECK_VALUE(entropy.has_value() && entropy->defined() && entropy->sizes() == labels.sizes(),
+                      "pyppo.gather_logprobs_backward: grad_entropy given but entropy (the forward's output) is missing");
+  }
+  check_same_device("gather_logprobs_backward", "grad_logprobs", grad_logprobs, logits, "logits");
+  check_same_device("gather_logprobs_backward", "lse", lse, logits, "logits");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto acc_dtype = out_dtype(logits);
+  at::Tensor g_lp = grad_logprobs.to(acc_dtype).reshape({p.N}).contiguous();
+  at::Tensor lse_c = lse.to(acc_dtype).reshape({p.N}).contiguous();
+  at::Tensor g_ent, ent_c;
+  if (has_ent_grad) {
+    check_same_device("gather_logprobs_backward", "grad_entropy", *grad_entropy, logits, "logits");
+    check_same_device("gather_logprobs_backward", "entropy", *entropy, logits, "logits");
+    g_ent = grad_entropy->to(acc_dtype).reshape({p.N}).contiguous();
+    ent_c = entropy->to(acc_dtype).reshape({p.N}).contiguous();
+  }
+  at::Tensor grad = at::empty({p.N, p.V}, logits.options());
+  if (p.N > 0) {
+    cuda::GatherBwdParams k;
+    k.logits = p.logits.const_data_ptr();
+    k.dtype = dtype_of(p.logits);
+    k.N = p.N;
+    k.V = p.V;
+    k.row_stride = p.logits.stride(0);
+    k.labels = p.labels.const_data_ptr<int64_t>();
+    k.mask = ptr_or_null<bool>(p.mask);
+    k.ignore_index = ignore_index;
+    k.temperature = temperature;
+    k.grad_logprobs = g_lp.const_data_ptr();
+    k.grad_entropy = has_ent_grad ? g_ent.const_data_ptr() : nullptr;
+    k.lse = lse_c.const_data_ptr();
+    k.entropy = has_ent_grad ? ent_c.const_data_ptr() : nullptr;
+    k.grad_logits = grad.mutable_data_ptr();
+    k.stream = current_stream();
+    check_launch("gather_logprobs_backward", cuda::launch_gather_logprobs_bwd(k));
+  }
+  return grad.view(logits.sizes());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyppo, CUDA, m) {
+  m.impl("gather_logprobs", &gather_logprobs_cuda);
+  m.impl("gather_logprobs_backward", &gather_logprobs_backward_cuda);
+}
+
+}  // namespace pyppo

@@ -1,0 +1,149 @@
+// ATen glue of masked_mean, masked_var and masked_whiten on CUDA (kernels in masked_stats.cu).
+//
+// Host syncs: the reductions run entirely on the device (mean and variance never leave it:
+// masked_whiten reads them there). One device-to-host copy per call brings back what the CPU
+// kernel's errors need (the count of valid elements, and for masked_whiten the variance), after
+// every kernel is queued; plus one when the mask is a 0/1 number tensor rather than bool
+// (common.h's as_bool_mask). On an error the queued results are discarded.
+#include "cuda/glue.h"
+
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace pyppo {
+namespace {
+
+using namespace cuda_glue;
+
+struct Prepared {
+  at::Tensor x;     // contiguous, accumulation dtype
+  at::Tensor mask;  // contiguous bool
+};
+
+Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& mask) {
+  check_float(op, "x", x);
+  check_same_shape(op, "mask", mask, x, "x");
+  check_same_device(op, "mask", mask, x, "x");
+  return {x.to(out_dtype(x)).contiguous(), as_bool_mask(op, "mask", mask)};
+}
+
+// Queues the sum/count (and, if with_var, the variance) kernels; returns stats[4] on the device.
+at::Tensor queue_stats(const char* op, const Prepared& p, bool with_var, bool unbiased) {
+  const int64_t n = p.x.numel();
+  auto dopts = p.x.options().dtype(at::kDouble);
+  at::Tensor stats = at::empty({4}, dopts);
+  at::Tensor partials = at::zeros({2 * cuda::masked_num_partials(n)}, dopts);
+  cuda::MaskedStatsParams k;
+  k.is_double = p.x.scalar_type() == at::kDouble;
+  k.n = n;
+  k.x = p.x.const_data_ptr();
+  k.mask = p.mask.const_data_ptr<bool>();
+  k.partials = partials.mutable_data_ptr<double>();
+  k.stats = stats.mutable_data_ptr<double>();
+  k.unbiased = unbiased;
+  k.stream = current_stream();
+  check_launch(op, cuda::launch_masked_sum_count(k));
+  if (with_var) check_launch(op, cuda::launch_masked_variance(k));
+  return stats;
+}
+
+// The CPU kernel's count errors, from the stats read back to the host.
+void check_counts(const char* op, double count, bool need_var, bool unbiased) {
+  TORCH_CHECK_VALUE(count > 0, "pyppo.", op, ": mask selects no element of x (all masked)");
+  if (need_var)
+    TORCH_CHECK_VALUE(!unbiased || count > 1, "pyppo.", op,
+                      ": the unbiased variance needs at least 2 valid elements, mask selects ",
+                      static_cast<int64_t>(count));
+}
+
+at::Tensor masked_mean_cuda(const at::Tensor& x, const at::Tensor& mask, std::optional<int64_t> dim) {
+  const char* op = "masked_mean";
+  Prepared p = prepare(op, x, mask);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (!dim.has_value()) {
+    at::Tensor stats = queue_stats(op, p, /*with_var=*/false, /*unbiased=*/false);
+    at::Tensor host = stats.cpu();  // the one sync
+    check_counts(op, host.const_data_ptr<double>()[1], false, false);
+    return stats.select(0, 2).to(p.x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  }
+  TORCH_CHECK_VALUE(x.dim() > 0, "pyppo.masked_mean: dim given for a 0-d x");
+  const int64_t d = c10::maybe_wrap_dim(*dim, x.dim());
+  at::Tensor xs = p.x.movedim(d, -1).contiguous();
+  at::Tensor ms = p.mask.movedim(d, -1).contiguous();
+  const int64_t L = x.size(d);
+  const int64_t R = L == 0 ? 0 : xs.numel() / L;
+  std::vector<int64_t> out_shape;
+  for (int64_t i = 0; i < x.dim(); ++i)
+    if (i != d) out_shape.push_back(x.size(i));
+  at::Tensor out = at::empty(out_shape, p.x.options());
+  TORCH_CHECK_VALUE(L > 0 || out.numel() == 0, "pyppo.masked_mean: x has size 0 along dim ", d);
+  if (R > 0) {
+    at::Tensor counts = at::empty({R}, p.x.options().dtype(at::kLong));
+    cuda::MaskedMeanDimParams k;
+    k.is_double = p.x.scalar_type() == at::kDouble;
+    k.R = R;
+    k.L = L;
+    k.x = xs.const_data_ptr();
+    k.mask = ms.const_data_ptr<bool>();
+    k.out = out.mutable_data_ptr();
+    k.counts = counts.mutable_data_ptr<int64_t>();
+    k.stream = current_stream();
+    check_launch(op, cuda::launch_masked_mean_dim(k));
+    at::Tensor empty_slice = counts.eq(0);
+    if (empty_slice.any().item<bool>()) {  // the one sync
+      const int64_t r = empty_slice.nonzero().select(1, 0)[0].item<int64_t>();
+      TORCH_CHECK_VALUE(false, "pyppo.masked_mean: slice ", r, " along dim ", d, " is all masked");
+    }
+  }
+  return out;
+}
+
+at::Tensor masked_var_cuda(const at::Tensor& x, const at::Tensor& mask, bool unbiased) {
+  const char* op = "masked_var";
+  Prepared p = prepare(op, x, mask);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor stats = queue_stats(op, p, /*with_var=*/true, unbiased);
+  at::Tensor host = stats.cpu();  // the one sync
+  check_counts(op, host.const_data_ptr<double>()[1], true, unbiased);
+  return stats.select(0, 3).to(p.x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+}
+
+at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, bool unbiased, double eps) {
+  const char* op = "masked_whiten";
+  TORCH_CHECK_VALUE(eps >= 0 && std::isfinite(eps), "pyppo.masked_whiten: eps must be a finite number >= 0, got ", eps);
+  Prepared p = prepare(op, x, mask);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor stats = queue_stats(op, p, /*with_var=*/true, unbiased);
+  at::Tensor out = at::empty(x.sizes(), p.x.options());
+  cuda::MaskedWhitenParams k;
+  k.is_double = p.x.scalar_type() == at::kDouble;
+  k.n = p.x.numel();
+  k.x = p.x.const_data_ptr();
+  k.mask = p.mask.const_data_ptr<bool>();
+  k.stats = stats.const_data_ptr<double>();
+  k.shift_mean = shift_mean;
+  k.eps = eps;
+  k.out = out.mutable_data_ptr();
+  k.stream = current_stream();
+  check_launch(op, cuda::launch_masked_whiten(k));
+  at::Tensor host = stats.cpu();  // the one sync
+  const double* h = host.const_data_ptr<double>();
+  check_counts(op, h[1], true, unbiased);
+  const double var = h[3];
+  const double inv_std = 1.0 / std::sqrt(var + eps);
+  TORCH_CHECK_VALUE(std::isfinite(inv_std), "pyppo.masked_whiten: the masked variance is ", var, " and eps is ", eps,
+                    "; their sum must be > 0 (pass eps > 0 for constant inputs)");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyppo, CUDA, m) {
+  m.impl("masked_mean", &masked_mean_cuda);
+  m.impl("masked_var", &masked_var_cuda);
+  m.impl("masked_whiten", &masked_whiten_cuda);
+}
+
+}  // namespace pyppo
