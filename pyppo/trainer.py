@@ -46,7 +46,7 @@ from torch import nn
 
 from .buffer import RolloutBuffer
 from .kl_control import AdaptiveKLController, FixedKLController
-from .ops import gae, gather_logprobs, masked_mean, masked_whiten, shape_rewards
+from .ops import gae, gather_logprobs, linear_logprobs, masked_mean, masked_whiten, shape_rewards
 from .ops.losses import LOSS_AGG_MODES, aggregate_loss, loss_normalizer, ppo_policy_loss, ppo_value_loss
 
 __all__ = [
@@ -113,6 +113,10 @@ class PPOConfig:
         value_lr: of the value model; ``None`` = ``lr``.
         weight_decay: AdamW weight decay, ``>= 0``. adam_eps: AdamW ε, ``> 0``.
         max_grad_norm: clip each model's gradient norm to this (``> 0``); ``None``: no clipping.
+        logprobs_from_hidden: compute log-probs with :func:`pyppo.ops.linear_logprobs` from the
+            backbone's last hidden states and the output embedding, so the ``[B, T, V]`` logits
+            never exist (forward or backward). Models whose head is not a plain linear layer
+            (logit soft-capping or scaling, no ``get_decoder``) use the full logits instead.
         disable_dropout: set every dropout probability of the policy and the value model to 0, so
             that the training forward matches the rollout forward (TRL does the same).
 
@@ -159,6 +163,7 @@ class PPOConfig:
     weight_decay: float = 0.0
     adam_eps: float = 1e-8
     max_grad_norm: Optional[float] = 1.0
+    logprobs_from_hidden: bool = True
     disable_dropout: bool = True
 
     kl_coef: float = 0.05
@@ -245,6 +250,7 @@ class PPOConfig:
         num("adam_eps", 0.0, lo_open=True)
         num("max_grad_norm", 0.0, lo_open=True, optional=True)
         bool_("disable_dropout")
+        bool_("logprobs_from_hidden")
         num("kl_coef", 0.0)
         num("target_kl", 0.0, lo_open=True, optional=True)
         if self.target_kl is not None and self.kl_coef == 0:
@@ -387,6 +393,28 @@ class PromptSampler:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+def _linear_head(model: nn.Module) -> Optional[Tuple[nn.Module, nn.Linear]]:
+    """``(backbone, lm_head)`` when ``logits == lm_head(backbone(...).last_hidden_state)``, else None.
+
+    Heads that rescale or soft-cap the logits (Gemma 2's ``final_logit_softcapping``, Cohere's
+    ``logit_scale``) are not a plain linear map of the hidden states; they keep the full-logits path.
+    """
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    try:
+        backbone, head = get_decoder(), get_head()
+    except (AttributeError, NotImplementedError):
+        return None
+    if backbone is None or backbone is model or not isinstance(head, nn.Linear):
+        return None
+    return backbone, head
 
 
 def _disable_dropout(model: nn.Module) -> None:
@@ -587,17 +615,30 @@ class PPOTrainer:
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs (and entropies) of the response tokens, ``[b, T]`` float32, 0 where masked."""
         T = mb.response_length
-        # Only the last T+1 positions' logits are needed: position P-1+t scores response token t.
-        out = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-            use_cache=False, logits_to_keep=T + 1,
-        )
-        # Slicing from the end works whether or not the model honoured logits_to_keep.
-        logits = out.logits[:, -(T + 1):-1]
-        res = gather_logprobs(
-            logits, mb.response_ids, mb.response_mask,
-            temperature=self.config.temperature, return_entropy=return_entropy,
-        )
+        head = _linear_head(model) if self.config.logprobs_from_hidden else None
+        if head is not None:
+            backbone, lm_head = head
+            hidden = backbone(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                use_cache=False,
+            ).last_hidden_state
+            # Position P-1+t scores response token t.
+            res = linear_logprobs(
+                hidden[:, -(T + 1):-1], lm_head.weight, mb.response_ids, mb.response_mask,
+                bias=lm_head.bias, temperature=self.config.temperature, return_entropy=return_entropy,
+            )
+        else:
+            # Only the last T+1 positions' logits are needed: position P-1+t scores response token t.
+            out = model(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                use_cache=False, logits_to_keep=T + 1,
+            )
+            # Slicing from the end works whether or not the model honoured logits_to_keep.
+            logits = out.logits[:, -(T + 1):-1]
+            res = gather_logprobs(
+                logits, mb.response_ids, mb.response_mask,
+                temperature=self.config.temperature, return_entropy=return_entropy,
+            )
         if return_entropy:
             return res[0], res[1]
         return res, None

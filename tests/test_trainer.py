@@ -111,6 +111,25 @@ def test_two_steps_first_ratio_exactly_one_and_metrics():
     assert tr.step_count == 2
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_logprobs_from_hidden_match_full_logits_over_two_steps(temperature):
+    # linear_logprobs (default) and the full-logits path must train the same model: same
+    # samples, metrics within float32 tolerance, parameters close after two steps.
+    runs = {}
+    for from_hidden in (True, False):
+        tr = make_trainer(small_config(temperature=temperature, logprobs_from_hidden=from_hidden))
+        metrics = [tr.step() for _ in range(2)]
+        runs[from_hidden] = (tr, metrics)
+    (a, ma), (b, mb) = runs[True], runs[False]
+    assert torch.equal(a.last_batch.response_ids, b.last_batch.response_ids)
+    torch.testing.assert_close(a.last_batch.old_logprobs, b.last_batch.old_logprobs, rtol=1e-4, atol=1e-5)
+    for x, y in zip(ma, mb):
+        for k in ("score_mean", "kl_mean", "policy_loss", "value_loss", "entropy_mean", "approx_kl"):
+            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), k
+    for p, q in zip(a.policy.parameters(), b.policy.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
+
+
 def test_logprobs_align_with_tokens_and_ignore_left_padding():
     temperature = 0.7
     tr = make_trainer(small_config(steps=1, temperature=temperature, ppo_epochs=1))
