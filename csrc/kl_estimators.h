@@ -18,8 +18,11 @@ namespace pyppo {
 
 enum class KLEstimator : int32_t { K1 = 0, K2 = 1, K3 = 2, Abs = 3 };
 
-// Above this, exp(r) in k3 overflows float32 (exp(88.7) = FLT_MAX); the clamp saturates long before.
-constexpr double kK3ExpBound = 80.0;
+// Above this r, exp(r) overflows the type (exp(88.72) = FLT_MAX, exp(709.78) = DBL_MAX).
+template <typename T>
+PYPPO_HD constexpr T k3_exp_bound() {
+  return sizeof(T) == sizeof(double) ? T(709.0) : T(88.0);
+}
 
 struct KLClamp {
   bool has_lo = false, has_hi = false;
@@ -28,7 +31,8 @@ struct KLClamp {
 
 template <typename T>
 PYPPO_HD T kl_value(KLEstimator est, T lp, T ref, const KLClamp& c, bool* saturated) {
-  const T diff = lp - ref;
+  // lp == ref (both -inf included: a token impossible under both policies) contributes 0.
+  const T diff = lp == ref ? T(0) : lp - ref;
   T v;
   switch (est) {
     case KLEstimator::K1: v = diff; break;
@@ -36,18 +40,15 @@ PYPPO_HD T kl_value(KLEstimator est, T lp, T ref, const KLClamp& c, bool* satura
     case KLEstimator::Abs: v = diff < T(0) ? -diff : diff; break;
     case KLEstimator::K3:
     default: {
-      const T r = ref - lp;
-      if (r > T(kK3ExpBound)) {
-        // exp(r) - r - 1 is past any clamp and overflows: saturate instead of computing inf - inf.
-        if (c.has_hi) {
-          *saturated = true;
-          return T(c.hi);
-        }
-        if (r != r) return r;
-        return std::numeric_limits<T>::infinity();
+      const T r = -diff;
+      if (r > k3_exp_bound<T>()) {
+        // exp(r) - r - 1 overflows the type: it is +inf (never inf - inf = NaN), which any
+        // finite upper clamp saturates.
+        v = std::numeric_limits<T>::infinity();
+      } else {
+        // r = -inf (ref = -inf) gives exp(r) - r = +inf, which is the right limit.
+        v = std::exp(r) - r - T(1);
       }
-      // r = -inf (ref = -inf) gives exp(r) - r = +inf, which is the right limit.
-      v = std::exp(r) - r - T(1);
     }
   }
   *saturated = false;
@@ -68,15 +69,15 @@ PYPPO_HD T kl_grad(KLEstimator est, T lp, T ref, const KLClamp& c) {
   bool sat = false;
   kl_value<T>(est, lp, ref, c, &sat);
   if (sat) return T(0);
-  const T diff = lp - ref;
+  const T diff = lp == ref ? T(0) : lp - ref;
   switch (est) {
     case KLEstimator::K1: return T(1);
     case KLEstimator::K2: return diff;
     case KLEstimator::Abs: return diff > T(0) ? T(1) : (diff < T(0) ? T(-1) : T(0));
     case KLEstimator::K3:
     default: {
-      const T r = ref - lp;
-      if (r > T(kK3ExpBound)) return -std::numeric_limits<T>::infinity();
+      const T r = -diff;
+      if (r > k3_exp_bound<T>()) return -std::numeric_limits<T>::infinity();
       return T(1) - std::exp(r);
     }
   }

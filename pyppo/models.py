@@ -38,6 +38,8 @@ __all__ = [
     "cache_root",
     "load_model_and_tokenizer",
     "make_reference",
+    "position_ids_from_mask",
+    "resolve_model_source",
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -218,6 +220,40 @@ def _prepare_tokenizer(tokenizer, source: str):
     return tokenizer
 
 
+def resolve_model_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
+    """Check a model name or path without loading anything (cheap: used to fail fast).
+
+    Returns:
+        ``(kind, path)``: ``("embedded", gguf_file)``, ``("dir", hf_dir)`` or ``("gguf", gguf_file)``.
+
+    Raises:
+        FileNotFoundError, ModuleNotFoundError, ValueError: as :func:`load_model_and_tokenizer`.
+    """
+    source = os.fspath(name_or_path)
+    if source in EMBEDDED_MODELS:
+        return "embedded", _embedded_gguf(source)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {source!r} does not exist: name_or_path must be {DEFAULT_MODEL!r}, a local "
+            "Hugging Face model directory or a .gguf file (nothing is downloaded)"
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model {source!r}: directory has no config.json, so it is not a Hugging Face "
+                "model directory (save one with model.save_pretrained(dir) and "
+                "tokenizer.save_pretrained(dir))"
+            )
+        return "dir", path
+    if path.suffix.lower() == ".gguf":
+        return "gguf", path
+    raise ValueError(
+        f"model {source!r} is a file but not a .gguf file; pass a .gguf file or a Hugging "
+        "Face model directory"
+    )
+
+
 def load_model_and_tokenizer(
     name_or_path: str | os.PathLike = DEFAULT_MODEL,
     *,
@@ -250,36 +286,19 @@ def load_model_and_tokenizer(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = os.fspath(name_or_path)
-    if source in EMBEDDED_MODELS:
-        hf_dir = _cached_gguf_dir(_embedded_gguf(source), source, cache_dir)
+    kind, path = resolve_model_source(source)
+    if kind == "embedded":
+        hf_dir = _cached_gguf_dir(path, source, cache_dir)
+    elif kind == "gguf":
+        hf_dir = _cached_gguf_dir(path, _gguf_cache_name(path), cache_dir)
     else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model {source!r} does not exist: name_or_path must be {DEFAULT_MODEL!r}, a local "
-                "Hugging Face model directory or a .gguf file (nothing is downloaded)"
-            )
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(
-                    f"model {source!r}: directory has no config.json, so it is not a Hugging Face "
-                    "model directory (save one with model.save_pretrained(dir) and "
-                    "tokenizer.save_pretrained(dir))"
-                )
-            hf_dir = path
-        elif path.suffix.lower() == ".gguf":
-            hf_dir = _cached_gguf_dir(path, _gguf_cache_name(path), cache_dir)
-        else:
-            raise ValueError(
-                f"model {source!r} is a file but not a .gguf file; pass a .gguf file or a Hugging "
-                "Face model directory"
-            )
+        hf_dir = path
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=dtype)
     except OSError as exc:
-        hint = f" (delete the cache {hf_dir} to rebuild it)" if hf_dir != Path(source).expanduser() else ""
+        hint = f" (delete the cache {hf_dir} to rebuild it)" if kind != "dir" else ""
         raise OSError(f"model {source!r}: could not load from {hf_dir}{hint}: {exc}") from exc
     _prepare_tokenizer(tokenizer, source)
     model.config.pad_token_id = tokenizer.pad_token_id

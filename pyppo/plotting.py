@@ -66,6 +66,7 @@ def plot_metrics(metrics_path: str | os.PathLike, out_path: str | os.PathLike) -
     # Agg: no display is needed (servers, CI) and no GUI backend gets imported.
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = read_metrics(metrics_path)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
@@ -86,6 +87,7 @@ def plot_metrics(metrics_path: str | os.PathLike, out_path: str | os.PathLike) -
         ax.grid(True, alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     fig.suptitle(f"{Path(metrics_path).parent.name or 'run'}: {len(rows)} steps")
     fig.tight_layout()
     out_path = Path(out_path)

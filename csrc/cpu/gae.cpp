@@ -47,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::
     scalar_t* op_ = ret.data_ptr<scalar_t>();
     const scalar_t g = static_cast<scalar_t>(gamma);
     const scalar_t gl = static_cast<scalar_t>(gamma * lam);
-    at::parallel_for(0, B, std::max<int64_t>(1, 2048 / std::max<int64_t>(T, 1)), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B, std::max<int64_t>(1, 65536 / std::max<int64_t>(T, 1)), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         // next_value / next_adv belong to the next *valid* position: a masked position in the
         // middle of a row (a tool output, an observation) is skipped without breaking the chain.

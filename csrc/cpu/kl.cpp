@@ -12,7 +12,9 @@
 namespace pyppo {
 namespace {
 
-constexpr int64_t kGrain = 4096;
+// Elements per task: calls smaller than this stay on one thread, since waking the pool costs
+// more than they do.
+constexpr int64_t kGrain = 65536;
 
 at::Tensor kl_penalty_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator,
                           std::optional<double> clamp_min, std::optional<double> clamp_max) {

@@ -15,6 +15,8 @@ namespace pyppo {
 namespace {
 
 constexpr int64_t kBlock = 4096;
+// Blocks per task: tensors under ~64K elements are summed on one thread.
+constexpr int64_t kBlocksPerTask = 16;
 
 struct Moments {
   double sum = 0;
@@ -26,7 +28,7 @@ Moments masked_sum(const T* x, const bool* m, int64_t n) {
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   std::vector<double> sums(nblocks, 0.0);
   std::vector<int64_t> counts(nblocks, 0);
-  at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nblocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       double s = 0;
       int64_t c = 0;
@@ -51,7 +53,7 @@ template <typename T>
 double masked_sq_dev(const T* x, const bool* m, int64_t n, double mean) {
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   std::vector<double> sums(nblocks, 0.0);
-  at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, nblocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       double s = 0;
       for (int64_t i = k * kBlock, e = std::min(n, (k + 1) * kBlock); i < e; ++i)
@@ -127,7 +129,7 @@ at::Tensor masked_mean_cpu(const at::Tensor& x, const at::Tensor& mask, std::opt
       for (int64_t j = 0; j < L; ++j) c += mp[r * L + j];
       TORCH_CHECK_VALUE(c > 0, "pyppo.masked_mean: slice ", r, " along dim ", d, " is all masked");
     }
-    at::parallel_for(0, R, std::max<int64_t>(1, 4096 / std::max<int64_t>(L, 1)), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(L, 1)), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         double s = 0;
         int64_t c = 0;
@@ -163,7 +165,7 @@ at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool s
     const bool* mp = p.mask.data_ptr<bool>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const double add_back = shift_mean ? 0.0 : mean;
-    at::parallel_for(0, p.x.numel(), 16384, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, p.x.numel(), 65536, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         o[i] = mp[i] ? static_cast<scalar_t>((static_cast<double>(xp[i]) - mean) * inv_std + add_back) : scalar_t(0);
     });

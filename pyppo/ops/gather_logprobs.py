@@ -81,7 +81,8 @@ def _gather_logprobs_fake(logits, labels, mask, temperature, ignore_index, retur
 def _gather_logprobs_backward_fake(
     grad_logprobs, grad_entropy, logits, labels, mask, lse, entropy, temperature, ignore_index
 ):
-    return torch.empty_like(logits)
+    # The kernel writes a fresh contiguous gradient whatever the logits' strides.
+    return logits.new_empty(logits.shape)
 
 
 def _setup_context(ctx, inputs, output):

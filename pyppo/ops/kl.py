@@ -116,7 +116,7 @@ def _kl_penalty_fake(logprobs, ref_logprobs, estimator, clamp_min, clamp_max):
 
 @torch.library.register_fake("pyppo::kl_penalty_backward")
 def _kl_penalty_backward_fake(grad_kl, logprobs, ref_logprobs, estimator, clamp_min, clamp_max):
-    return torch.empty_like(logprobs)
+    return logprobs.new_empty(logprobs.shape)
 
 
 @torch.library.register_fake("pyppo::shape_rewards")

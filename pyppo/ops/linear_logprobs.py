@@ -85,11 +85,12 @@ def _linear_logprobs_backward_fake(
     grad_logprobs, grad_entropy, hidden, weight, labels, mask, bias, lse, entropy, temperature, ignore_index,
     chunk_size, output_mask,
 ):
+    # The kernel's gradients are fresh contiguous tensors whatever the inputs' strides.
     empty = hidden.new_empty((0,))
     return (
-        torch.empty_like(hidden) if output_mask[0] else empty,
-        torch.empty_like(weight) if output_mask[1] else empty,
-        torch.empty_like(bias) if (output_mask[2] and bias is not None) else empty,
+        hidden.new_empty(hidden.shape) if output_mask[0] else empty,
+        weight.new_empty(weight.shape) if output_mask[1] else empty,
+        bias.new_empty(bias.shape) if (output_mask[2] and bias is not None) else empty,
     )
 
 

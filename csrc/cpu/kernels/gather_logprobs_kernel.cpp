@@ -16,7 +16,9 @@ namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-int64_t grain_for(int64_t V) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)); }
+// Rows per task: at least ~64K elements, so small calls stay on one thread (waking the pool
+// costs more than they do).
+int64_t grain_for(int64_t V) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(V, 1)); }
 
 inline bool row_valid(const int64_t* lab, const bool* msk, int64_t i, int64_t ignore_index) {
   return (!msk || msk[i]) && lab[i] != ignore_index;
@@ -41,7 +43,10 @@ void fwd(const GatherFwdArgs& a) {
       const scalar_t* row = z + i * a.row_stride;
       RowStats<acc_t> st = row_logsumexp<scalar_t, acc_t>(row, a.V, inv_tau, out_ent != nullptr, buf.data());
       out_lse[i] = st.lse;
-      out_lp[i] = static_cast<acc_t>(row[a.labels[i]]) * inv_tau - st.lse;
+      // log p <= 0 exactly; the min only undoes rounding (an exp of 0 within 20 ulp of 1), and
+      // keeps a NaN row NaN.
+      const acc_t lp = static_cast<acc_t>(row[a.labels[i]]) * inv_tau - st.lse;
+      out_lp[i] = lp > acc_t(0) ? acc_t(0) : lp;
       if (out_ent) out_ent[i] = st.entropy;
     }
   });

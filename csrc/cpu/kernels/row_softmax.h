@@ -68,7 +68,8 @@ inline const acc_t* load_block(const scalar_t* src, int64_t n, acc_t inv_tau, ac
       b.store(buf + j + W);
       vm = at::vec::maximum(vm, at::vec::maximum(a, b));
     }
-    for (; j < n; ++j) buf[j] = static_cast<acc_t>(src[j]) * inv_tau;
+    // j stays at the tail's start: the max over the tail is taken below, as for the other paths.
+    for (int64_t k = j; k < n; ++k) buf[k] = static_cast<acc_t>(src[k]) * inv_tau;
   } else {
     if (inv_tau == acc_t(1)) {
       out = reinterpret_cast<const acc_t*>(src);

@@ -1,0 +1,31 @@
+"""Eager-PyTorch references: what a user of TRL / OpenRLHF / veRL computes today.
+
+One module per op. Each function mirrors the peers' formulas (cited in its docstring), with the
+one change needed to compare outputs with pyppo's ops: positions pyppo defines as 0 (masked) are
+zeroed the way those trainers zero them afterwards (``masked_fill`` / ``* mask``).
+"""
+
+from .gae import gae_loop, gae_loop_trl
+from .gather_logprobs import (
+    logprobs_and_entropy,
+    logsoftmax_gather,
+    selective_log_softmax,
+)
+from .kl_penalty import compute_approx_kl
+from .masked_whiten import masked_mean, masked_var, masked_whiten, masked_whiten_fill
+from .shape_rewards import compute_reward, shape_rewards
+
+__all__ = [
+    "logsoftmax_gather",
+    "selective_log_softmax",
+    "logprobs_and_entropy",
+    "gae_loop",
+    "gae_loop_trl",
+    "compute_approx_kl",
+    "compute_reward",
+    "shape_rewards",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "masked_whiten_fill",
+]

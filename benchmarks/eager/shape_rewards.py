@@ -1,0 +1,44 @@
+"""Eager KL-shaped rewards: OpenRLHF's ``compute_reward`` (TRL's ``compute_rewards`` is alike)."""
+
+from __future__ import annotations
+
+import torch
+
+from .kl_penalty import compute_approx_kl
+
+
+def compute_reward(
+    r: torch.Tensor,
+    kl_coef: float,
+    kl: torch.Tensor,
+    action_mask: torch.Tensor,
+    reward_clip_range: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """OpenRLHF's ``compute_reward`` (``openrlhf/models/utils.py``): ``-kl_coef * kl`` plus the
+    score scattered at the last valid position, found by ``fliplr().argmax``."""
+    if kl_coef <= 0.0:
+        kl_coef = 0.0
+    if reward_clip_range:
+        r = r.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    kl_reward = -kl_coef * kl
+    eos_indices = action_mask.size(1) - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)
+    last_reward = torch.zeros_like(kl).scatter_(dim=1, index=eos_indices, src=r.unsqueeze(1).to(kl.dtype))
+    return last_reward + kl_reward
+
+
+def shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+    score_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The OpenRLHF experience-maker chain: ``kl = compute_approx_kl(...) * action_mask`` (no
+    clamp, to match pyppo's unclamped ``shape_rewards``), then :func:`compute_reward`."""
+    mask = response_mask.to(torch.float32)
+    kl = compute_approx_kl(logprobs, ref_logprobs, estimator, clamp=None) * mask
+    clip = None if score_clip is None else (-score_clip, score_clip)
+    rewards = compute_reward(scores.float(), kl_coef, kl, response_mask, clip)
+    return rewards, kl

@@ -1,0 +1,7 @@
+"""``python -m pyppo``: the same as the ``pyppo`` command."""
+
+import sys
+
+from pyppo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,312 @@
+"""Profile one PPO step: wall time per phase and the share spent inside pyppo's ops.
+
+Runs :class:`pyppo.trainer.PPOTrainer` for ``--warmup-steps`` steps (default 1, unprofiled: the
+first step pays one-time costs such as allocator growth and lazy initialisation), then one step
+under :mod:`torch.profiler`, and prints a table with one row per phase — generate, policy
+forward, reference forward, value forward, score, advantages, update — giving its wall seconds
+(the trainer's own per-phase timer, ``time_<phase>`` in its metrics), its share of the step, and
+the seconds and share of it spent inside pyppo ops (profiler events whose name starts with
+``pyppo::``; nested or overlapping op events are counted once). The trainer wraps each phase in
+``torch.profiler.record_function("pyppo/<phase>")``, so the phases also show up as ranges in the
+trace and in any profiler a user runs around their own training loop.
+
+Files written to ``--output DIR`` (default ``runs/profile-YYYYMMDD-HHMMSS``):
+
+* ``trace.json``: the Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
+* ``profile.json``: the table, the pyppo ops by time, the step's metrics and the settings.
+
+Times include the profiler's own overhead (a few percent for a model forward; more for phases
+made of many tiny ops, e.g. token-by-token generation). On CUDA the pyppo seconds are host-side
+(launch) time, and the device time of pyppo's kernels is reported alongside.
+
+Interface used by ``pyppo.cli``: :func:`add_arguments` (parser) and :func:`run` (args) -> int;
+:func:`main` (argv) -> int for ``python -m pyppo.profile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_arguments", "run", "main", "profile_step", "phase_table", "format_table", "PHASE_TITLES"]
+
+#: trainer phase key -> the name shown in the table
+PHASE_TITLES = {
+    "generate": "generate",
+    "policy_forward": "policy forward",
+    "ref_forward": "reference forward",
+    "value_forward": "value forward",
+    "score": "score",
+    "advantages": "advantages",
+    "update": "update",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# analysis
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _span(e) -> tuple[float, float]:
+    return float(e.time_range.start), float(e.time_range.end)
+
+
+def phase_table(events, metrics: dict) -> dict:
+    """Per-phase rows from the profiler's events (``prof.events()``) and the step's metrics.
+
+    Returns ``{"phases": [...], "pyppo_ops": [...], "step_seconds": s, "pyppo_seconds": s}``;
+    each phase row has ``phase``, ``title``, ``seconds`` (trainer timer), ``share_of_step``,
+    ``profiler_seconds`` (the ``pyppo/<phase>`` ranges), ``pyppo_seconds``, ``pyppo_share``
+    (of the phase) and ``pyppo_device_seconds``.
+    """
+    from pyppo.trainer import PHASES
+
+    ranges: dict[str, list] = {p: [] for p in PHASES}
+    op_events = []
+    for e in events:
+        name = e.name
+        if name.startswith("pyppo/"):
+            phase = name[len("pyppo/"):]
+            if phase in ranges:
+                ranges[phase].append(_span(e))
+        elif name.startswith("pyppo::"):
+            op_events.append(e)
+    op_spans = _merge([_span(e) for e in op_events])
+
+    # pyppo ops by name (an op nested in another pyppo op is counted under its own name too)
+    by_name: dict[str, dict] = {}
+    for e in op_events:
+        row = by_name.setdefault(e.name, {"name": e.name, "calls": 0, "seconds": 0.0, "device_seconds": 0.0})
+        row["calls"] += 1
+        row["seconds"] += (e.time_range.end - e.time_range.start) * 1e-6
+        row["device_seconds"] += float(getattr(e, "device_time_total", 0.0) or 0.0) * 1e-6
+
+    step_s = float(metrics.get("step_seconds", 0.0))
+    rows = []
+    for phase in PHASES:
+        merged = _merge(ranges[phase])
+        prof_s = sum(b - a for a, b in merged) * 1e-6
+        seconds = float(metrics.get(f"time_{phase}", prof_s))
+        pyppo_s = _overlap(merged, op_spans) * 1e-6
+        device_s = sum(
+            float(getattr(e, "device_time_total", 0.0) or 0.0)
+            for e in op_events
+            if any(a <= e.time_range.start <= b for a, b in merged)
+        ) * 1e-6
+        rows.append({
+            "phase": phase,
+            "title": PHASE_TITLES.get(phase, phase),
+            "seconds": seconds,
+            "share_of_step": seconds / step_s if step_s > 0 else None,
+            "profiler_seconds": prof_s,
+            "pyppo_seconds": pyppo_s,
+            "pyppo_share": pyppo_s / prof_s if prof_s > 0 else 0.0,
+            "pyppo_device_seconds": device_s,
+        })
+    phase_total = sum(r["seconds"] for r in rows)
+    return {
+        "phases": rows,
+        "other_seconds": max(0.0, step_s - phase_total),
+        "step_seconds": step_s,
+        "pyppo_seconds": sum(b - a for a, b in op_spans) * 1e-6,
+        "pyppo_ops": sorted(by_name.values(), key=lambda r: -r["seconds"]),
+    }
+
+
+def format_table(table: dict, header: str = "") -> str:
+    cols = ("phase", "ms", "% of step", "pyppo ops ms", "pyppo % of phase")
+    body = []
+    for r in table["phases"]:
+        share = "-" if r["share_of_step"] is None else f"{100 * r['share_of_step']:.1f}"
+        body.append((r["title"], f"{1e3 * r['seconds']:.2f}", share, f"{1e3 * r['pyppo_seconds']:.3f}",
+                     f"{100 * r['pyppo_share']:.1f}"))
+    step = table["step_seconds"]
+    body.append(("(outside phases)", f"{1e3 * table['other_seconds']:.2f}",
+                 f"{100 * table['other_seconds'] / step:.1f}" if step > 0 else "-", "", ""))
+    body.append(("step", f"{1e3 * step:.2f}", "100.0", f"{1e3 * table['pyppo_seconds']:.3f}",
+                 f"{100 * table['pyppo_seconds'] / step:.1f}" if step > 0 else "-"))
+    widths = [max(len(c), *(len(row[i]) for row in body)) for i, c in enumerate(cols)]
+
+    def fmt(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [header] if header else []
+    lines += [fmt(cols), fmt(["-" * w for w in widths])]
+    lines += [fmt(row) for row in body[:-2]]
+    lines.append(fmt(["-" * w for w in widths]))
+    lines += [fmt(row) for row in body[-2:]]
+    if table["pyppo_ops"]:
+        lines.append("")
+        lines.append("pyppo ops: " + ", ".join(
+            f"{r['name'][len('pyppo::'):]} {r['calls']}x {1e3 * r['seconds']:.2f} ms" for r in table["pyppo_ops"]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_shapes: bool = False,
+                 with_stack: bool = False) -> dict:
+    """Run ``warmup_steps`` unprofiled steps, then one step under the profiler; write
+    ``trace.json`` to ``output_dir`` and return ``{"metrics": ..., **phase_table(...)}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .bench import _QuietStderr
+
+    for _ in range(warmup_steps):
+        trainer.step()
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(activities=activities, record_shapes=record_shapes, with_stack=with_stack)
+    with _QuietStderr():  # kineto prints profiler_start / profiler_stop lines on stderr
+        prof.start()
+    try:
+        metrics = trainer.step()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        with _QuietStderr():
+            prof.stop()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(output_dir / "trace.json"))
+    table = phase_table(prof.events(), metrics)
+    table["metrics"] = {k: float(v) for k, v in metrics.items()}
+    return table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``pyppo profile`` options to ``parser``."""
+    from pyppo.models import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|DIR|FILE.gguf",
+                        help=f"policy: {DEFAULT_MODEL!r} (default), a local HF model dir or a .gguf file")
+    parser.add_argument("--reward", default="sentiment", metavar="SPEC",
+                        help="'sentiment' (default), 'module:function' or a local HF classifier dir")
+    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl", help="prompts (default: built-in)")
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts in the step (default 4)")
+    parser.add_argument("--mini-batch-size", type=int, default=None, help="default: --batch-size")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="default 1")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="default 16")
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="unprofiled steps first, so one-time costs stay out (default 1)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto (default): CUDA when available, else CPU")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
+    parser.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    parser.add_argument("--output", metavar="DIR", default=None,
+                        help="where trace.json and profile.json go (default: runs/profile-YYYYMMDD-HHMMSS)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``pyppo profile`` with parsed ``args``; returns the exit status."""
+    import pyppo
+    from pyppo import _C
+    from pyppo.models import ValueModel, load_model_and_tokenizer, make_reference
+    from pyppo.prompts import DEFAULT_PROMPTS, load_prompts
+    from pyppo.rewards import load_reward
+    from pyppo.trainer import PPOConfig, PPOTrainer
+
+    if args.warmup_steps < 0:
+        raise ValueError("--warmup-steps must be >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    if args.device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device = args.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+    config = PPOConfig(
+        steps=args.warmup_steps + 1,
+        batch_size=args.batch_size,
+        mini_batch_size=args.mini_batch_size or args.batch_size,
+        ppo_epochs=args.ppo_epochs,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    prompts = load_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    reward_fn = load_reward(args.reward, device=device)
+    output = Path(args.output).expanduser() if args.output else Path("runs") / time.strftime("profile-%Y%m%d-%H%M%S")
+
+    print(f"pyppo profile: loading {args.model} ...", file=sys.stderr)
+    torch.manual_seed(args.seed)
+    policy, tokenizer = load_model_and_tokenizer(args.model, device=device)
+    trainer = PPOTrainer(config, policy, make_reference(policy), ValueModel.from_causal_lm(policy),
+                         tokenizer, reward_fn, prompts)
+    print(f"pyppo profile: {args.warmup_steps} warm-up step(s), then one profiled step ...", file=sys.stderr)
+    table = profile_step(trainer, output, warmup_steps=args.warmup_steps,
+                         record_shapes=args.record_shapes, with_stack=args.with_stack)
+
+    env = {
+        "pyppo": getattr(pyppo, "__version__", "unknown"),
+        "torch": torch.__version__,
+        "device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name(0)})",
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": _C.cpu_capability() if hasattr(_C, "cpu_capability") else None,
+    }
+    header = (f"pyppo profile: {args.model} on {env['device']}, {env['torch_threads']} threads "
+              f"({env['cpu_capability']}); batch {config.batch_size}, mini-batch {config.mini_batch_size}, "
+              f"{config.ppo_epochs} epoch(s), max {config.max_new_tokens} new tokens "
+              f"(mean response {table['metrics'].get('response_length_mean', float('nan')):.1f})")
+    result = {
+        "created": _dt.datetime.now().isoformat(timespec="seconds"),
+        "model": args.model,
+        "reward": args.reward,
+        "config": config.to_dict() if hasattr(config, "to_dict") else vars(config),
+        "warmup_steps": args.warmup_steps,
+        "env": env,
+        "trace": "trace.json",
+        **table,
+    }
+    (output / "profile.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(format_table(table, header))
+    print()
+    print(f"wrote {output / 'trace.json'} and {output / 'profile.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pyppo profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

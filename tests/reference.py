@@ -1,0 +1,269 @@
+"""Float64 eager reference implementations of the pyppo ops, written from DESIGN.md §1.
+
+These are deliberately naive and independent of the kernels: explicit loops where the
+definition is a loop (GAE, the last valid position of shape_rewards), plain float64 formulas
+elsewhere. Every function upcasts its inputs to float64 first, so a test compares a kernel
+against the exact value of the op on the (already rounded) input it was given.
+
+The gather_logprobs, kl_penalty and masked_mean references are differentiable by autograd,
+which gives the gradient the kernels' hand-written backward formulas are checked against.
+
+Also here: small helpers shared by the op tests (random inputs, tolerances, masks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+F64 = torch.float64
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Output dtype of every op: float64 for float64 input, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_logprobs
+# ---------------------------------------------------------------------------------------------
+
+
+def valid_positions(labels: torch.Tensor, mask: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """Bool [*]: the positions that get a log-prob (mask true and label != ignore_index)."""
+    valid = labels.long() != ignore_index
+    if mask is not None:
+        valid = valid & (mask != 0)
+    return valid
+
+
+def ref_gather_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [*], entropy [*]) in float64, 0 at masked / ignore_index positions.
+
+    logprobs = z[label]/τ − logsumexp(z/τ);  entropy = −Σ p log p, p = softmax(z/τ).
+    Differentiable w.r.t. ``logits`` (which may require grad; it is upcast, not detached).
+    """
+    z = logits.to(F64) / temperature
+    valid = valid_positions(labels, mask, ignore_index)
+    # Max-shifted logsumexp, written out. A row of all -inf has no finite max: shift by 0 there.
+    m = z.max(dim=-1, keepdim=True).values.detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    lse = (z - m).exp().sum(-1).log() + m.squeeze(-1)
+    safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels.long()))
+    z_label = z.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    logprobs = z_label - lse
+    logp = z - lse.unsqueeze(-1)
+    p = logp.exp()
+    # p log p -> 0 as p -> 0 (a -inf logit): never 0 * -inf.
+    plogp = torch.where(p > 0, p * torch.where(p > 0, logp, torch.zeros_like(logp)), torch.zeros_like(p))
+    entropy = -plogp.sum(-1)
+    zero = torch.zeros((), dtype=F64)
+    return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)
+
+
+# ---------------------------------------------------------------------------------------------
+# kl_penalty / shape_rewards
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_kl_unclamped(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    lp = logprobs.to(F64)
+    ref = ref_logprobs.to(F64)
+    if estimator == "k1":
+        return lp - ref
+    if estimator == "k2":
+        return 0.5 * (lp - ref) ** 2
+    if estimator == "k3":
+        r = ref - lp
+        # exp(r) - r - 1 -> +inf as r -> +inf (never inf - inf = NaN)
+        return torch.where(torch.isposinf(r), torch.full_like(r, math.inf), torch.exp(r) - r - 1)
+    if estimator == "abs":
+        return (lp - ref).abs()
+    raise ValueError(estimator)
+
+
+def ref_kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    *,
+    estimator: str = "k1",
+    clamp: tuple[float | None, float | None] | None = None,
+) -> torch.Tensor:
+    """Schulman's per-token KL estimators in float64, optionally clipped (torch.clamp gradient)."""
+    kl = ref_kl_unclamped(logprobs, ref_logprobs, estimator)
+    if clamp is not None:
+        lo, hi = clamp
+        kl = torch.clamp(kl, min=lo, max=hi)
+    return kl
+
+
+def ref_shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    estimator: str = "k1",
+    score_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards, kl) in float64: −kl_coef·kl on valid positions, + score at each row's last valid one."""
+    B, T = logprobs.shape
+    kl_full = ref_kl_unclamped(logprobs, ref_logprobs, estimator)
+    kl = torch.zeros(B, T, dtype=F64)
+    rewards = torch.zeros(B, T, dtype=F64)
+    for b in range(B):
+        last = None
+        for t in range(T):
+            if response_mask[b, t] != 0:
+                kl[b, t] = kl_full[b, t]
+                rewards[b, t] = -kl_coef * kl_full[b, t]
+                last = t
+        if last is None:
+            raise ValueError(f"row {b} has no valid position")
+        s = float(scores[b])
+        if score_clip is not None:
+            s = min(max(s, -score_clip), score_clip)
+        rewards[b, last] += s
+    return rewards, kl
+
+
+# ---------------------------------------------------------------------------------------------
+# gae
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    last_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2015, eq. 16) over the valid positions of each row, as a Python loop.
+
+    The valid positions of a row are gathered into a list first; the recursion then runs over
+    that list only, so masked positions in the middle neither add a TD term nor break the chain.
+    """
+    B, T = rewards.shape
+    r = rewards.to(F64)
+    v = values.to(F64)
+    adv = torch.zeros(B, T, dtype=F64)
+    ret = torch.zeros(B, T, dtype=F64)
+    for b in range(B):
+        idx = [t for t in range(T) if response_mask[b, t] != 0]
+        next_value = float(last_values[b].to(F64)) if last_values is not None else 0.0
+        next_adv = 0.0
+        for t in reversed(idx):
+            delta = float(r[b, t]) + gamma * next_value - float(v[b, t])
+            a = delta + gamma * lam * next_adv
+            adv[b, t] = a
+            ret[b, t] = a + float(v[b, t])
+            next_value = float(v[b, t])
+            next_adv = a
+    return adv, ret
+
+
+def ref_gae_compact(rewards, values, *, gamma, lam, last_value=0.0):
+    """Textbook GAE on a dense 1-D episode (no mask): A_t = Σ_l (γλ)^l δ_{t+l}."""
+    T = len(rewards)
+    vals = [float(x) for x in values] + [float(last_value)]
+    deltas = [float(rewards[t]) + gamma * vals[t + 1] - vals[t] for t in range(T)]
+    adv = []
+    for t in range(T):
+        adv.append(sum((gamma * lam) ** l * deltas[t + l] for l in range(T - t)))
+    return adv
+
+
+# ---------------------------------------------------------------------------------------------
+# masked statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over masked-in elements, float64, differentiable w.r.t. x."""
+    xf = x.to(F64)
+    m = (mask != 0).to(F64)
+    if dim is None:
+        n = m.sum()
+        if n == 0:
+            raise ValueError("all masked")
+        return (xf * m).sum() / n
+    n = m.sum(dim)
+    if (n == 0).any():
+        raise ValueError("all masked slice")
+    return (xf * m).sum(dim) / n
+
+
+def ref_masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    vals = [float(a) for a, k in zip(x.to(F64).flatten().tolist(), mask.flatten().tolist()) if k != 0]
+    n = len(vals)
+    if n == 0 or (unbiased and n < 2):
+        raise ValueError("too few")
+    mean = math.fsum(vals) / n
+    ss = math.fsum((a - mean) ** 2 for a in vals)
+    return torch.tensor(ss / (n - 1 if unbiased else n), dtype=F64)
+
+
+def ref_masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, unbiased: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    xf = x.to(F64)
+    mean = float(ref_masked_mean(xf, mask))
+    var = float(ref_masked_var(xf, mask, unbiased))
+    out = (xf - mean) / math.sqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask != 0, out, torch.zeros_like(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers for the tests
+# ---------------------------------------------------------------------------------------------
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to dtype: the tensor the kernel sees (its float64 upcast is the reference's input)."""
+    return x.to(dtype)
+
+
+def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """assert_close tolerances for a float32 (float64 for float64 input) output computed from
+    ``dtype`` inputs, compared against float64 math on the same rounded inputs. The input
+    rounding is already in the reference, so only float32 accumulation error remains."""
+    if dtype == torch.float64:
+        return dict(rtol=1e-10 * scale, atol=1e-10 * scale)
+    return dict(rtol=2e-5 * scale, atol=2e-5 * scale)
+
+
+def random_mask(B: int, T: int, g: torch.Generator, *, p_valid: float = 0.7) -> torch.Tensor:
+    """A bool mask with holes in the middle, plus (when B allows) an all-masked row, a
+    single-token row and a full row."""
+    m = torch.rand(B, T, generator=g) < p_valid
+    if B >= 1 and T >= 1:
+        m[0] = True  # full row
+    if B >= 2:
+        m[1] = False  # all masked
+    if B >= 3 and T >= 1:
+        m[2] = False
+        m[2, int(torch.randint(0, T, (1,), generator=g))] = True  # single token
+    if B >= 4 and T >= 3:
+        m[3] = True
+        m[3, 1 : T - 1] = False  # hole in the middle
+        m[3, T // 2] = True
+    return m
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,189 @@
+"""The pyppo command line: info, config resolution and errors, a tiny end-to-end train and resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pyppo import cli
+from tiny_models import save_tiny_causal_lm
+
+# Small enough that a step of the tiny model takes well under a second.
+TINY_FLAGS = ["--steps", "2", "--batch-size", "2", "--mini-batch-size", "1", "--ppo-epochs", "1",
+              "--max-new-tokens", "4", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # one line, no traceback
+    assert err[0].startswith("pyppo: error: ")
+    return err[0]
+
+
+# ---------------------------------------------------------------- info
+
+
+def test_info_table(capsys):
+    import torch
+
+    from pyppo import _C
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for label in ("pyppo", "torch (running)", "torch (built against)", "CUDA kernels", "OpenMP", "build", "python", "platform"):
+        assert label in out
+    assert torch.__version__ in out and _C.compiler in out
+
+
+def test_info_json(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"pyppo", "torch_built_against", "torch_running", "cuda", "openmp", "num_threads",
+            "build_type", "compiler", "python", "platform"} <= set(info)
+    assert isinstance(info["cuda"], bool) and info["num_threads"] >= 1
+
+
+def test_python_dash_m_pyppo():
+    res = subprocess.run([sys.executable, "-m", "pyppo", "info", "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "torch_running" in json.loads(res.stdout)
+
+
+def test_optional_commands_registered_only_when_present():
+    import importlib.util
+
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    for name, module in cli.OPTIONAL_COMMANDS.items():
+        assert (name in sub.choices) == (importlib.util.find_spec(module) is not None)
+
+
+# ---------------------------------------------------------------- config resolution and errors
+
+
+def _resolve(argv):
+    args = cli.build_parser().parse_args(["train", *argv])
+    return cli.resolve_train_config(args)
+
+
+def test_flags_override_config_file(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('steps = 7\nbatch_size = 4\nmini_batch_size = 2\nlr = 1\nreward = "sentiment"\n')
+    run, config, output, resume = _resolve(["--config", str(cfg), "--steps", "3", "--output", str(tmp_path / "o")])
+    assert (config.steps, config.batch_size, config.lr) == (3, 4, 1.0)
+    assert run == {"model": "smollm2-135m-instruct", "reward": "sentiment", "prompts": None}
+    assert output == tmp_path / "o" and resume is None
+
+
+def test_unknown_config_key_is_named(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("steps = 2\nlearning_rat = 0.1\n")
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    line = _error_line(capsys)
+    assert "unknown key 'learning_rat'" in line and str(cfg) in line
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--config", "/nonexistent/c.toml"], "--config '/nonexistent/c.toml' does not exist"),
+        (["--prompts", "/nonexistent/p.jsonl"], "--prompts '/nonexistent/p.jsonl': no such file"),
+        (["--resume", "/nonexistent/run"], "--resume '/nonexistent/run': no such run directory"),
+        (["--batch-size", "3", "--mini-batch-size", "2"], "mini_batch_size (2) must divide batch_size (3)"),
+        (["--lr", "-1"], "lr must be"),
+    ],
+)
+def test_bad_train_arguments_give_one_line(argv, expected, capsys):
+    assert cli.main(["train", *argv]) == 2
+    assert expected in _error_line(capsys)
+
+
+def test_bad_toml_and_bad_types(tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("steps = \n")
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    assert "invalid TOML" in _error_line(capsys)
+    cfg.write_text('steps = "ten"\n')
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    assert "steps must be an int" in _error_line(capsys)
+    cfg.write_text("[ppo]\nsteps = 1\n")
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    assert "unknown table [ppo]" in _error_line(capsys)
+
+
+def test_bad_flag_type_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--steps", "many"])
+    assert exc.value.code == 2
+    assert "--steps: invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_missing_model_and_reward_fail_before_loading(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", str(tmp_path / "nope"), "--output", str(out)]) == 2
+    assert "does not exist" in _error_line(capsys)
+    assert cli.main(["train", "--reward", "nosuchmodule_xyz:fn", "--output", str(out)]) == 2
+    assert "cannot import module 'nosuchmodule_xyz'" in _error_line(capsys)
+
+
+# ---------------------------------------------------------------- train end to end (tiny model)
+
+
+def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
+    import tomllib
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Say hi.", "Describe rain.", "Why?"]))
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(out), *TINY_FLAGS]
+    assert cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert f"run written to {out}" in stdout
+
+    for name in ("config.toml", "metrics.jsonl", "samples.jsonl", "curves.png"):
+        assert (out / name).is_file(), name
+    assert (out / "checkpoint").is_dir()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for key in ("score_mean", "reward_mean", "kl_mean", "kl_coef", "entropy_mean", "policy_loss", "value_loss",
+                "clipfrac", "approx_kl", "explained_variance", "response_length_mean", "step_seconds",
+                "time_generate", "time_policy_forward", "time_ref_forward", "time_value_forward",
+                "time_score", "time_advantages", "time_update"):
+        assert key in rows[0], key
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and {"prompt", "response", "score"} <= set(samples[0])
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    resolved = tomllib.loads((out / "config.toml").read_text())
+    assert resolved["model"] == str(tiny_dir.resolve())
+    assert resolved["prompts"] == str(prompts.resolve())
+    assert resolved["steps"] == 2 and resolved["seed"] == 3 and resolved["reward"] == "sentiment"
+    assert "target_kl" not in resolved  # None is omitted
+
+    # Training into the same directory again without --resume is refused.
+    assert cli.main(argv) == 2
+    assert "already holds a run" in _error_line(capsys)
+
+    # Resume for one more step: same directory, metrics appended, config updated.
+    assert cli.main(["train", "--resume", str(out), "--steps", "3"]) == 0
+    capsys.readouterr()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert tomllib.loads((out / "config.toml").read_text())["steps"] == 3
+
+    # The resumed step is the one an uninterrupted 3-step run takes.
+    straight = tmp_path / "straight"
+    argv3 = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(straight),
+             *TINY_FLAGS, "--steps", "3"]
+    assert cli.main(argv3) == 0
+    capsys.readouterr()
+    rows3 = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    untimed = lambda r: {k: v for k, v in r.items() if "time" not in k and "seconds" not in k}  # noqa: E731
+    assert untimed(rows3[2]) == untimed(rows[2])

@@ -1,0 +1,582 @@
+"""pyppo.ops.gather_logprobs against the float64 reference: values, entropy, gradients, layouts, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyppo.ops import gather_logprobs
+from reference import (
+    FLOAT_DTYPES,
+    F64,
+    gen,
+    out_dtype,
+    random_mask,
+    ref_gather_logprobs,
+    tol,
+    valid_positions,
+)
+
+OP = torch.ops.pyppo.gather_logprobs.default
+OP_BWD = torch.ops.pyppo.gather_logprobs_backward.default
+
+
+def make_inputs(B, T, V, dtype, seed, *, scale=3.0, with_mask=True, ignore_frac=0.0, ignore_index=-100):
+    g = gen(seed)
+    logits = (torch.randn(B, T, V, generator=g, dtype=F64) * scale).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    mask = random_mask(B, T, g) if with_mask else None
+    if ignore_frac > 0:
+        ign = torch.rand(B, T, generator=g) < ignore_frac
+        labels = torch.where(ign, torch.full_like(labels, ignore_index), labels)
+    return logits, labels, mask
+
+
+def check_against_reference(logits, labels, mask=None, *, temperature=1.0, ignore_index=-100, scale=1.0):
+    lp, ent = gather_logprobs(
+        logits, labels, mask, temperature=temperature, ignore_index=ignore_index, return_entropy=True
+    )
+    lp_only = gather_logprobs(logits, labels, mask, temperature=temperature, ignore_index=ignore_index)
+    ref_lp, ref_ent = ref_gather_logprobs(logits, labels, mask, temperature=temperature, ignore_index=ignore_index)
+    od = out_dtype(logits.dtype)
+    assert lp.dtype == od and ent.dtype == od and lp_only.dtype == od
+    assert lp.shape == labels.shape and ent.shape == labels.shape
+    # V adds float32 rounding in the sum of exponentials; allow for it
+    V = logits.shape[-1]
+    s = scale * max(1.0, math.log2(V) / 4)
+    torch.testing.assert_close(lp.to(F64), ref_lp, **tol(logits.dtype, s))
+    torch.testing.assert_close(ent.to(F64), ref_ent, **tol(logits.dtype, s))
+    valid = valid_positions(labels, mask, ignore_index)
+    # masked / ignored positions are exactly 0
+    assert torch.all(lp[~valid] == 0) and torch.all(ent[~valid] == 0)
+    return lp, ent
+
+
+# ------------------------------------------------------------------------------------------ values
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("V", [1, 2, 3, 17, 2047, 2048, 2049, 4099])
+def test_values_match_reference(dtype, V):
+    seed = 1000 + V * 7 + FLOAT_DTYPES.index(dtype)
+    logits, labels, mask = make_inputs(5, 3, V, dtype, seed)
+    lp, ent = check_against_reference(logits, labels, mask)
+    if V == 1:
+        valid = mask
+        assert torch.all(lp[valid] == 0) and torch.all(ent[valid] == 0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.5])
+def test_temperature(dtype, temperature):
+    logits, labels, mask = make_inputs(4, 5, 2049, dtype, 77 + int(temperature * 10))
+    check_against_reference(logits, labels, mask, temperature=temperature)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.9, 0.7, 1.1, 3.0])
+def test_logprobs_never_positive(dtype, temperature):
+    # log p <= 0 always, and a one-token vocabulary (or a one-hot row) gives exactly 0:
+    # the label's z/τ and the max inside logsumexp(z/τ) must be rounded the same way.
+    g = gen(int(temperature * 100) + FLOAT_DTYPES.index(dtype))
+    v1 = (torch.randn(64, 1, generator=g) * 5).to(dtype)
+    lp, ent = gather_logprobs(v1, torch.zeros(64, dtype=torch.long), temperature=temperature, return_entropy=True)
+    assert torch.all(lp == 0), lp[lp != 0]
+    assert torch.all(ent == 0), ent[ent != 0]
+    peaked = (torch.randn(64, 40, generator=g)).to(dtype)
+    labels = torch.randint(0, 40, (64,), generator=g)
+    peaked[torch.arange(64), labels] = 60.0
+    lp = gather_logprobs(peaked, labels, temperature=temperature)
+    assert torch.all(lp <= 0), lp[lp > 0]
+
+
+def test_temperature_scales_logits():
+    # gather_logprobs(z, τ) == gather_logprobs(z/τ, 1) (up to rounding of z/τ)
+    logits, labels, mask = make_inputs(3, 4, 100, torch.float64, 5)
+    a = gather_logprobs(logits, labels, mask, temperature=0.6, return_entropy=True)
+    b = gather_logprobs(logits / 0.6, labels, mask, return_entropy=True)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("V", [2049, 4099, 6200])
+def test_max_in_a_later_block(V):
+    # The running max must be rebased when a later 2048-block holds a larger logit.
+    g = gen(V)
+    logits = torch.randn(6, V, generator=g)
+    logits[0, -1] = 40.0  # max in the last (short) block
+    logits[1, 2048] = 25.0  # first element of the second block
+    logits[2, 2047] = 30.0  # last element of the first block
+    logits[3, : min(V, 4096)] = -1e4  # huge negative first blocks, normal tail
+    logits[4, -3:] = 15.0
+    logits[5] = torch.linspace(-20, 20, V)  # increasing: the max grows in every block
+    labels = torch.tensor([V - 1, 2048, 2047, 0, V - 2, V // 2])
+    check_against_reference(logits, labels)
+    check_against_reference(logits, labels, temperature=0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("V", [5, 33, 47, 2048 + 40, 4096 + 31])
+def test_max_in_the_unvectorised_tail(dtype, V):
+    # The largest logit sits in the last few elements of the row (the scalar tail after the
+    # vector loop), 150 above the rest: if the tail is left out of the running max,
+    # exp(x - max) overflows float32.
+    g = gen(V + 17 * FLOAT_DTYPES.index(dtype))
+    logits = torch.randn(3, V, generator=g, dtype=F64)
+    logits[0, -1] = 150.0
+    logits[1, -3] = 120.0
+    logits[2, -2] = 100.0
+    logits = logits.to(dtype)
+    labels = torch.tensor([V - 1, 0, V - 2])
+    lp, ent = check_against_reference(logits, labels)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    x = logits.clone().requires_grad_()
+    lp, ent = gather_logprobs(x, labels, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_neg_inf_logits():
+    # -inf logits are probability 0: finite results; a label at a -inf logit has logprob -inf.
+    V = 2100
+    logits = torch.randn(4, V, generator=gen(3))
+    logits[0, :2048] = float("-inf")  # first block all -inf
+    logits[1, ::2] = float("-inf")
+    logits[2, 5] = float("-inf")
+    logits[3, 1:] = float("-inf")  # one-hot distribution
+    labels = torch.tensor([2050, 1, 7, 0])
+    lp, ent = gather_logprobs(logits, labels, return_entropy=True)
+    ref_lp, ref_ent = ref_gather_logprobs(logits, labels)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    assert lp[3] == 0 and ent[3] == 0
+    # label at a -inf logit
+    lp2, ent2 = gather_logprobs(logits, torch.tensor([0, 0, 5, 1]), return_entropy=True)
+    assert torch.isneginf(lp2).tolist() == [True, True, True, True]
+    assert torch.isfinite(ent2).all()
+
+
+def test_large_logits_are_stable():
+    g = gen(11)
+    base = torch.randn(3, 4, 3000, generator=g, dtype=F64)
+    labels = torch.randint(0, 3000, (3, 4), generator=g)
+    for shift in (1e3, -1e3, 3e4):
+        logits = (base * 5 + shift).float()
+        lp, ent = gather_logprobs(logits, labels, return_entropy=True)
+        assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+        ref_lp, ref_ent = ref_gather_logprobs(logits, labels)
+        # |z| ~ 3e4 carries float32 rounding of ~2e-3 in z/τ itself; scale the tolerance with |z|
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-4, atol=1e-7 * abs(shift) + 1e-4)
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-4, atol=1e-7 * abs(shift) + 1e-4)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_masks_holes_all_masked_single_token(dtype):
+    B, T, V = 6, 9, 70
+    logits, labels, _ = make_inputs(B, T, V, dtype, 21)
+    mask = random_mask(B, T, gen(22))
+    lp, ent = check_against_reference(logits, labels, mask)
+    assert torch.all(lp[1] == 0) and torch.all(ent[1] == 0)  # all-masked row
+    assert int((lp[2] != 0).sum()) <= 1  # single-token row
+
+
+def test_mask_dtypes_agree():
+    logits, labels, mask = make_inputs(4, 6, 33, torch.float32, 8)
+    base = gather_logprobs(logits, labels, mask, return_entropy=True)
+    for m in (mask.float(), mask.double(), mask.long(), mask.int(), mask.to(torch.uint8), mask.bfloat16()):
+        out = gather_logprobs(logits, labels, m, return_entropy=True)
+        assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1])
+
+
+def test_no_mask_means_all_valid():
+    logits, labels, _ = make_inputs(3, 4, 50, torch.float32, 9, with_mask=False)
+    a = gather_logprobs(logits, labels)
+    b = gather_logprobs(logits, labels, torch.ones(3, 4, dtype=torch.bool))
+    assert torch.equal(a, b)
+    check_against_reference(logits, labels)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, -1, 3])
+def test_ignore_index(ignore_index):
+    logits, labels, mask = make_inputs(5, 8, 40, torch.float32, 31, ignore_frac=0.3, ignore_index=ignore_index)
+    lp, _ = check_against_reference(logits, labels, mask, ignore_index=ignore_index)
+    assert torch.all(lp[labels == ignore_index] == 0)
+    if ignore_index < 0:
+        # the default ignore_index does not treat a custom one as ignored: it is an out-of-range label
+        if ignore_index != -100 and (mask & (labels == ignore_index)).any():
+            with pytest.raises(ValueError, match="labels"):
+                gather_logprobs(logits, labels, mask)
+
+
+def test_int32_labels_match_int64():
+    logits, labels, mask = make_inputs(4, 7, 2050, torch.bfloat16, 41, ignore_frac=0.2)
+    a = gather_logprobs(logits, labels, mask, return_entropy=True)
+    b = gather_logprobs(logits, labels.int(), mask, return_entropy=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    check_against_reference(logits, labels.int(), mask)
+
+
+@pytest.mark.parametrize(
+    "shape", [(0, 5), (0, 3, 5), (3, 0, 5), (5,), (7, 5), (2, 3, 4, 5)], ids=lambda s: "x".join(map(str, s))
+)
+def test_shapes_and_empty(shape):
+    g = gen(sum(shape))
+    logits = torch.randn(*shape, generator=g, requires_grad=True)
+    labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    lp, ent = gather_logprobs(logits, labels, return_entropy=True)
+    assert lp.shape == labels.shape and ent.shape == labels.shape
+    ref_lp, ref_ent = ref_gather_logprobs(logits.detach(), labels)
+    torch.testing.assert_close(lp.detach().double(), ref_lp, **tol(torch.float32))
+    torch.testing.assert_close(ent.detach().double(), ref_ent, **tol(torch.float32))
+    (lp.sum() + ent.sum()).backward()
+    assert logits.grad is not None and logits.grad.shape == logits.shape
+    ref_logits = logits.detach().double().requires_grad_()
+    r_lp, r_ent = ref_gather_logprobs(ref_logits, labels)
+    (r_lp.sum() + r_ent.sum()).backward()
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, **tol(torch.float32))
+
+
+def test_zero_dim_label_on_vector_logits():
+    logits = torch.randn(11, generator=gen(2))
+    lp = gather_logprobs(logits, torch.tensor(4))
+    assert lp.shape == ()
+    torch.testing.assert_close(lp.double(), torch.log_softmax(logits.double(), 0)[4], **tol(torch.float32))
+
+
+# -------------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_non_contiguous_inputs(dtype):
+    g = gen(51)
+    B, T, V = 4, 6, 2053
+    base = (torch.randn(T, B, V + 9, generator=g, dtype=F64) * 2).to(dtype)
+    logits = base.transpose(0, 1)[..., 3 : V + 3]  # transposed and sliced along V
+    assert not logits.is_contiguous()
+    labels_big = torch.randint(0, V, (B, 2 * T), generator=g)
+    labels = labels_big[:, ::2]  # strided labels
+    mask_big = random_mask(B, 2 * T, g)
+    mask = mask_big[:, 1::2]
+    lp, ent = gather_logprobs(logits, labels, mask, return_entropy=True)
+    lp_c, ent_c = gather_logprobs(logits.contiguous(), labels.contiguous(), mask.contiguous(), return_entropy=True)
+    assert torch.equal(lp, lp_c) and torch.equal(ent, ent_c)
+    check_against_reference(logits, labels, mask)
+
+
+def test_vocab_not_unit_stride():
+    # logits [N, V] whose V dimension is strided (a transposed [V, N] tensor)
+    g = gen(52)
+    for V in (1, 3, 2049):
+        zt = torch.randn(V, 10, generator=g)
+        logits = zt.t()
+        labels = torch.randint(0, V, (10,), generator=g)
+        lp, ent = check_against_reference(logits, labels, temperature=0.9)
+        assert torch.equal(lp, gather_logprobs(logits.contiguous(), labels, temperature=0.9))
+
+
+def test_expanded_logits():
+    # a broadcast row (stride 0 along the batch)
+    row = torch.randn(1, 300, generator=gen(53))
+    logits = row.expand(5, 300)
+    labels = torch.arange(5) * 50
+    lp, _ = check_against_reference(logits, labels)
+
+
+def test_nan_row_only_poisons_that_row():
+    logits, labels, _ = make_inputs(3, 4, 2100, torch.float32, 61, with_mask=False)
+    clean_lp, clean_ent = gather_logprobs(logits, labels, return_entropy=True)
+    bad = logits.clone()
+    bad[1, 2, 2070] = float("nan")
+    bad[2, 0, 5] = float("inf")
+    lp, ent = gather_logprobs(bad, labels, return_entropy=True)
+    poisoned = torch.zeros(3, 4, dtype=torch.bool)
+    poisoned[1, 2] = poisoned[2, 0] = True
+    assert torch.isnan(lp[poisoned]).all() and torch.isnan(ent[poisoned]).all()
+    assert torch.equal(lp[~poisoned], clean_lp[~poisoned]) and torch.equal(ent[~poisoned], clean_ent[~poisoned])
+    # a NaN row that is masked is just 0
+    m = ~poisoned
+    lp_m = gather_logprobs(bad, labels, m)
+    assert torch.all(lp_m[poisoned] == 0)
+    assert torch.equal(lp_m[~poisoned], clean_lp[~poisoned])
+    # gradient: the poisoned rows' gradients are not finite, the others are the clean ones
+    x = bad.clone().requires_grad_()
+    lp, ent = gather_logprobs(x, labels, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    xc = logits.clone().requires_grad_()
+    lp, ent = gather_logprobs(xc, labels, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert not torch.isfinite(x.grad[1, 2]).any()
+    assert not torch.isfinite(x.grad[2, 0]).any()
+    assert torch.equal(x.grad[~poisoned], xc.grad[~poisoned])
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def _grads(logits, labels, mask, temperature, which, g_lp, g_ent):
+    x = logits.detach().clone().requires_grad_()
+    lp, ent = gather_logprobs(x, labels, mask, temperature=temperature, return_entropy=True)
+    loss = 0
+    if which in ("lp", "both"):
+        loss = loss + (lp * g_lp).sum()
+    if which in ("ent", "both"):
+        loss = loss + (ent * g_ent).sum()
+    loss.backward()
+
+    xr = logits.detach().to(F64).requires_grad_()
+    rlp, rent = ref_gather_logprobs(xr, labels, mask, temperature=temperature)
+    rloss = 0
+    if which in ("lp", "both"):
+        rloss = rloss + (rlp * g_lp.double()).sum()
+    if which in ("ent", "both"):
+        rloss = rloss + (rent * g_ent.double()).sum()
+    rloss.backward()
+    return x.grad, xr.grad
+
+
+@pytest.mark.parametrize("which", ["lp", "ent", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("V,temperature", [(3, 1.0), (2049, 0.7), (4099, 1.0), (1, 1.3)])
+def test_gradient_matches_reference(which, dtype, V, temperature):
+    seed = V + ["lp", "ent", "both"].index(which) * 13 + FLOAT_DTYPES.index(dtype) * 101
+    logits, labels, mask = make_inputs(4, 3, V, dtype, seed, ignore_frac=0.15)
+    g = gen(seed + 1)
+    g_lp = torch.randn(4, 3, generator=g)
+    g_ent = torch.randn(4, 3, generator=g)
+    grad, ref_grad = _grads(logits, labels, mask, temperature, which, g_lp, g_ent)
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    valid = valid_positions(labels, mask, -100)
+    assert torch.all(grad[~valid] == 0), "masked / ignored positions must get zero gradient"
+    if dtype in (torch.float32, torch.float64):
+        t = tol(dtype, 5.0)
+    else:  # the gradient is rounded to the input dtype on output
+        eps = torch.finfo(dtype).eps
+        t = dict(rtol=2 * eps, atol=2 * eps * float(ref_grad.abs().max()) + 1e-6)
+    torch.testing.assert_close(grad.double(), ref_grad, **t)
+
+
+def test_gradient_non_contiguous_logits():
+    g = gen(71)
+    base = torch.randn(5, 4, 2060, generator=g, dtype=F64)
+    logits = base.transpose(0, 1)[..., 7:2057]
+    labels = torch.randint(0, 2050, (4, 5), generator=g)
+    mask = random_mask(4, 5, g)
+    g_lp = torch.randn(4, 5, generator=g)
+    g_ent = torch.randn(4, 5, generator=g)
+    grad, ref_grad = _grads(logits, labels, mask, 0.8, "both", g_lp, g_ent)
+    torch.testing.assert_close(grad, ref_grad, **tol(F64))
+
+
+def test_gradient_non_contiguous_upstream():
+    logits, labels, mask = make_inputs(4, 6, 50, torch.float64, 72)
+    x = logits.clone().requires_grad_()
+    lp, ent = gather_logprobs(x, labels, mask, return_entropy=True)
+    up = torch.randn(6, 4, dtype=F64, generator=gen(73)).t()  # non-contiguous upstream grads
+    torch.autograd.backward([lp, ent], [up, up * 0.5])
+    xr = logits.clone().requires_grad_()
+    rlp, rent = ref_gather_logprobs(xr, labels, mask)
+    torch.autograd.backward([rlp, rent], [up, up * 0.5])
+    torch.testing.assert_close(x.grad, xr.grad, **tol(F64))
+
+
+def test_gradient_with_neg_inf_logits_is_finite():
+    logits = torch.randn(3, 2100, generator=gen(74), dtype=F64)
+    logits[0, :2048] = float("-inf")
+    logits[1, ::3] = float("-inf")
+    labels = torch.tensor([2090, 1, 4])
+    x = logits.clone().requires_grad_()
+    lp, ent = gather_logprobs(x, labels, return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(x.grad).all()
+    xr = logits.clone().requires_grad_()
+    rlp, rent = ref_gather_logprobs(xr, labels)
+    (rlp.sum() + rent.sum()).backward()
+    finite = torch.isfinite(logits)
+    torch.testing.assert_close(x.grad[finite], xr.grad[finite], **tol(F64))
+    assert torch.all(x.grad[~finite] == 0)
+
+
+def test_gradcheck_float64():
+    g = gen(81)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=F64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 3), generator=g)
+    labels[0, 1] = -100
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+
+    def both(x):
+        return gather_logprobs(x, labels, mask, temperature=0.7, return_entropy=True)
+
+    def lp_only(x):
+        return gather_logprobs(x, labels, mask, temperature=1.3)
+
+    def ent_only(x):
+        return gather_logprobs(x, labels, None, return_entropy=True)[1]
+
+    assert torch.autograd.gradcheck(both, (logits,))
+    assert torch.autograd.gradcheck(lp_only, (logits,))
+    assert torch.autograd.gradcheck(ent_only, (logits,))
+    # across a block boundary
+    big = torch.randn(2, 2050, generator=g, dtype=F64, requires_grad=True)
+    lab = torch.tensor([2049, 3])
+    assert torch.autograd.gradcheck(
+        lambda x: gather_logprobs(x, lab, return_entropy=True), (big,), fast_mode=True
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(0, 4),
+    T=st.integers(1, 5),
+    V=st.sampled_from([1, 2, 5, 64, 2049]),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    seed=st.integers(0, 2**20),
+)
+def test_hypothesis_values(B, T, V, temperature, dtype, seed):
+    g = gen(seed)
+    logits = (torch.randn(B, T, V, generator=g, dtype=F64) * 4).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.6
+    check_against_reference(logits, labels, mask, temperature=temperature)
+
+
+# ---------------------------------------------------------------------------- opcheck
+
+
+def _opcheck_cases():
+    g = gen(91)
+    lg = torch.randn(3, 4, 7, generator=g)
+    lab = torch.randint(0, 7, (3, 4), generator=g)
+    mask = random_mask(3, 4, g)
+    nc = torch.randn(4, 3, 2050, generator=g, dtype=F64).transpose(0, 1)
+    nc_lab = torch.randint(0, 2050, (3, 4), generator=g)
+    return [
+        (lg, lab, None, 1.0, -100, False),
+        (lg, lab, mask, 0.7, -100, True),
+        (lg.bfloat16(), lab.int(), mask.float(), 1.0, -100, True),
+        (lg.half(), lab, mask, 2.0, 3, False),
+        (nc, nc_lab, None, 1.0, -100, True),
+        (torch.randn(0, 5), torch.zeros(0, dtype=torch.long), None, 1.0, -100, True),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_opcheck_forward(case):
+    args = list(_opcheck_cases()[case])
+    args[0] = args[0].detach().clone().requires_grad_()  # differentiable w.r.t. logits, any float dtype
+    torch.library.opcheck(OP, tuple(args))
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_opcheck_backward_op(case):
+    logits, labels, mask, temperature, ignore_index, _ = _opcheck_cases()[case]
+    lp, ent, lse = OP(logits, labels, mask, temperature, ignore_index, True)
+    g = gen(case)
+    g_lp = torch.randn(lp.shape, generator=g, dtype=lp.dtype)
+    g_ent = torch.randn(lp.shape, generator=g, dtype=lp.dtype)
+    torch.library.opcheck(OP_BWD, (g_lp, g_ent, logits, labels, mask, lse, ent, temperature, ignore_index))
+    torch.library.opcheck(OP_BWD, (g_lp, None, logits, labels, mask, lse, None, temperature, ignore_index))
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def _ok_inputs():
+    g = gen(101)
+    return torch.randn(2, 3, 10, generator=g), torch.randint(0, 10, (2, 3), generator=g)
+
+
+def test_error_labels_shape():
+    logits, labels = _ok_inputs()
+    with pytest.raises(ValueError, match="labels"):
+        gather_logprobs(logits, labels[:, :2])
+    with pytest.raises(ValueError, match="labels"):
+        gather_logprobs(logits, labels.reshape(6))
+    with pytest.raises(ValueError, match="labels"):
+        gather_logprobs(logits, labels.unsqueeze(-1))
+
+
+def test_error_mask_shape():
+    logits, labels = _ok_inputs()
+    with pytest.raises(ValueError, match="mask"):
+        gather_logprobs(logits, labels, torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask"):
+        gather_logprobs(logits, labels, torch.ones(6, dtype=torch.bool))
+
+
+def test_error_mask_not_zero_one():
+    logits, labels = _ok_inputs()
+    m = torch.ones(2, 3)
+    m[1, 1] = 0.5
+    with pytest.raises(ValueError, match="mask"):
+        gather_logprobs(logits, labels, m)
+    m[1, 1] = 2
+    with pytest.raises(ValueError, match="mask"):
+        gather_logprobs(logits, labels, m.long())
+    m[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="mask"):
+        gather_logprobs(logits, labels, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_error_logits_dtype(dtype):
+    logits, labels = _ok_inputs()
+    with pytest.raises(ValueError, match="logits"):
+        gather_logprobs(logits.to(dtype), labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool])
+def test_error_labels_dtype(dtype):
+    logits, labels = _ok_inputs()
+    with pytest.raises(ValueError, match="labels"):
+        gather_logprobs(logits, labels.to(dtype))
+
+
+def test_error_zero_dim_logits():
+    with pytest.raises(ValueError, match="logits"):
+        gather_logprobs(torch.tensor(1.0), torch.tensor(0))
+
+
+@pytest.mark.parametrize("bad", [10, 11, 10**9, -1, -101])
+def test_error_label_out_of_range_unmasked(bad):
+    logits, labels = _ok_inputs()
+    labels[1, 2] = bad
+    with pytest.raises(ValueError, match="labels"):
+        gather_logprobs(logits, labels)
+    with pytest.raises(ValueError, match="labels"):
+        gather_logprobs(logits, labels.int() if abs(bad) < 2**31 else labels, torch.ones(2, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("bad", [10, 10**9, -1, -101])
+def test_out_of_range_label_is_fine_when_masked_or_ignored(bad):
+    logits, labels = _ok_inputs()
+    labels[1, 2] = bad
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    lp, ent = gather_logprobs(logits, labels, mask, return_entropy=True)
+    assert lp[1, 2] == 0 and ent[1, 2] == 0
+    ref_lp, _ = ref_gather_logprobs(logits, labels, mask)
+    torch.testing.assert_close(lp.double(), ref_lp, **tol(torch.float32))
+    # and its gradient is zero (the backward also sees the bad label)
+    x = logits.clone().requires_grad_()
+    lp, ent = gather_logprobs(x, labels, mask.float(), return_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.all(x.grad[1, 2] == 0)
+    # the same label equal to ignore_index, unmasked
+    lp2 = gather_logprobs(logits, labels, ignore_index=bad)
+    assert lp2[1, 2] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf"), -0.0])
+def test_error_temperature(temperature):
+    logits, labels = _ok_inputs()
+    with pytest.raises(ValueError, match="temperature"):
+        gather_logprobs(logits, labels, temperature=temperature)
+
+
+def test_error_empty_vocab():
+    with pytest.raises(ValueError, match="logits|V"):
+        gather_logprobs(torch.randn(2, 0), torch.zeros(2, dtype=torch.long))
