@@ -79,10 +79,10 @@ def _source_tree_benchmarks() -> Path | None:
 
 
 def load_benchmarks():
-    """The benchmarks package: ``pyppo._benchmarks`` when installed inside the wheel, else
+    """The benchmarks package: ``pyppo.benchmarks`` when installed inside the wheel, else
     ``<source tree>/benchmarks`` loaded under that same name (so it never clashes with an
     unrelated top-level ``benchmarks`` package). Returns the ``cases`` module."""
-    name = "pyppo._benchmarks"
+    name = "pyppo.benchmarks"
     if name not in sys.modules:
         try:
             importlib.import_module(name)
@@ -90,7 +90,7 @@ def load_benchmarks():
             pkg = _source_tree_benchmarks()
             if pkg is None:
                 raise ImportError(
-                    "pyppo bench: the benchmark cases were not found (neither pyppo._benchmarks "
+                    "pyppo bench: the benchmark cases were not found (neither pyppo.benchmarks "
                     "nor a source tree's benchmarks/ directory)"
                 ) from None
             spec = importlib.util.spec_from_file_location(

@@ -18,7 +18,7 @@ import pyppo.ops as ops
 from pyppo import bench
 
 cases_mod = bench.load_benchmarks()
-eager = importlib.import_module("pyppo._benchmarks.eager")
+eager = importlib.import_module("pyppo.benchmarks.eager")
 
 OPS = {"gather_logprobs", "kl_penalty", "shape_rewards", "gae", "masked_whiten"}
 
