@@ -46,8 +46,8 @@ inline acc_t nan_max(acc_t a, acc_t b) {
   return (std::isnan(a) || a > b) ? a : b;
 }
 
-// Loads n elements of a row (scaled by inv_tau) as acc_t and returns them with their max. For
-// an acc_t row at temperature 1 the memory is used in place instead of copied into buf.
+// Loads n elements of a row (scaled by inv_tau) as acc_t and, if max_out is given, their max.
+// For an acc_t row at temperature 1 the memory is used in place instead of copied into buf.
 template <typename scalar_t, typename acc_t>
 inline const acc_t* load_block(const scalar_t* src, int64_t n, acc_t inv_tau, acc_t* buf, acc_t* max_out) {
   using Vec = at::vec::Vectorized<acc_t>;
@@ -73,6 +73,7 @@ inline const acc_t* load_block(const scalar_t* src, int64_t n, acc_t inv_tau, ac
   } else {
     if (inv_tau == acc_t(1)) {
       out = reinterpret_cast<const acc_t*>(src);
+      if (!max_out) return out;
       for (; j + W <= n; j += W) vm = at::vec::maximum(vm, Vec::loadu(out + j));
     } else {
       for (; j + W <= n; j += W) {
@@ -83,6 +84,7 @@ inline const acc_t* load_block(const scalar_t* src, int64_t n, acc_t inv_tau, ac
       for (int64_t k = j; k < n; ++k) buf[k] = static_cast<acc_t>(src[k]) * inv_tau;
     }
   }
+  if (!max_out) return out;
   m = at::vec::vec_reduce_all<acc_t>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vm);
   for (int64_t k = j; k < n; ++k) m = nan_max(out[k], m);
   *max_out = m;
@@ -178,11 +180,16 @@ void row_softmax_grad(const scalar_t* row, scalar_t* out, int64_t V, acc_t inv_t
   const bool with_ent = g_ent != acc_t(0);
   for (int64_t b0 = 0; b0 < V; b0 += kRowBlock) {
     const int64_t n = std::min<int64_t>(kRowBlock, V - b0);
-    acc_t unused_max;
-    const acc_t* x = load_block<scalar_t, acc_t>(row + b0, n, inv_tau, buf, &unused_max);
-    // Staged in buf so the one-hot term is added before the single rounding to scalar_t; when
-    // x aliases buf each element is read before it is overwritten.
-    acc_t* g = buf;
+    const acc_t* x = load_block<scalar_t, acc_t>(row + b0, n, inv_tau, buf, nullptr);
+    // A float row's gradient is written straight to the output. A bf16/fp16 one is staged in buf
+    // so the one-hot term is added before its single rounding; when x aliases buf each element
+    // is read before it is overwritten.
+    acc_t* g;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      g = out + b0;
+    } else {
+      g = buf;
+    }
     int64_t j = 0;
     for (; j + W <= n; j += W) {
       Vec d = Vec::loadu(x + j) - vlse;
@@ -200,14 +207,10 @@ void row_softmax_grad(const scalar_t* row, scalar_t* out, int64_t V, acc_t inv_t
     }
     if (label >= b0 && label < b0 + n) g[label - b0] += g_lp * inv_tau;
     if constexpr (is_reduced_v<scalar_t>) {
-      using RVec = at::vec::Vectorized<scalar_t>;
       int64_t k = 0;
       for (; k + 2 * W <= n; k += 2 * W)
         at::vec::convert_from_float<scalar_t>(Vec::loadu(g + k), Vec::loadu(g + k + W)).store(out + b0 + k);
       for (; k < n; ++k) out[b0 + k] = static_cast<scalar_t>(g[k]);
-      (void)sizeof(RVec);
-    } else {
-      std::copy(g, g + n, out + b0);
     }
   }
 }
