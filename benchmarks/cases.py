@@ -236,6 +236,55 @@ def gather_logprobs_fwd_bwd(shape, dtype, targets=()) -> Case:
 
 
 # ---------------------------------------------------------------------------------------------
+# linear_logprobs: log-probs from hidden states [N, H] and the output embedding [V, H]
+
+
+def _linear_inputs(shape, dtype, device, seed) -> Inputs:
+    g = _gen(seed)
+    N, H, V = shape
+    return {
+        "hidden": (torch.randn(N, H, generator=g) * 0.5).to(dtype).to(device).requires_grad_(True),
+        "weight": (torch.randn(V, H, generator=g) * 0.05).to(dtype).to(device).requires_grad_(True),
+        "labels": torch.randint(0, V, (N,), generator=g).to(device),
+        "grad": torch.randn(N, generator=g).to(device),
+    }
+
+
+def _linear_fwd_bwd(fn):
+    def run(inp):
+        h, w = inp["hidden"], inp["weight"]
+        fn(h, w, inp["labels"]).backward(inp["grad"])
+        grads = (h.grad, w.grad)
+        h.grad = w.grad = None
+        return grads[0]  # compared against eager; grad_weight is checked by tests/test_linear_logprobs.py
+
+    return run
+
+
+def _linear_pyppo(h, w, labels):
+    from pyppo.ops import linear_logprobs
+
+    return linear_logprobs(h, w, labels)
+
+
+def _gemm_floor(inp):
+    # The GEMMs any forward+backward must run (logits, grad_hidden, grad_weight), without softmax.
+    h, w = inp["hidden"].detach(), inp["weight"].detach()
+    logits = h @ w.T
+    return logits @ w, logits.T @ h
+
+
+def linear_logprobs_fwd_bwd(shape, dtype) -> Case:
+    return Case(
+        op="linear_logprobs", label="linear_logprobs fwd+bwd", eager_name="h @ W.T, log_softmax.gather, autograd",
+        shape=tuple(shape), dtype=dtype, make_inputs=_linear_inputs,
+        pyppo=_linear_fwd_bwd(_linear_pyppo), eager=_linear_fwd_bwd(eager.linear_logsoftmax_gather),
+        floor=_gemm_floor, floor_name="the 3 GEMMs alone", tol=1e-4,
+        input_bytes=_nbytes("hidden", "weight"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # [B, T] ops
 
 
@@ -302,7 +351,7 @@ TARGET_LOGITS = (4, 512, 49152)
 TARGET_BT = (64, 1024)
 
 
-def _main_cases(logits_shape, bt_shape, with_targets: bool) -> list[Case]:
+def _main_cases(logits_shape, bt_shape, with_targets: bool, linear_shape=(2048, 576, 49152)) -> list[Case]:
     t = (lambda *xs: xs) if with_targets else (lambda *xs: ())
     return [
         gather_logprobs_fwd(logits_shape, F32, targets=t(GL_SPEED, GL_FLOOR, GL_MEM)),
@@ -311,6 +360,7 @@ def _main_cases(logits_shape, bt_shape, with_targets: bool) -> list[Case]:
         gather_logprobs_fwd(logits_shape, BF16, targets=t(GL_SPEED, GL_FLOOR, GL_MEM)),
         gather_logprobs_fwd(logits_shape, BF16, eager_name="trl selective_log_softmax"),
         gather_logprobs_fwd_bwd(logits_shape, F32, targets=t(GL_BWD)),
+        linear_logprobs_fwd_bwd(linear_shape, F32),
         kl_penalty_case(bt_shape, F32, "k3"),
         shape_rewards_case(bt_shape, F32),
         gae_case(bt_shape, F32, targets=t(GAE_SPEED)),
@@ -334,10 +384,10 @@ def suite(sizes: str) -> tuple[list[Case], list[Sweep]]:
                 _sweeps((4, 512), [4096, 16384, 32768, 49152, 65536, 131072, 152064], 64,
                         [64, 128, 256, 512, 1024, 2048, 4096]))
     if sizes == "quick":
-        return (_main_cases(TARGET_LOGITS, TARGET_BT, True),
+        return (_main_cases(TARGET_LOGITS, TARGET_BT, True, linear_shape=(1024, 576, 49152)),
                 _sweeps((2, 256), [4096, 32768, 131072], 64, [128, 512, 2048]))
     if sizes == "tiny":
-        return (_main_cases((2, 8, 1000), (4, 32), False),
+        return (_main_cases((2, 8, 1000), (4, 32), False, linear_shape=(16, 8, 1000)),
                 _sweeps((2, 8), [256, 1024], 4, [16, 64]))
     raise ValueError(f"sizes must be 'full', 'quick' or 'tiny', got {sizes!r}")
 

@@ -20,7 +20,7 @@ from pyppo import bench
 cases_mod = bench.load_benchmarks()
 eager = importlib.import_module("pyppo.benchmarks.eager")
 
-OPS = {"gather_logprobs", "kl_penalty", "shape_rewards", "gae", "masked_whiten"}
+OPS = {"gather_logprobs", "linear_logprobs", "kl_penalty", "shape_rewards", "gae", "masked_whiten"}
 
 
 # --------------------------------------------------------------------------- the harness

@@ -12,6 +12,7 @@ from .gather_logprobs import (
     selective_log_softmax,
 )
 from .kl_penalty import compute_approx_kl
+from .linear_logprobs import linear_logsoftmax_gather
 from .masked_whiten import masked_mean, masked_var, masked_whiten, masked_whiten_fill
 from .shape_rewards import compute_reward, shape_rewards
 
@@ -19,6 +20,7 @@ __all__ = [
     "logsoftmax_gather",
     "selective_log_softmax",
     "logprobs_and_entropy",
+    "linear_logsoftmax_gather",
     "gae_loop",
     "gae_loop_trl",
     "compute_approx_kl",
