@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace pyppo {
 namespace {
@@ -26,7 +27,8 @@ struct Flat {
 };
 
 Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
-             const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias) {
+             const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias, double temperature,
+             int64_t ignore_index) {
   check_float(kOp, "hidden", hidden);
   check_float(kOp, "weight", weight);
   TORCH_CHECK_VALUE(hidden.dim() >= 1, "pyppo.linear_logprobs: hidden must have shape [*, H], got a 0-d tensor");
@@ -35,6 +37,11 @@ Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tenso
                     " but hidden has H = ", hidden.size(-1), "; weight must be [V, H]");
   TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: weight is ",
                     weight.scalar_type(), " but hidden is ", hidden.scalar_type(), "; they must match");
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
+                    "pyppo.linear_logprobs: temperature must be a finite number > 0, got ", temperature);
+  TORCH_CHECK_VALUE(weight.size(0) > 0, "pyppo.linear_logprobs: weight has an empty vocabulary dimension (V = 0)");
+  TORCH_CHECK_VALUE(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
+                    "pyppo.linear_logprobs: labels must be int64 (or int32), got ", labels.scalar_type());
   TORCH_CHECK_VALUE(labels.sizes() == hidden.sizes().slice(0, hidden.dim() - 1), "pyppo.linear_logprobs: labels has shape ",
                     labels.sizes(), " but hidden has shape ", hidden.sizes(), "; labels must be hidden.shape[:-1]");
   check_same_device(kOp, "weight", weight, hidden, "hidden");
@@ -57,6 +64,18 @@ Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tenso
                       " but labels has shape ", labels.sizes(), "; they must match");
     check_same_device(kOp, "mask", *mask, hidden, "hidden");
     f.mask = mask->reshape({f.N});
+  }
+  // Checked here, over all tokens, so the error gives the label's index in the whole input
+  // rather than in whichever chunk held it. Device-generic: one host sync on CUDA.
+  if (f.N > 0) {
+    at::Tensor valid = f.labels != ignore_index;
+    if (f.mask.defined()) valid = valid & (f.mask != 0);
+    at::Tensor bad = valid & ((f.labels < 0) | (f.labels >= f.V));
+    if (bad.any().item<bool>()) {
+      const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();
+      TORCH_CHECK_VALUE(false, "pyppo.linear_logprobs: labels[", i, "] = ", f.labels[i].item<int64_t>(),
+                        " is outside [0, V=", f.V, ") at an unmasked position (ignore_index is ", ignore_index, ")");
+    }
   }
   return f;
 }
@@ -82,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_impl(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool return_entropy,
     int64_t chunk_size) {
-  Flat f = flatten(hidden, weight, labels, mask, bias);
+  Flat f = flatten(hidden, weight, labels, mask, bias, temperature, ignore_index);
   const int64_t C = resolve_chunk(chunk_size, f.N, f.V);
   static auto gather = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("pyppo::gather_logprobs", "")
@@ -111,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
     const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& bias, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     double temperature, int64_t ignore_index, int64_t chunk_size, std::array<bool, 3> output_mask) {
-  Flat f = flatten(hidden, weight, labels, mask, bias);
+  Flat f = flatten(hidden, weight, labels, mask, bias, temperature, ignore_index);
   const int64_t C = resolve_chunk(chunk_size, f.N, f.V);
   static auto gather_bwd = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("pyppo::gather_logprobs_backward", "")

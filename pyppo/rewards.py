@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = [
+    "RewardError",
     "RewardFn",
     "SequenceClassifierReward",
     "load_reward",
@@ -38,6 +39,25 @@ __all__ = [
 ]
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something other than one finite number per response.
+
+    The message names the reward; ``reward``, ``index`` (the response/prompt index, when one
+    element is at fault) and ``value`` (that element) say the same for programs. A ``ValueError``,
+    so the CLI reports it as one line.
+    """
+
+    def __init__(self, message: str, *, reward: str | None = None, index: int | None = None, value=None):
+        super().__init__(message)
+        self.reward = reward
+        self.index = index
+        self.value = value
+
+
+class RewardTypeError(RewardError, TypeError):
+    """:class:`RewardError` for a reward output of the wrong type (also a ``TypeError``)."""
 
 _analyzer = None
 _analyzer_lock = threading.Lock()
@@ -81,35 +101,44 @@ def validate_scores(scores, n: int, name: str) -> list[float]:
         name: the reward's name, used in the error messages.
 
     Raises:
-        TypeError: ``scores`` is not a sequence, or an element is not a real number.
-        ValueError: wrong length or shape, or an element is NaN or infinite.
+        RewardTypeError (a TypeError and a RewardError): ``scores`` is not a sequence, or an
+            element is not a real number.
+        RewardError (a ValueError): wrong length or shape, or an element is NaN or infinite.
     """
     if isinstance(scores, torch.Tensor):
         if scores.dim() != 1:
-            raise ValueError(f"reward {name!r} returned a tensor of shape {tuple(scores.shape)}; expected [{n}]")
+            raise RewardError(
+                f"reward {name!r} returned a tensor of shape {tuple(scores.shape)}; expected [{n}]", reward=name
+            )
         scores = scores.detach().cpu().tolist()
     elif hasattr(scores, "tolist") and hasattr(scores, "ndim"):  # numpy arrays, without importing numpy
         if scores.ndim != 1:
-            raise ValueError(f"reward {name!r} returned an array of shape {tuple(scores.shape)}; expected ({n},)")
+            raise RewardError(
+                f"reward {name!r} returned an array of shape {tuple(scores.shape)}; expected ({n},)", reward=name
+            )
         scores = scores.tolist()
     if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence):
-        raise TypeError(
-            f"reward {name!r} returned {type(scores).__name__}; expected a list of {n} floats (one per response)"
+        raise RewardTypeError(
+            f"reward {name!r} returned {type(scores).__name__}; expected a list of {n} floats (one per response)",
+            reward=name,
         )
     if len(scores) != n:
-        raise ValueError(f"reward {name!r} returned {len(scores)} scores for {n} responses")
+        raise RewardError(f"reward {name!r} returned {len(scores)} scores for {n} responses", reward=name)
     out = []
     for i, value in enumerate(scores):
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         # bool is an int subclass, but True as a score is almost certainly a bug in the reward.
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"reward {name!r} returned a non-number at index {i}: {value!r} ({type(value).__name__})"
+            raise RewardTypeError(
+                f"reward {name!r} returned a non-number at index {i}: {value!r} ({type(value).__name__})",
+                reward=name, index=i, value=value,
             )
         value = float(value)
         if not math.isfinite(value):
-            raise ValueError(f"reward {name!r} returned a non-finite score at index {i}: {value!r}")
+            raise RewardError(
+                f"reward {name!r} returned a non-finite score at index {i}: {value!r}", reward=name, index=i, value=value
+            )
         out.append(value)
     return out
 
@@ -120,7 +149,7 @@ def _checked(fn: Callable, name: str) -> RewardFn:
     @functools.wraps(fn)
     def reward(prompts: list[str], responses: list[str]) -> list[float]:
         if len(prompts) != len(responses):
-            raise ValueError(f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses")
+            raise RewardError(f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses", reward=name)
         return validate_scores(fn(list(prompts), list(responses)), len(responses), name)
 
     reward.reward_name = name

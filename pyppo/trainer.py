@@ -28,6 +28,7 @@ relying on the model's forward being batch-invariant.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -35,6 +36,7 @@ import random
 import shutil
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,12 +50,15 @@ from .buffer import RolloutBuffer
 from .kl_control import AdaptiveKLController, FixedKLController
 from .ops import gae, gather_logprobs, linear_logprobs, masked_mean, masked_whiten, shape_rewards
 from .ops.losses import LOSS_AGG_MODES, aggregate_loss, loss_normalizer, ppo_policy_loss, ppo_value_loss
+from .rewards import RewardError, validate_scores
 
 __all__ = [
     "PPOConfig",
     "PPOTrainer",
     "PromptSampler",
     "METRIC_KEYS",
+    "NonFiniteUpdateError",
+    "find_checkpoint",
     "TIME_KEYS",
     "response_mask_from_eos",
 ]
@@ -71,6 +76,10 @@ METRIC_KEYS = (
 ) + TIME_KEYS
 
 CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """``max_consecutive_skips`` updates in a row had a NaN/inf loss or gradient: training stopped."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,9 +149,17 @@ class PPOConfig:
             ``"seq-mean-token-sum-norm"`` (``> 0``), ``None`` = ``max_new_tokens``.
 
     Bookkeeping:
-        seed: ``>= 0``; seeds python, numpy and torch, the prompt order and the minibatch shuffles.
+        seed: ``0 <= seed < 2**63``; seeds python, numpy and torch, the prompt order and the
+            minibatch shuffles.
         save_every: write ``checkpoint/`` every this many steps (``>= 0``; 0 = only at the end).
         log_samples: write ``samples.jsonl``.
+
+    Faults:
+        max_consecutive_skips: an update (one optimizer step of both models) whose loss or
+            gradient norm is NaN/inf is skipped — no optimizer step, gradients zeroed, a warning,
+            counted in the ``skipped_updates`` metric. This many skipped updates in a row
+            (counted across PPO steps; ``>= 1``) stop the run with :class:`NonFiniteUpdateError`,
+            before the step is logged or checkpointed, so the last good checkpoint is kept.
     """
 
     steps: int = 100
@@ -188,6 +205,8 @@ class PPOConfig:
     seed: int = 0
     save_every: int = 0
     log_samples: bool = True
+
+    max_consecutive_skips: int = 3
 
     # -- validation ------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -271,8 +290,11 @@ class PPOConfig:
         choice("loss_agg", LOSS_AGG_MODES)
         num("loss_agg_norm", 0.0, lo_open=True, optional=True)
         int_("seed", 0)
+        if self.seed >= 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         int_("save_every", 0)
         bool_("log_samples")
+        int_("max_consecutive_skips", 1)
 
     # -- (de)serialisation -----------------------------------------------------------------------
     @classmethod
@@ -440,6 +462,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _checkpoint_is_complete(d: Path) -> bool:
+    return d.is_dir() and all((d / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def _backup_path(target: Path) -> Path:
+    """Where :meth:`PPOTrainer.save_checkpoint` keeps the previous checkpoint while swapping."""
+    return target.parent / f"{target.name}.old"
+
+
+def find_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
+    """The complete checkpoint to resume from for ``directory``, or ``None``.
+
+    ``directory`` itself when it holds every checkpoint file; otherwise the previous checkpoint
+    that an interrupted :meth:`PPOTrainer.save_checkpoint` left at ``<directory>.old`` (or, from
+    older versions, ``<directory>.old-*``), when that one is complete.
+    """
+    target = Path(directory)
+    if _checkpoint_is_complete(target):
+        return target
+    backups = [_backup_path(target)] + sorted(target.parent.glob(f"{glob.escape(target.name)}.old-*"), reverse=True)
+    for cand in backups:
+        if _checkpoint_is_complete(cand):
+            return cand
+    return None
+
+
 class _Timer:
     """Accumulates seconds per phase and marks each phase for ``torch.profiler``."""
 
@@ -458,6 +506,49 @@ class _Timer:
 # Trainer
 # ---------------------------------------------------------------------------------------------
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
+
+
+def _reward_name(fn: Any) -> str:
+    name = getattr(fn, "reward_name", None) or getattr(fn, "__name__", None)
+    return str(name) if name else type(fn).__name__
+
+
+def _clip_text(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Drop the rows of a JSON-lines log whose ``step`` is after ``last_step`` (a run killed after
+    logging a step but before checkpointing it logged steps that a resumed run takes again), and
+    any torn last line. Rewritten atomically; untouched when there is nothing to drop."""
+    if not path.is_file():
+        return
+    keep: List[str] = []
+    dropped = 0
+    with open(path, "r") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                ok = line.endswith("\n") and float(row["step"]) <= last_step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if ok:
+                keep.append(line)
+            else:
+                dropped += 1
+    if not dropped:
+        return
+    warnings.warn(
+        f"{path}: dropped {dropped} line(s) logged after step {last_step} (the checkpoint's) or torn",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class PPOTrainer:
@@ -545,6 +636,10 @@ class PPOTrainer:
         # numbers sampling consumed.
         self.shuffle_generator = torch.Generator().manual_seed(config.seed + 1)
         self.step_count = 0
+        #: Updates skipped for a NaN/inf loss or gradient: in a row (reset by a good update), and
+        #: in all (both saved in checkpoints).
+        self.consecutive_skips = 0
+        self.skipped_updates_total = 0
         #: Statistics of the first minibatch of the first PPO epoch of the last step (before any
         #: optimizer step): the ratio there must be exactly 1.
         self.first_minibatch_stats: Dict[str, float] = {}
@@ -657,16 +752,29 @@ class PPOTrainer:
             skip_special_tokens=True,
         )
         batch.responses = responses
-        raw = self.reward_fn(list(batch.prompts), list(responses))
-        scores = torch.as_tensor(
-            raw.detach().cpu() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.float64),
-            dtype=torch.float32,
-        ).reshape(-1)
-        if scores.numel() != len(batch):
-            raise ValueError(f"reward_fn returned {scores.numel()} scores for {len(batch)} responses")
-        if not bool(torch.isfinite(scores).all()):
-            raise ValueError("reward_fn returned a non-finite score")
-        return scores.to(self.device)
+        name = _reward_name(self.reward_fn)
+        where = f"step {self.step_count + 1}"
+        try:
+            raw = self.reward_fn(list(batch.prompts), list(responses))
+            values = validate_scores(raw, len(batch), name)
+        except RewardError as exc:
+            # Bad scores (from validate_scores, here or inside a load_reward wrapper): add the
+            # offending pair to the message.
+            if exc.index is not None and 0 <= exc.index < len(batch):
+                i = exc.index
+                raise RewardError(
+                    f"{exc} ({where}; prompt {i}: {_clip_text(batch.prompts[i])!r}, "
+                    f"response: {_clip_text(responses[i])!r})",
+                    reward=exc.reward, index=exc.index, value=exc.value,
+                ) from exc
+            raise RewardError(f"{exc} ({where})", reward=exc.reward, index=exc.index, value=exc.value) from exc
+        except Exception as exc:
+            raise RewardError(
+                f"reward {name!r} raised {type(exc).__name__}: {exc} "
+                f"({where}, scoring {len(batch)} responses)",
+                reward=name,
+            ) from exc
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def step(self) -> Dict[str, float]:
         """Run one PPO step (rollout, scoring, advantages, ``ppo_epochs`` of updates, KL control).
@@ -759,7 +867,14 @@ class PPOTrainer:
 
         # 7. KL control -----------------------------------------------------------------------------
         kl_mean = float((kl * response_mask).sum(dim=1).mean())
-        self.kl_ctl.update(kl_mean, c.batch_size)
+        if math.isfinite(kl_mean):
+            self.kl_ctl.update(kl_mean, c.batch_size)
+        else:
+            warnings.warn(
+                f"step {self.step_count + 1}: the rollout's KL is {kl_mean}; the KL coefficient is not updated",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.step_count += 1
 
         # 8. metrics ------------------------------------------------------------------------------
@@ -787,6 +902,8 @@ class PPOTrainer:
         sums: Dict[str, float] = {}
         n_tokens_total = 0
         n_minibatches = 0
+        skipped = 0
+        stat_keys: set = set()
         loss_sums = {"policy_loss": 0.0, "value_loss": 0.0, "policy_grad_norm": 0.0, "value_grad_norm": 0.0}
         ratio_max = -math.inf
         self.policy.train()
@@ -800,6 +917,10 @@ class PPOTrainer:
                 self.value_optimizer.zero_grad(set_to_none=True)
                 pg_total = 0.0
                 vf_total = 0.0
+                ent_ok = True
+                mb_sums: Dict[str, float] = {}
+                mb_tokens = 0
+                mb_ratio_max = -math.inf
                 first_acc: Dict[str, float] = {}
                 for mu in mb.micro_batches(micro):
                     # Same op flags as the rollout pass (return_entropy=True), so the first
@@ -819,7 +940,9 @@ class PPOTrainer:
                     )
                     loss = pg_loss + c.vf_coef * vf_loss
                     if c.entropy_coef > 0:
-                        loss = loss - c.entropy_coef * aggregate_loss(ent, mu.response_mask, c.loss_agg, norm, normalizer)
+                        ent_loss = aggregate_loss(ent, mu.response_mask, c.loss_agg, norm, normalizer)
+                        ent_ok = ent_ok and bool(torch.isfinite(ent_loss.detach()))
+                        loss = loss - c.entropy_coef * ent_loss
                     loss.backward()
 
                     pg_total += float(pg_loss.detach())
@@ -827,12 +950,13 @@ class PPOTrainer:
                     # Token-weighted accumulation: the logged statistics are means over all valid
                     # tokens the update saw, whatever the micro-batch sizes.
                     n_tok = int(mu.response_mask.sum())
-                    n_tokens_total += n_tok
+                    mb_tokens += n_tok
                     for k, v in {**pg_stats, **vf_stats}.items():
                         if k == "ratio_max":
-                            ratio_max = max(ratio_max, float(v))
+                            mb_ratio_max = max(mb_ratio_max, float(v))
                             continue
-                        sums[k] = sums.get(k, 0.0) + float(v) * n_tok
+                        mb_sums[k] = mb_sums.get(k, 0.0) + float(v) * n_tok
+                        stat_keys.add(k)
                     if first:
                         with torch.no_grad():
                             m = mu.response_mask
@@ -849,13 +973,47 @@ class PPOTrainer:
 
                 gp = self._clip(self.policy)
                 gv = self._clip(self.value_model)
-                self.policy_optimizer.step()
-                self.value_optimizer.step()
-                loss_sums["policy_loss"] += pg_total
-                loss_sums["value_loss"] += vf_total
-                loss_sums["policy_grad_norm"] += gp
-                loss_sums["value_grad_norm"] += gv
-                n_minibatches += 1
+                finite = {"policy_loss": pg_total, "value_loss": vf_total,
+                          "policy_grad_norm": gp, "value_grad_norm": gv}
+                bad = [k for k, v in finite.items() if not math.isfinite(v)]
+                if not ent_ok:
+                    bad.append("entropy_loss")
+                if bad:
+                    # Skip this update: no optimizer step, gradients dropped, weights untouched.
+                    self.policy_optimizer.zero_grad(set_to_none=True)
+                    self.value_optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    self.skipped_updates_total += 1
+                    self.consecutive_skips += 1
+                    what = ", ".join(f"{k}={finite.get(k, math.nan)}" for k in bad)
+                    warnings.warn(
+                        f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {mb_index + 1}: non-finite "
+                        f"{what}; update skipped ({self.consecutive_skips} in a row, "
+                        f"max_consecutive_skips={c.max_consecutive_skips})",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    if self.consecutive_skips >= c.max_consecutive_skips:
+                        self.policy.eval()
+                        self.value_model.eval()
+                        raise NonFiniteUpdateError(
+                            f"training stopped at step {self.step_count + 1}: {self.consecutive_skips} updates "
+                            f"in a row had a non-finite loss or gradient (max_consecutive_skips="
+                            f"{c.max_consecutive_skips}; last: {what})"
+                        )
+                else:
+                    self.consecutive_skips = 0
+                    self.policy_optimizer.step()
+                    self.value_optimizer.step()
+                    loss_sums["policy_loss"] += pg_total
+                    loss_sums["value_loss"] += vf_total
+                    loss_sums["policy_grad_norm"] += gp
+                    loss_sums["value_grad_norm"] += gv
+                    n_minibatches += 1
+                    n_tokens_total += mb_tokens
+                    ratio_max = max(ratio_max, mb_ratio_max)
+                    for k, v in mb_sums.items():
+                        sums[k] = sums.get(k, 0.0) + v
                 if first:
                     n = first_acc.pop("n")
                     self.first_minibatch_stats = {
@@ -866,9 +1024,11 @@ class PPOTrainer:
                     }
         self.policy.eval()
         self.value_model.eval()
-        out = {k: v / n_minibatches for k, v in loss_sums.items()}
-        out.update({k: v / max(n_tokens_total, 1) for k, v in sums.items()})
-        out["ratio_max"] = ratio_max
+        # Averages over the updates that were applied (NaN when every update was skipped).
+        out = {k: (v / n_minibatches if n_minibatches else math.nan) for k, v in loss_sums.items()}
+        out.update({k: (sums[k] / n_tokens_total if n_tokens_total and k in sums else math.nan) for k in stat_keys})
+        out["ratio_max"] = ratio_max if n_minibatches else math.nan
+        out["skipped_updates"] = skipped
         return out
 
     def _clip(self, model: nn.Module) -> float:
@@ -888,8 +1048,17 @@ class PPOTrainer:
         ``checkpoint/`` every ``save_every`` steps and after the last step. A tqdm bar shows the
         live score and KL. To resume, call :meth:`load_checkpoint` first.
 
+        Rows of ``metrics.jsonl`` / ``samples.jsonl`` for steps after ``step_count`` (logged by a
+        run that was killed before it checkpointed them; the resumed run takes those steps again)
+        and a torn last line are dropped first, with a warning.
+
         Returns:
             the metrics of the steps run now.
+
+        Raises:
+            NonFiniteUpdateError: ``max_consecutive_skips`` updates in a row had a NaN/inf loss or
+                gradient; the step is neither logged nor checkpointed, and the message names the
+                last good checkpoint.
         """
         from tqdm.auto import tqdm
 
@@ -897,10 +1066,21 @@ class PPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         history: List[Dict[str, float]] = []
         c = self.config
+        _truncate_log(out / "metrics.jsonl", self.step_count)
+        _truncate_log(out / "samples.jsonl", self.step_count)
         bar = tqdm(total=c.steps, initial=self.step_count, desc="ppo", disable=not progress, dynamic_ncols=True)
         try:
             while self.step_count < c.steps:
-                metrics = self.step()
+                try:
+                    metrics = self.step()
+                except NonFiniteUpdateError as exc:
+                    ckpt = find_checkpoint(out / "checkpoint")
+                    if ckpt is None:
+                        where = "no checkpoint was written"
+                    else:
+                        step = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)["step"]
+                        where = f"the last good checkpoint is {str(ckpt)!r} (step {step})"
+                    raise NonFiniteUpdateError(f"{exc}; {where}") from exc
                 history.append(metrics)
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(metrics) + "\n")
@@ -932,6 +1112,8 @@ class PPOTrainer:
             # numpy's state as plain python values, so that the file loads with weights_only=True.
             "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
             "rng_python": random.getstate(),
+            "consecutive_skips": self.consecutive_skips,
+            "skipped_updates_total": self.skipped_updates_total,
             "config": self.config.to_dict(),
         }
         if torch.cuda.is_available():
@@ -943,17 +1125,32 @@ class PPOTrainer:
 
         Files: ``policy.pt``, ``value_model.pt`` (state dicts), ``optimizers.pt`` (both AdamW
         states), ``trainer_state.pt`` (step counter, KL controller, prompt-sampler position,
-        shuffle generator, torch/CUDA/numpy/python RNG states, config). They are written to a
-        temporary sibling directory, fsync'ed, and renamed into place; an existing checkpoint is
-        moved aside first and deleted last, so a crash leaves either the old or the new checkpoint
-        complete (possibly under a ``<name>.old-*`` name), never a partial one.
+        shuffle generator, torch/CUDA/numpy/python RNG states, skip counters, config). There are
+        no learning-rate schedulers (the learning rates are constant).
+
+        The swap, such that at every instant a complete checkpoint is at a known path:
+
+        1. every file is written into a temporary sibling ``.<name>.tmp-*`` and fsync'ed, then
+           the directory is fsync'ed (``<name>`` still holds the previous checkpoint);
+        2. ``<name>`` is renamed to ``<name>.old`` (the previous checkpoint, complete);
+        3. the temporary directory is renamed to ``<name>`` (the new checkpoint, complete);
+        4. ``<name>.old`` is deleted.
+
+        A crash (even SIGKILL) before 2 leaves the previous checkpoint at ``<name>``; between 2
+        and 3 at ``<name>.old``, where :meth:`load_checkpoint` and :func:`find_checkpoint` find
+        it; after 3 the new one is at ``<name>``. Temporaries of a killed save are removed by the
+        next save.
 
         Returns:
             the checkpoint directory.
         """
         target = Path(directory)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        parent = target.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        backup = _backup_path(target)
+        for stale in parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
         try:
             payloads = {
                 "policy.pt": self.policy.state_dict(),
@@ -970,43 +1167,78 @@ class PPOTrainer:
                     f.flush()
                     os.fsync(f.fileno())
             _fsync_dir(tmp)
-            old = None
             if target.exists():
-                old = target.parent / f"{target.name}.old-{os.getpid()}-{time.time_ns()}"
-                os.rename(target, old)
+                if _checkpoint_is_complete(target) or not _checkpoint_is_complete(backup):
+                    # <name> is the newest complete checkpoint: it becomes the backup.
+                    shutil.rmtree(backup, ignore_errors=True)
+                    os.rename(target, backup)
+                else:
+                    # An incomplete <name> (not written by this method) next to a complete backup:
+                    # keep the backup, drop the debris.
+                    shutil.rmtree(target)
+                _fsync_dir(parent)
+            # (No <name> but a complete <name>.old: a save was killed between the two renames;
+            # that backup stays until the new checkpoint is in place.)
             os.rename(tmp, target)
-            _fsync_dir(target.parent)
+            _fsync_dir(parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(backup, ignore_errors=True)
+        for legacy in parent.glob(f"{glob.escape(target.name)}.old-*"):
+            shutil.rmtree(legacy, ignore_errors=True)
+        _fsync_dir(parent)
         return target
 
-    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+    def load_checkpoint(self, directory: str | os.PathLike) -> Path:
         """Restore a checkpoint written by :meth:`save_checkpoint` (models, optimizers, RNG states,
-        KL controller, step counter, prompt position), so that the next step is identical to the
-        one the saving run would have taken.
+        KL controller, step counter, prompt position, shuffle generator, skip counters), so that
+        the next step is identical to the one the saving run would have taken.
+
+        If ``directory`` is missing or incomplete because a save was killed halfway, the previous
+        checkpoint that save left at ``<directory>.old`` is loaded instead, with a warning.
+        Every file is read before anything is restored, so a failed load leaves the trainer as
+        it was.
 
         The reference policy is not in the checkpoint: pass the same initial reference (or policy)
         to the new trainer.
 
+        Returns:
+            the directory actually loaded.
+
         Raises:
-            FileNotFoundError: the directory or one of its files is missing.
-            ValueError: the checkpoint's KL controller type or prompt count differs from this
-                trainer's.
+            FileNotFoundError: no complete checkpoint (the message names the missing files).
+            ValueError: a file cannot be read (corrupt), or the checkpoint's KL controller type or
+                prompt count differs from this trainer's.
         """
-        d = Path(directory)
-        for name in CHECKPOINT_FILES:
-            if not (d / name).is_file():
-                raise FileNotFoundError(f"checkpoint file missing: {d / name}")
+        requested = Path(directory)
+        d = find_checkpoint(requested)
+        if d is None:
+            missing = [str(requested / n) for n in CHECKPOINT_FILES if not (requested / n).is_file()]
+            raise FileNotFoundError(f"checkpoint file missing: {', '.join(missing)}")
+        if d != requested:
+            warnings.warn(
+                f"checkpoint {str(requested)!r} is missing or incomplete (a save was interrupted); "
+                f"resuming from the previous checkpoint {str(d)!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         map_loc = self.device
-        self.policy.load_state_dict(torch.load(d / "policy.pt", map_location=map_loc, weights_only=True))
-        self.value_model.load_state_dict(torch.load(d / "value_model.pt", map_location=map_loc, weights_only=True))
-        opt = torch.load(d / "optimizers.pt", map_location=map_loc, weights_only=True)
+
+        def load(name: str, location) -> Any:
+            try:
+                return torch.load(d / name, map_location=location, weights_only=True)
+            except Exception as exc:  # truncated or corrupt file
+                raise ValueError(f"checkpoint file {str(d / name)!r} cannot be read: {exc}") from exc
+
+        policy_sd = load("policy.pt", map_loc)
+        value_sd = load("value_model.pt", map_loc)
+        opt = load("optimizers.pt", map_loc)
+        st = load("trainer_state.pt", "cpu")
+        self.policy.load_state_dict(policy_sd)
+        self.value_model.load_state_dict(value_sd)
         self.policy_optimizer.load_state_dict(opt["policy"])
         self.value_optimizer.load_state_dict(opt["value"])
-        st = torch.load(d / "trainer_state.pt", map_location="cpu", weights_only=True)
         self.kl_ctl.load_state_dict(st["kl_ctl"])
         self.sampler.load_state_dict(st["sampler"])
         self.shuffle_generator.set_state(st["shuffle_generator"])
@@ -1018,3 +1250,6 @@ class PPOTrainer:
         py = st["rng_python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
         self.step_count = int(st["step"])
+        self.consecutive_skips = int(st.get("consecutive_skips", 0))
+        self.skipped_updates_total = int(st.get("skipped_updates_total", 0))
+        return d

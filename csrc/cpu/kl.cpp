@@ -132,7 +132,8 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cpu(const at::Tensor& scores, c
             continue;
           }
           k[i] = kl_value<scalar_t>(est, a[i], r[i], no_clamp, &sat);
-          rw[i] = -coef * k[i];
+          // kl_coef = 0 switches the penalty off even where the estimate overflowed (0 * inf = NaN).
+          rw[i] = coef == scalar_t(0) ? scalar_t(0) : -coef * k[i];
         }
         scalar_t score = s[b];
         if (score_clip.has_value()) {

@@ -110,6 +110,8 @@ at::Tensor masked_mean_cpu(const at::Tensor& x, const at::Tensor& mask, std::opt
     return out;
   }
   TORCH_CHECK_VALUE(x.dim() > 0, "pyppo.masked_mean: dim given for a 0-d x");
+  TORCH_CHECK_VALUE(*dim >= -x.dim() && *dim < x.dim(), "pyppo.masked_mean: dim must be in [", -x.dim(), ", ",
+                    x.dim() - 1, "] for a ", x.dim(), "-d x, got ", *dim);
   const int64_t d = c10::maybe_wrap_dim(*dim, x.dim());
   at::Tensor xs = p.x.movedim(d, -1).contiguous();
   at::Tensor ms = p.mask.movedim(d, -1).contiguous();

@@ -47,10 +47,15 @@ def gather_logprobs(
 
     Raises:
         ValueError: ``labels`` is not ``logits.shape[:-1]``, ``mask`` does not match ``labels``,
-            an unmasked label is outside ``[0, V)``, ``temperature <= 0``, wrong dtypes.
+            an unmasked label is outside ``[0, V)`` (negative labels other than
+            ``ignore_index`` included), an empty vocabulary (``V = 0``), ``temperature <= 0``
+            or not finite, wrong dtypes.
         RuntimeError: inputs on different devices.
 
-    A NaN or ``+inf`` logit makes that row's results NaN; other rows are unaffected.
+    A NaN or ``+inf`` logit makes that row's results NaN (log-prob, entropy and gradient); other
+    rows are unaffected, bit for bit. A masked row gives 0 whatever its logits. ``-inf`` logits
+    are zero-probability tokens: the results stay finite, except the log-prob of a label whose
+    logit is ``-inf``, which is ``-inf``.
     Source: the PPO log-ratio inputs of Schulman et al. 2017 (eq. 6) and InstructGPT (Ouyang et
     al. 2022, eq. 2); "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024) §
     temperature scaling.
