@@ -19,6 +19,16 @@ namespace pyppo {
 enum class KLEstimator : int32_t { K1 = 0, K2 = 1, K3 = 2, Abs = 3 };
 
 // Above this r, exp(r) overflows the type (exp(88.72) = FLT_MAX, exp(709.78) = DBL_MAX).
+// The functions below are compiled into the per-ISA CPU kernels too (cpu/kernels/, built with
+// -mavx2 / -mavx512f): an inline namespace per instruction set keeps those copies from being
+// merged by the linker with the baseline one, which would run AVX-512 code on any CPU.
+#if defined(CPU_CAPABILITY)
+#define PYPPO_KL_ISA_NS CPU_CAPABILITY
+#else
+#define PYPPO_KL_ISA_NS baseline
+#endif
+inline namespace PYPPO_KL_ISA_NS {
+
 template <typename T>
 PYPPO_HD constexpr T k3_exp_bound() {
   return sizeof(T) == sizeof(double) ? T(709.0) : T(88.0);
@@ -83,4 +93,5 @@ PYPPO_HD T kl_grad(KLEstimator est, T lp, T ref, const KLClamp& c) {
   }
 }
 
+}  // inline namespace PYPPO_KL_ISA_NS
 }  // namespace pyppo

@@ -2,6 +2,7 @@
 #include "common.h"
 #include "kl_estimators.h"
 #include "kl_args.h"
+#include "cpu/kernels/kernels.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -16,6 +17,22 @@ namespace {
 // more than they do.
 constexpr int64_t kGrain = 65536;
 
+cpu::KLArgs kl_args(at::ScalarType acc, KLEstimator est, const KLClamp& c, const at::Tensor& lp, const at::Tensor& ref,
+                    at::Tensor& out) {
+  cpu::KLArgs k;
+  k.dtype = acc;
+  k.estimator = static_cast<int32_t>(est);
+  k.has_lo = c.has_lo;
+  k.has_hi = c.has_hi;
+  k.lo = c.lo;
+  k.hi = c.hi;
+  k.logprobs = lp.const_data_ptr();
+  k.ref_logprobs = ref.const_data_ptr();
+  k.out = out.data_ptr();
+  k.n = lp.numel();
+  return k;
+}
+
 at::Tensor kl_penalty_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator,
                           std::optional<double> clamp_min, std::optional<double> clamp_max) {
   const char* op = "kl_penalty";
@@ -29,15 +46,7 @@ at::Tensor kl_penalty_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logp
   at::Tensor lp = logprobs.to(acc).contiguous();
   at::Tensor ref = ref_logprobs.to(acc).contiguous();
   at::Tensor out = at::empty(logprobs.sizes(), lp.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_kl_penalty", [&] {
-    const scalar_t* a = lp.data_ptr<scalar_t>();
-    const scalar_t* b = ref.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, lp.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      bool sat;
-      for (int64_t i = begin; i < end; ++i) o[i] = kl_value<scalar_t>(est, a[i], b[i], c, &sat);
-    });
-  });
+  cpu::cpu_kernels().kl_fwd(kl_args(acc, est, c, lp, ref, out));
   return out;
 }
 
@@ -54,18 +63,9 @@ at::Tensor kl_penalty_backward_cpu(const at::Tensor& grad_kl, const at::Tensor& 
   at::Tensor lp = logprobs.to(acc).contiguous();
   at::Tensor ref = ref_logprobs.to(acc).contiguous();
   at::Tensor out = at::empty(logprobs.sizes(), lp.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_kl_penalty_bwd", [&] {
-    const scalar_t* gp = g.data_ptr<scalar_t>();
-    const scalar_t* a = lp.data_ptr<scalar_t>();
-    const scalar_t* b = ref.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, lp.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        // A zero upstream gradient stays zero even where the local derivative is infinite.
-        o[i] = gp[i] == scalar_t(0) ? scalar_t(0) : gp[i] * kl_grad<scalar_t>(est, a[i], b[i], c);
-      }
-    });
-  });
+  cpu::KLArgs k = kl_args(acc, est, c, lp, ref, out);
+  k.grad = g.const_data_ptr();
+  cpu::cpu_kernels().kl_bwd(k);
   return out.to(logprobs.scalar_type());
 }
 
@@ -111,18 +111,17 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cpu(const at::Tensor& scores, c
     TORCH_CHECK_VALUE(last[b] >= 0, "pyppo.shape_rewards: row ", b,
                       " of response_mask has no valid position; every response needs at least one token to carry its score");
   }
+  // The per-token estimate for every position (the vectorised kernel of kl_penalty, so the two
+  // ops agree bit for bit), then one pass per row masking, scaling and adding the score.
+  cpu::cpu_kernels().kl_fwd(kl_args(acc, est, KLClamp{}, lp, ref, kl));
   AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_shape_rewards", [&] {
-    const scalar_t* a = lp.data_ptr<scalar_t>();
-    const scalar_t* r = ref.data_ptr<scalar_t>();
     const scalar_t* s = sc.data_ptr<scalar_t>();
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK_VALUE(std::isfinite(s[b]), "pyppo.shape_rewards: scores[", b, "] = ", s[b], " is not finite");
     scalar_t* rw = rewards.data_ptr<scalar_t>();
     scalar_t* k = kl.data_ptr<scalar_t>();
     const scalar_t coef = static_cast<scalar_t>(kl_coef);
-    const KLClamp no_clamp;
     at::parallel_for(0, B, std::max<int64_t>(1, kGrain / std::max<int64_t>(T, 1)), [&](int64_t begin, int64_t end) {
-      bool sat;
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t t = 0; t < T; ++t) {
           const int64_t i = b * T + t;
@@ -131,7 +130,6 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cpu(const at::Tensor& scores, c
             rw[i] = 0;
             continue;
           }
-          k[i] = kl_value<scalar_t>(est, a[i], r[i], no_clamp, &sat);
           // kl_coef = 0 switches the penalty off even where the estimate overflowed (0 * inf = NaN).
           rw[i] = coef == scalar_t(0) ? scalar_t(0) : -coef * k[i];
         }

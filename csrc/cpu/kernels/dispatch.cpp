@@ -27,12 +27,12 @@ bool cpu_has_avx512() {
 #endif
 }
 
-const KernelTable kDefault{"DEFAULT", &DEFAULT::gather_fwd, &DEFAULT::gather_bwd};
+const KernelTable kDefault{"DEFAULT", &DEFAULT::gather_fwd, &DEFAULT::gather_bwd, &DEFAULT::kl_fwd, &DEFAULT::kl_bwd};
 #ifdef PYPPO_HAVE_AVX2
-const KernelTable kAvx2{"AVX2", &AVX2::gather_fwd, &AVX2::gather_bwd};
+const KernelTable kAvx2{"AVX2", &AVX2::gather_fwd, &AVX2::gather_bwd, &AVX2::kl_fwd, &AVX2::kl_bwd};
 #endif
 #ifdef PYPPO_HAVE_AVX512
-const KernelTable kAvx512{"AVX512", &AVX512::gather_fwd, &AVX512::gather_bwd};
+const KernelTable kAvx512{"AVX512", &AVX512::gather_fwd, &AVX512::gather_bwd, &AVX512::kl_fwd, &AVX512::kl_bwd};
 #endif
 
 const KernelTable& choose() {

@@ -40,10 +40,25 @@ struct GatherBwdArgs {
   void* grad_logits;          // [N, V] contiguous, logits' dtype
 };
 
+// kl_penalty over n contiguous elements of the accumulation dtype (float or double).
+struct KLArgs {
+  c10::ScalarType dtype;
+  int32_t estimator;          // a KLEstimator
+  bool has_lo = false, has_hi = false;
+  double lo = 0, hi = 0;
+  const void* logprobs;
+  const void* ref_logprobs;
+  const void* grad = nullptr; // backward only: d loss / d kl
+  void* out;                  // kl (forward) or d loss / d logprobs (backward)
+  int64_t n;
+};
+
 struct KernelTable {
   const char* name;
   void (*gather_fwd)(const GatherFwdArgs&);
   void (*gather_bwd)(const GatherBwdArgs&);
+  void (*kl_fwd)(const KLArgs&);
+  void (*kl_bwd)(const KLArgs&);
 };
 
 // The table for this machine: the widest of AVX512 / AVX2 / DEFAULT that both the build and
@@ -54,6 +69,8 @@ const KernelTable& cpu_kernels();
   namespace ISA {                                 \
   void gather_fwd(const GatherFwdArgs& a);        \
   void gather_bwd(const GatherBwdArgs& a);        \
+  void kl_fwd(const KLArgs& a);                   \
+  void kl_bwd(const KLArgs& a);                   \
   }
 PYPPO_DECLARE_ISA(DEFAULT)
 PYPPO_DECLARE_ISA(AVX2)

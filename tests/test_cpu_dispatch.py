@@ -1,0 +1,72 @@
+"""The per-ISA CPU kernels: every compiled instruction set the machine supports gives the
+float64 reference's results, and PYPPO_CPU_CAPABILITY picks (and caps) the set."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pyppo._C as C
+
+SCRIPT = r"""
+import json, torch, pyppo._C as C
+from pyppo import ops
+g = torch.Generator().manual_seed(0)
+out = {"isa": C.cpu_capability()}
+for dtype in (torch.float32, torch.bfloat16):
+    z = (torch.randn(5, 7, 2500, generator=g) * 3).to(dtype)
+    y = torch.randint(0, 2500, (5, 7), generator=g)
+    m = torch.rand(5, 7, generator=g) > 0.2
+    zr = z.clone().requires_grad_()
+    lp, ent = ops.gather_logprobs(zr, y, m, temperature=0.7, return_entropy=True)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    zd = z.double().requires_grad_()
+    ls = torch.log_softmax(zd / 0.7, -1)
+    ref_lp = ls.gather(-1, y[..., None])[..., 0] * m
+    ref_ent = -(ls.exp() * ls).sum(-1) * m
+    (ref_lp.sum() + 0.5 * ref_ent.sum()).backward()
+    out[str(dtype)] = [float((lp - ref_lp).abs().max()), float((ent - ref_ent).abs().max()),
+                       float((zr.grad.double() - zd.grad).abs().max() / zd.grad.abs().max())]
+a, b = torch.randn(64, 33, generator=g), torch.randn(64, 33, generator=g)
+k3 = ops.kl_penalty(a, b, estimator="k3", clamp=(None, 5.0))
+r = b.double() - a.double()
+ref = (r.exp() - r - 1).clamp(max=5.0)
+out["k3"] = float((k3 - ref).abs().max())
+print(json.dumps(out))
+"""
+
+
+def _supported():
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isas = ["default"]
+    if " avx2 " in flags and " fma " in flags:
+        isas.append("avx2")
+    if all(f" {f} " in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
+        isas.append("avx512")
+    built = C.cpu_isas.lower().split()
+    return [i for i in isas if i in built]
+
+
+@pytest.mark.parametrize("isa", _supported())
+def test_each_instruction_set_matches_the_float64_reference(isa):
+    env = {**os.environ, "PYPPO_CPU_CAPABILITY": isa}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["isa"] == isa.upper()
+    lp, ent, grad = res["torch.float32"]
+    assert lp < 1e-5 and ent < 1e-5 and grad < 1e-5, res
+    lp, ent, grad = res["torch.bfloat16"]  # inputs are rounded to bf16 first; the gradient is stored in bf16
+    assert lp < 1e-5 and ent < 1e-5 and grad < 1e-2, res
+    assert res["k3"] < 1e-5, res
+
+
+def test_bad_capability_name_is_a_clear_error():
+    env = {**os.environ, "PYPPO_CPU_CAPABILITY": "sse9"}
+    proc = subprocess.run([sys.executable, "-c", "import torch, pyppo.ops as o; o.gae(torch.zeros(1,1), torch.zeros(1,1), torch.ones(1,1)); "
+                           "o.gather_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long))"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "PYPPO_CPU_CAPABILITY" in proc.stderr and "sse9" in proc.stderr
