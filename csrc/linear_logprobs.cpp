@@ -4,6 +4,7 @@
 // Device-generic: the GEMMs go through ATen (BLAS / cuBLAS) and the softmax part through the
 // pyppo::gather_logprobs kernels of the same device, so one implementation serves CPU and CUDA.
 #include "common.h"
+#include "cpu/kernels/kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,8 +17,9 @@ namespace pyppo {
 namespace {
 
 constexpr const char* kOp = "linear_logprobs";
-// Chunk logits (and their gradient) are kept to about this many bytes each.
-constexpr int64_t kChunkBytes = int64_t(64) << 20;
+// Chunk logits are kept to about this many bytes: large enough for efficient GEMMs (M of a few
+// hundred tokens), small enough to stay a few % of what the full logits would take.
+constexpr int64_t kChunkBytes = int64_t(128) << 20;
 
 struct Flat {
   at::Tensor hidden;  // [N, H]
@@ -87,9 +89,16 @@ int64_t resolve_chunk(int64_t chunk_size, int64_t N, int64_t V) {
   return std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(N, 1), kChunkBytes / (4 * std::max<int64_t>(V, 1))));
 }
 
-at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (bias.has_value() && bias->defined()) return at::addmm(*bias, h, weight.t());
-  return at::mm(h, weight.t());
+// Writes the logits of one chunk into the first rows of buf (allocated once per call and
+// reused by every chunk: a fresh [C, V] allocation per chunk costs a page fault per 4 KiB).
+at::Tensor chunk_logits(at::Tensor& buf, const at::Tensor& h, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
+  at::Tensor out = buf.narrow(0, 0, h.size(0));
+  if (bias.has_value() && bias->defined())
+    at::addmm_out(out, *bias, h, weight.t());
+  else
+    at::mm_out(out, h, weight.t());
+  return out;
 }
 
 std::optional<at::Tensor> slice_opt(const at::Tensor& t, int64_t a, int64_t b) {
@@ -112,9 +121,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_impl(
   at::Tensor logprobs = at::empty({f.N}, opts);
   at::Tensor lse = at::empty({f.N}, opts);
   at::Tensor entropy = return_entropy ? at::empty({f.N}, opts) : at::empty({0}, opts);
+  at::Tensor buf = at::empty({std::min(C, f.N), f.V}, hidden.options());
   for (int64_t a = 0; a < f.N; a += C) {
     const int64_t b = std::min(f.N, a + C);
-    at::Tensor logits = chunk_logits(f.hidden.slice(0, a, b), weight, bias);
+    at::Tensor logits = chunk_logits(buf, f.hidden.slice(0, a, b), weight, bias);
     auto [lp, ent, l] = gather.call(logits, f.labels.slice(0, a, b), slice_opt(f.mask, a, b), temperature,
                                     ignore_index, return_entropy);
     logprobs.slice(0, a, b).copy_(lp);
@@ -149,14 +159,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
   // the small per-chunk contributions.
   at::Tensor grad_weight = output_mask[1] ? at::zeros({f.V, f.H}, weight.options().dtype(wacc)) : at::Tensor();
   at::Tensor grad_bias = (output_mask[2] && has_bias) ? at::zeros({f.V}, weight.options().dtype(wacc)) : at::Tensor();
+  // On CPU the gradient overwrites the chunk's logits in place (the row kernel reads each
+  // element before writing it), so the backward holds one [C, V] buffer, not two.
+  const bool cpu_inplace = hidden.device().is_cpu();
+  at::Tensor lab64, mask_b, g_lp_c, lse_c, g_ent_c, ent_c;
+  if (cpu_inplace) {
+    const auto acc = out_dtype(hidden);
+    lab64 = f.labels.to(at::kLong).contiguous();
+    if (f.mask.defined()) mask_b = as_bool_mask(kOp, "mask", f.mask);
+    g_lp_c = g_lp.to(acc).contiguous();
+    lse_c = l.to(acc).contiguous();
+    if (has_ent) {
+      g_ent_c = g_ent.to(acc).contiguous();
+      ent_c = ent.to(acc).contiguous();
+    }
+  }
+  at::Tensor buf = at::empty({std::min(C, std::max<int64_t>(f.N, 1)), f.V}, hidden.options());
   for (int64_t a = 0; a < f.N; a += C) {
     const int64_t b = std::min(f.N, a + C);
     at::Tensor h = f.hidden.slice(0, a, b);
-    at::Tensor logits = chunk_logits(h, weight, bias);  // recomputed, never saved
-    at::Tensor g = gather_bwd.call(g_lp.slice(0, a, b), slice_opt(g_ent, a, b), logits, f.labels.slice(0, a, b),
-                                   slice_opt(f.mask, a, b), l.slice(0, a, b), slice_opt(ent, a, b), temperature,
-                                   ignore_index);
-    logits.reset();
+    at::Tensor g = chunk_logits(buf, h, weight, bias);  // recomputed, never saved
+    if (cpu_inplace) {
+      const auto esz = [](const at::Tensor& t) { return t.element_size(); };
+      cpu::GatherBwdArgs ga;
+      ga.dtype = g.scalar_type();
+      ga.logits = g.const_data_ptr();
+      ga.row_stride = f.V;
+      ga.N = b - a;
+      ga.V = f.V;
+      ga.labels = lab64.const_data_ptr<int64_t>() + a;
+      ga.mask = mask_b.defined() ? mask_b.const_data_ptr<bool>() + a : nullptr;
+      ga.ignore_index = ignore_index;
+      ga.temperature = temperature;
+      ga.grad_logprobs = static_cast<const char*>(g_lp_c.const_data_ptr()) + a * esz(g_lp_c);
+      ga.grad_entropy = has_ent ? static_cast<const char*>(g_ent_c.const_data_ptr()) + a * esz(g_ent_c) : nullptr;
+      ga.lse = static_cast<const char*>(lse_c.const_data_ptr()) + a * esz(lse_c);
+      ga.entropy = has_ent ? static_cast<const char*>(ent_c.const_data_ptr()) + a * esz(ent_c) : nullptr;
+      ga.grad_logits = g.data_ptr();
+      cpu::cpu_kernels().gather_bwd(ga);
+    } else {
+      g = gather_bwd.call(g_lp.slice(0, a, b), slice_opt(g_ent, a, b), g, f.labels.slice(0, a, b),
+                          slice_opt(f.mask, a, b), l.slice(0, a, b), slice_opt(ent, a, b), temperature, ignore_index);
+    }
     if (output_mask[0]) {
       at::Tensor out = grad_hidden.slice(0, a, b);
       at::mm_out(out, g, weight);

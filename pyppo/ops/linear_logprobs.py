@@ -43,7 +43,9 @@ def linear_logprobs(
         temperature: ``τ > 0``; logits are divided by it.
         ignore_index: label value treated as masked.
         return_entropy: also return the entropy of ``softmax(logits / τ)`` (nats).
-        chunk_size: tokens per chunk; ``None`` picks about 64 MB of float32 logits per chunk.
+        chunk_size: tokens per chunk; ``None`` picks about 128 MB of float32 logits per chunk (the
+            forward and the backward each hold one such buffer; on CPU the backward writes the
+            chunk's gradient over its recomputed logits).
 
     Returns:
         ``logprobs [*]`` or ``(logprobs, entropy)``, float32 (float64 for float64 input); 0 at
