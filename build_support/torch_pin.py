@@ -22,6 +22,7 @@ DEPENDENCIES = [
     "tqdm",
     "matplotlib",
     "tomli-w",
+    "tomli; python_version < '3.11'",  # tomllib's backport, for reading --config files
 ]
 
 

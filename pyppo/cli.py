@@ -40,19 +40,9 @@ PROG = "pyppo"
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
 RUN_KEYS = ("model", "reward", "prompts")
 
-#: ``pyppo train`` flag (argparse dest) -> PPOConfig field names it may map to, first match wins.
-#: The alternatives keep the CLI working whichever common spelling the trainer uses.
-FLAG_FIELDS: dict[str, tuple[str, ...]] = {
-    "steps": ("steps", "total_steps", "num_steps", "max_steps"),
-    "batch_size": ("batch_size", "rollout_batch_size"),
-    "mini_batch_size": ("mini_batch_size",),
-    "ppo_epochs": ("ppo_epochs", "num_ppo_epochs"),
-    "max_new_tokens": ("max_new_tokens", "response_length"),
-    "lr": ("lr", "learning_rate"),
-    "kl_coef": ("kl_coef", "init_kl_coef"),
-    "target_kl": ("target_kl",),
-    "seed": ("seed",),
-}
+#: ``pyppo train`` flags that set the PPOConfig field of the same name.
+FLAG_FIELDS = ("steps", "batch_size", "mini_batch_size", "ppo_epochs", "max_new_tokens", "lr", "kl_coef",
+               "target_kl", "seed")
 
 #: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
 #: default (SmolLM2-135M, sentiment reward) shows its mean score rising within about 10
@@ -155,15 +145,8 @@ def _ppo_config_class():
 
 
 def _field_map(config_cls) -> dict[str, str]:
-    """Accepted config/flag key -> PPOConfig field name (field names map to themselves)."""
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    mapping = {name: name for name in fields}
-    for flag, candidates in FLAG_FIELDS.items():
-        for cand in candidates:
-            if cand in fields:
-                mapping.setdefault(flag, cand)
-                break
-    return mapping
+    """Accepted config key -> PPOConfig field name (every field under its own name)."""
+    return {f.name: f.name for f in dataclasses.fields(config_cls)}
 
 
 def _read_toml(path: Path, what: str) -> dict:
@@ -244,9 +227,7 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         value = getattr(args, flag)
         if value is None:
             continue
-        if flag not in mapping:
-            raise CLIError(f"--{flag.replace('_', '-')}: this trainer has no matching setting")
-        merged[mapping[flag]] = value
+        merged[flag] = value
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
     for key in RUN_KEYS:
