@@ -32,6 +32,19 @@ def _check_torch_abi() -> None:
 
 _check_torch_abi()
 
+
+def _check_cpu_capability() -> None:
+    # Checked here so a typo fails at import with one line, not at the first kernel call with a
+    # C++ stack trace.
+    import os
+
+    value = os.environ.get("PYPPO_CPU_CAPABILITY", "")
+    if value and value.lower() not in ("default", "avx2", "avx512"):
+        raise ImportError(f"PYPPO_CPU_CAPABILITY must be one of default, avx2, avx512 (or unset); got {value!r}")
+
+
+_check_cpu_capability()
+
 try:
     __version__ = _pkg_version("pyppo")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree

@@ -580,3 +580,11 @@ def test_error_temperature(temperature):
 def test_error_empty_vocab():
     with pytest.raises(ValueError, match="logits|V"):
         gather_logprobs(torch.randn(2, 0), torch.zeros(2, dtype=torch.long))
+
+
+def test_second_derivative_is_an_error_not_silent_zeros():
+    z = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 7, (3,))
+    (g,) = torch.autograd.grad(gather_logprobs(z, y).sum(), z, create_graph=True)
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        g.sum().backward()

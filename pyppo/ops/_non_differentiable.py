@@ -23,3 +23,22 @@ def register_non_differentiable(*qualnames: str) -> None:
     """
     for name in qualnames:
         torch.library.register_autograd(name, _backward, setup_context=_setup_context)
+
+
+def register_once_differentiable(*qualnames: str) -> None:
+    """Make differentiating a backward operator an error instead of a silent zero.
+
+    The gradient kernels (``*_backward``) have no derivative of their own; without an autograd
+    registration, ``create_graph=True`` would record nothing and a second derivative (e.g.
+    ``torch.autograd.gradgradcheck``, Hessian-vector products) would come back as zeros.
+    """
+
+    for name in qualnames:
+
+        def _raise(ctx, *grads, _name=name):
+            raise RuntimeError(
+                f"{_name} is not differentiable: pyppo's ops support first derivatives only "
+                "(backward with create_graph=True, then a second backward, is not supported)"
+            )
+
+        torch.library.register_autograd(name, _raise, setup_context=lambda ctx, inputs, output: None)
