@@ -4,6 +4,7 @@
 // Device-generic: the GEMMs go through ATen (BLAS / cuBLAS) and the softmax part through the
 // pyppo::gather_logprobs kernels of the same device, so one implementation serves CPU and CUDA.
 #include "common.h"
+#include "gather_args.h"
 #include "cpu/kernels/kernels.h"
 
 #include <ATen/ATen.h>
@@ -23,8 +24,8 @@ constexpr int64_t kChunkBytes = int64_t(128) << 20;
 
 struct Flat {
   at::Tensor hidden;  // [N, H]
-  at::Tensor labels;  // [N]
-  at::Tensor mask;    // [N] or undefined
+  at::Tensor labels;  // [N] int64, contiguous
+  at::Tensor mask;    // [N] bool, contiguous, or undefined
   int64_t N, H, V;
 };
 
@@ -39,15 +40,11 @@ Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tenso
                     " but hidden has H = ", hidden.size(-1), "; weight must be [V, H]");
   TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: weight is ",
                     weight.scalar_type(), " but hidden is ", hidden.scalar_type(), "; they must match");
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
-                    "pyppo.linear_logprobs: temperature must be a finite number > 0, got ", temperature);
+  check_temperature(kOp, temperature);
   TORCH_CHECK_VALUE(weight.size(0) > 0, "pyppo.linear_logprobs: weight has an empty vocabulary dimension (V = 0)");
-  TORCH_CHECK_VALUE(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
-                    "pyppo.linear_logprobs: labels must be int64 (or int32), got ", labels.scalar_type());
   TORCH_CHECK_VALUE(labels.sizes() == hidden.sizes().slice(0, hidden.dim() - 1), "pyppo.linear_logprobs: labels has shape ",
                     labels.sizes(), " but hidden has shape ", hidden.sizes(), "; labels must be hidden.shape[:-1]");
   check_same_device(kOp, "weight", weight, hidden, "hidden");
-  check_same_device(kOp, "labels", labels, hidden, "hidden");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "pyppo.linear_logprobs: bias must have shape [V] = [",
                       weight.size(0), "], got ", bias->sizes());
@@ -55,30 +52,19 @@ Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tenso
                       " but hidden is ", hidden.scalar_type());
     check_same_device(kOp, "bias", *bias, hidden, "hidden");
   }
+  GatherInputs g;
+  g.V = weight.size(0);
+  flatten_labels(kOp, labels, mask, hidden, "hidden", g);
+  // Checked once over all tokens, so an error gives the label's index in the whole input rather
+  // than in whichever chunk held it.
+  check_label_range(kOp, g, ignore_index);
   Flat f;
   f.H = hidden.size(-1);
-  f.V = weight.size(0);
-  f.N = labels.numel();
+  f.V = g.V;
+  f.N = g.N;
   f.hidden = hidden.reshape({f.N, f.H});
-  f.labels = labels.reshape({f.N});
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK_VALUE(mask->sizes() == labels.sizes(), "pyppo.linear_logprobs: mask has shape ", mask->sizes(),
-                      " but labels has shape ", labels.sizes(), "; they must match");
-    check_same_device(kOp, "mask", *mask, hidden, "hidden");
-    f.mask = mask->reshape({f.N});
-  }
-  // Checked here, over all tokens, so the error gives the label's index in the whole input
-  // rather than in whichever chunk held it. Device-generic: one host sync on CUDA.
-  if (f.N > 0) {
-    at::Tensor valid = f.labels != ignore_index;
-    if (f.mask.defined()) valid = valid & (f.mask != 0);
-    at::Tensor bad = valid & ((f.labels < 0) | (f.labels >= f.V));
-    if (bad.any().item<bool>()) {
-      const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();
-      TORCH_CHECK_VALUE(false, "pyppo.linear_logprobs: labels[", i, "] = ", f.labels[i].item<int64_t>(),
-                        " is outside [0, V=", f.V, ") at an unmasked position (ignore_index is ", ignore_index, ")");
-    }
-  }
+  f.labels = g.labels;
+  f.mask = g.mask;
   return f;
 }
 
@@ -162,11 +148,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
   // On CPU the gradient overwrites the chunk's logits in place (the row kernel reads each
   // element before writing it), so the backward holds one [C, V] buffer, not two.
   const bool cpu_inplace = hidden.device().is_cpu();
-  at::Tensor lab64, mask_b, g_lp_c, lse_c, g_ent_c, ent_c;
+  at::Tensor g_lp_c, lse_c, g_ent_c, ent_c;
   if (cpu_inplace) {
     const auto acc = out_dtype(hidden);
-    lab64 = f.labels.to(at::kLong).contiguous();
-    if (f.mask.defined()) mask_b = as_bool_mask(kOp, "mask", f.mask);
     g_lp_c = g_lp.to(acc).contiguous();
     lse_c = l.to(acc).contiguous();
     if (has_ent) {
@@ -187,8 +171,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
       ga.row_stride = f.V;
       ga.N = b - a;
       ga.V = f.V;
-      ga.labels = lab64.const_data_ptr<int64_t>() + a;
-      ga.mask = mask_b.defined() ? mask_b.const_data_ptr<bool>() + a : nullptr;
+      ga.labels = f.labels.const_data_ptr<int64_t>() + a;
+      ga.mask = f.mask.defined() ? f.mask.const_data_ptr<bool>() + a : nullptr;
       ga.ignore_index = ignore_index;
       ga.temperature = temperature;
       ga.grad_logprobs = static_cast<const char*>(g_lp_c.const_data_ptr()) + a * esz(g_lp_c);

@@ -1,6 +1,7 @@
 // gather_logprobs on CPU: argument checks and allocation. The row loops live in
 // cpu/kernels/gather_logprobs_kernel.cpp, compiled once per instruction set.
 #include "common.h"
+#include "gather_args.h"
 #include "cpu/kernels/kernels.h"
 
 #include <torch/library.h>
@@ -11,57 +12,11 @@
 namespace pyppo {
 namespace {
 
-constexpr const char* kOp = "gather_logprobs";
-
-struct Prepared {
-  at::Tensor logits;  // [N, V], unit stride along V
-  at::Tensor labels;  // [N] int64, contiguous
-  at::Tensor mask;    // [N] bool or undefined
-  int64_t N = 0, V = 0;
-};
-
-Prepared prepare(const at::Tensor& logits, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
-                 double temperature, int64_t ignore_index) {
-  check_float(kOp, "logits", logits);
-  TORCH_CHECK_VALUE(logits.dim() >= 1, "pyppo.gather_logprobs: logits must have shape [*, V], got a 0-d tensor");
-  TORCH_CHECK_VALUE(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
-                    "pyppo.gather_logprobs: labels must be int64 (or int32), got ", labels.scalar_type());
-  TORCH_CHECK_VALUE(labels.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-                    "pyppo.gather_logprobs: labels has shape ", labels.sizes(), " but logits has shape ",
-                    logits.sizes(), "; labels must be logits.shape[:-1]");
-  check_same_device(kOp, "labels", labels, logits, "logits");
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
-                    "pyppo.gather_logprobs: temperature must be a finite number > 0, got ", temperature);
-  Prepared p;
-  p.V = logits.size(-1);
-  TORCH_CHECK_VALUE(p.V > 0, "pyppo.gather_logprobs: logits has an empty vocabulary dimension (V = 0)");
-  p.N = labels.numel();
-  p.logits = logits.reshape({p.N, p.V});
-  if (p.V > 1 && p.logits.stride(1) != 1) p.logits = p.logits.contiguous();
-  p.labels = labels.reshape({p.N}).to(at::kLong).contiguous();
-  if (mask.has_value() && mask->defined()) {
-    check_same_device(kOp, "mask", *mask, logits, "logits");
-    TORCH_CHECK_VALUE(mask->sizes() == labels.sizes(), "pyppo.gather_logprobs: mask has shape ", mask->sizes(),
-                      " but labels has shape ", labels.sizes(), "; they must match");
-    p.mask = as_bool_mask(kOp, "mask", *mask).reshape({p.N});
-  }
-  // Checked up front and serially: an error thrown from inside a parallel region would name
-  // an arbitrary one of several bad labels, and this scan over N integers costs nothing next to N*V.
-  const int64_t* lab = p.labels.data_ptr<int64_t>();
-  const bool* msk = p.mask.defined() ? p.mask.data_ptr<bool>() : nullptr;
-  for (int64_t i = 0; i < p.N; ++i) {
-    if ((msk && !msk[i]) || lab[i] == ignore_index) continue;
-    TORCH_CHECK_VALUE(lab[i] >= 0 && lab[i] < p.V, "pyppo.gather_logprobs: labels[", i, "] = ", lab[i],
-                      " is outside [0, V=", p.V, ") at an unmasked position (ignore_index is ", ignore_index, ")");
-  }
-  return p;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cpu(const at::Tensor& logits, const at::Tensor& labels,
                                                                   const std::optional<at::Tensor>& mask,
                                                                   double temperature, int64_t ignore_index,
                                                                   bool return_entropy) {
-  Prepared p = prepare(logits, labels, mask, temperature, ignore_index);
+  GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
   auto opts = logits.options().dtype(out_dtype(logits));
   at::Tensor logprobs = at::empty({p.N}, opts);
   at::Tensor lse = at::empty({p.N}, opts);
@@ -91,7 +46,7 @@ at::Tensor gather_logprobs_backward_cpu(const at::Tensor& grad_logprobs, const s
                                         const std::optional<at::Tensor>& mask, const at::Tensor& lse,
                                         const std::optional<at::Tensor>& entropy, double temperature,
                                         int64_t ignore_index) {
-  Prepared p = prepare(logits, labels, mask, temperature, ignore_index);
+  GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
   TORCH_CHECK_VALUE(grad_logprobs.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_logprobs has shape ",
                     grad_logprobs.sizes(), ", expected ", labels.sizes());
   TORCH_CHECK_VALUE(lse.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: lse has shape ", lse.sizes(),

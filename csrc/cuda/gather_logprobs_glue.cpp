@@ -5,6 +5,7 @@
 // device-to-host sync (`bad.any().item()`), plus one more when the mask is a 0/1 number
 // tensor rather than bool (common.h's as_bool_mask). An error costs a few more, only then.
 #include "cuda/glue.h"
+#include "gather_args.h"
 
 #include <torch/library.h>
 
@@ -17,59 +18,11 @@ using namespace cuda_glue;
 
 constexpr const char* kOp = "gather_logprobs";
 
-struct Prepared {
-  at::Tensor logits;  // [N, V], unit stride along V
-  at::Tensor labels;  // [N] int64, contiguous
-  at::Tensor mask;    // [N] bool or undefined
-  int64_t N = 0, V = 0;
-};
-
-Prepared prepare(const at::Tensor& logits, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
-                 double temperature, int64_t ignore_index) {
-  check_float(kOp, "logits", logits);
-  TORCH_CHECK_VALUE(logits.dim() >= 1, "pyppo.gather_logprobs: logits must have shape [*, V], got a 0-d tensor");
-  TORCH_CHECK_VALUE(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
-                    "pyppo.gather_logprobs: labels must be int64 (or int32), got ", labels.scalar_type());
-  TORCH_CHECK_VALUE(labels.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-                    "pyppo.gather_logprobs: labels has shape ", labels.sizes(), " but logits has shape ",
-                    logits.sizes(), "; labels must be logits.shape[:-1]");
-  check_same_device(kOp, "labels", labels, logits, "logits");
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0,
-                    "pyppo.gather_logprobs: temperature must be a finite number > 0, got ", temperature);
-  Prepared p;
-  p.V = logits.size(-1);
-  TORCH_CHECK_VALUE(p.V > 0, "pyppo.gather_logprobs: logits has an empty vocabulary dimension (V = 0)");
-  p.N = labels.numel();
-  p.logits = logits.reshape({p.N, p.V});
-  if (p.V > 1 && p.logits.stride(1) != 1) p.logits = p.logits.contiguous();
-  p.labels = labels.reshape({p.N}).to(at::kLong).contiguous();
-  if (mask.has_value() && mask->defined()) {
-    check_same_device(kOp, "mask", *mask, logits, "logits");
-    TORCH_CHECK_VALUE(mask->sizes() == labels.sizes(), "pyppo.gather_logprobs: mask has shape ", mask->sizes(),
-                      " but labels has shape ", labels.sizes(), "; they must match");
-    p.mask = as_bool_mask(kOp, "mask", *mask).reshape({p.N});
-  }
-  // An unmasked label outside [0, V) is an error, and the kernel reads logits[label]: check on
-  // the device, read one flag back (one sync), and find the first bad label only on error.
-  if (p.N > 0) {
-    at::Tensor active = p.labels.ne(ignore_index);
-    if (p.mask.defined()) active = active.logical_and(p.mask);
-    at::Tensor bad = p.labels.lt(0).logical_or(p.labels.ge(p.V)).logical_and(active);
-    if (bad.any().item<bool>()) {
-      const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();  // row-major order: the first
-      const int64_t v = p.labels[i].item<int64_t>();
-      TORCH_CHECK_VALUE(false, "pyppo.gather_logprobs: labels[", i, "] = ", v, " is outside [0, V=", p.V,
-                        ") at an unmasked position (ignore_index is ", ignore_index, ")");
-    }
-  }
-  return p;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cuda(const at::Tensor& logits, const at::Tensor& labels,
                                                                    const std::optional<at::Tensor>& mask,
                                                                    double temperature, int64_t ignore_index,
                                                                    bool return_entropy) {
-  Prepared p = prepare(logits, labels, mask, temperature, ignore_index);
+  GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
   const c10::cuda::CUDAGuard guard(logits.device());
   auto opts = logits.options().dtype(out_dtype(logits));
   at::Tensor logprobs = at::empty({p.N}, opts);
@@ -101,7 +54,7 @@ at::Tensor gather_logprobs_backward_cuda(const at::Tensor& grad_logprobs, const 
                                          const std::optional<at::Tensor>& mask, const at::Tensor& lse,
                                          const std::optional<at::Tensor>& entropy, double temperature,
                                          int64_t ignore_index) {
-  Prepared p = prepare(logits, labels, mask, temperature, ignore_index);
+  GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
   TORCH_CHECK_VALUE(grad_logprobs.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_logprobs has shape ",
                     grad_logprobs.sizes(), ", expected ", labels.sizes());
   TORCH_CHECK_VALUE(lse.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: lse has shape ", lse.sizes(),
