@@ -1,5 +1,6 @@
 // Generalized Advantage Estimation on CPU: one right-to-left scan per row, rows in parallel.
 #include "common.h"
+#include "op_args.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -14,28 +15,14 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::
                                            const at::Tensor& response_mask, double gamma, double lam,
                                            const std::optional<at::Tensor>& last_values) {
   const char* op = "gae";
-  check_float(op, "rewards", rewards);
-  check_float(op, "values", values);
-  as_2d(op, "rewards", rewards);
-  check_same_shape(op, "values", values, rewards, "rewards");
-  check_same_shape(op, "response_mask", response_mask, rewards, "rewards");
-  check_same_device(op, "values", values, rewards, "rewards");
-  check_same_device(op, "response_mask", response_mask, rewards, "rewards");
-  TORCH_CHECK_VALUE(gamma >= 0 && gamma <= 1, "pyppo.gae: gamma must be in [0, 1], got ", gamma);
-  TORCH_CHECK_VALUE(lam >= 0 && lam <= 1, "pyppo.gae: lam must be in [0, 1], got ", lam);
+  check_gae_inputs(rewards, values, response_mask, gamma, lam, last_values);
   const int64_t B = rewards.size(0), T = rewards.size(1);
   const auto acc = out_dtype(rewards);
   at::Tensor r = rewards.to(acc).contiguous();
   at::Tensor v = values.to(acc).contiguous();
   at::Tensor mask = as_bool_mask(op, "response_mask", response_mask);
   at::Tensor boot;
-  if (last_values.has_value() && last_values->defined()) {
-    check_float(op, "last_values", *last_values);
-    check_same_device(op, "last_values", *last_values, rewards, "rewards");
-    TORCH_CHECK_VALUE(last_values->dim() == 1 && last_values->size(0) == B, "pyppo.gae: last_values must have shape [B] = [",
-                      B, "], got ", last_values->sizes());
-    boot = last_values->to(acc).contiguous();
-  }
+  if (last_values.has_value() && last_values->defined()) boot = last_values->to(acc).contiguous();
   at::Tensor adv = at::empty({B, T}, r.options());
   at::Tensor ret = at::empty({B, T}, r.options());
   AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_gae", [&] {

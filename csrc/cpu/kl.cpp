@@ -1,7 +1,7 @@
 // kl_penalty (and its backward) and shape_rewards on CPU.
 #include "common.h"
 #include "kl_estimators.h"
-#include "kl_args.h"
+#include "op_args.h"
 #include "cpu/kernels/kernels.h"
 
 #include <ATen/Dispatch.h>
@@ -36,10 +36,7 @@ cpu::KLArgs kl_args(at::ScalarType acc, KLEstimator est, const KLClamp& c, const
 at::Tensor kl_penalty_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator,
                           std::optional<double> clamp_min, std::optional<double> clamp_max) {
   const char* op = "kl_penalty";
-  check_float(op, "logprobs", logprobs);
-  check_float(op, "ref_logprobs", ref_logprobs);
-  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  check_same_device(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
+  check_kl_inputs(op, logprobs, ref_logprobs);
   const KLEstimator est = parse_estimator(op, estimator);
   const KLClamp c = make_clamp(op, clamp_min, clamp_max);
   const auto acc = out_dtype(logprobs);
@@ -74,21 +71,7 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cpu(const at::Tensor& scores, c
                                                      double kl_coef, c10::string_view estimator,
                                                      std::optional<double> score_clip) {
   const char* op = "shape_rewards";
-  check_float(op, "logprobs", logprobs);
-  check_float(op, "ref_logprobs", ref_logprobs);
-  check_float(op, "scores", scores);
-  as_2d(op, "logprobs", logprobs);
-  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  check_same_shape(op, "response_mask", response_mask, logprobs, "logprobs");
-  TORCH_CHECK_VALUE(scores.dim() == 1 && scores.size(0) == logprobs.size(0), "pyppo.shape_rewards: scores must have shape [B] = [",
-                    logprobs.size(0), "], got ", scores.sizes());
-  check_same_device(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  check_same_device(op, "response_mask", response_mask, logprobs, "logprobs");
-  check_same_device(op, "scores", scores, logprobs, "logprobs");
-  TORCH_CHECK_VALUE(std::isfinite(kl_coef) && kl_coef >= 0, "pyppo.shape_rewards: kl_coef must be a finite number >= 0, got ",
-                    kl_coef);
-  TORCH_CHECK_VALUE(!score_clip.has_value() || (*score_clip > 0 && !std::isnan(*score_clip)),
-                    "pyppo.shape_rewards: score_clip must be > 0 (or None), got ", score_clip.value_or(0));
+  check_shape_rewards_inputs(scores, logprobs, ref_logprobs, response_mask, kl_coef, score_clip);
   const KLEstimator est = parse_estimator(op, estimator);
   const int64_t B = logprobs.size(0), T = logprobs.size(1);
   const auto acc = out_dtype(logprobs);

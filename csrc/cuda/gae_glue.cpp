@@ -1,6 +1,7 @@
 // ATen glue of gae on CUDA (kernels in gae.cu). No host sync, except the one common.h's
 // as_bool_mask does for a response_mask that is a 0/1 number tensor rather than bool.
 #include "cuda/glue.h"
+#include "op_args.h"
 
 #include <torch/library.h>
 
@@ -13,15 +14,7 @@ std::tuple<at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rewards, const at:
                                             const at::Tensor& response_mask, double gamma, double lam,
                                             const std::optional<at::Tensor>& last_values) {
   const char* op = "gae";
-  check_float(op, "rewards", rewards);
-  check_float(op, "values", values);
-  as_2d(op, "rewards", rewards);
-  check_same_shape(op, "values", values, rewards, "rewards");
-  check_same_shape(op, "response_mask", response_mask, rewards, "rewards");
-  check_same_device(op, "values", values, rewards, "rewards");
-  check_same_device(op, "response_mask", response_mask, rewards, "rewards");
-  TORCH_CHECK_VALUE(gamma >= 0 && gamma <= 1, "pyppo.gae: gamma must be in [0, 1], got ", gamma);
-  TORCH_CHECK_VALUE(lam >= 0 && lam <= 1, "pyppo.gae: lam must be in [0, 1], got ", lam);
+  check_gae_inputs(rewards, values, response_mask, gamma, lam, last_values);
   const int64_t B = rewards.size(0), T = rewards.size(1);
   const auto acc = out_dtype(rewards);
   const c10::cuda::CUDAGuard guard(rewards.device());
@@ -29,13 +22,7 @@ std::tuple<at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rewards, const at:
   at::Tensor v = values.to(acc).contiguous();
   at::Tensor mask = as_bool_mask(op, "response_mask", response_mask);
   at::Tensor boot;
-  if (last_values.has_value() && last_values->defined()) {
-    check_float(op, "last_values", *last_values);
-    check_same_device(op, "last_values", *last_values, rewards, "rewards");
-    TORCH_CHECK_VALUE(last_values->dim() == 1 && last_values->size(0) == B, "pyppo.gae: last_values must have shape [B] = [",
-                      B, "], got ", last_values->sizes());
-    boot = last_values->to(acc).contiguous();
-  }
+  if (last_values.has_value() && last_values->defined()) boot = last_values->to(acc).contiguous();
   at::Tensor adv = at::empty({B, T}, r.options());
   at::Tensor ret = at::empty({B, T}, r.options());
   if (B > 0 && T > 0) {

@@ -1,6 +1,6 @@
 // Helpers shared by the ATen glue of the CUDA kernels (csrc/cuda/*_glue.cpp): dtype mapping,
 // the current stream, launch error checks. The glue does the argument checks (with the CPU
-// kernels' messages, from common.h and kl_args.h) and the conversions; the kernels behind
+// kernels' messages, from common.h and op_args.h) and the conversions; the kernels behind
 // cuda/params.h see raw pointers only.
 //
 // Only c10/cuda headers are used (the same stream as at::cuda::getCurrentCUDAStream(), which

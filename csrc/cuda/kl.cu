@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(kThreads) shape_rewards_kernel(const ShapeRewa
       bool sat;
       const T k = kl_value<T>(p.estimator, lp[i], ref[i], no_clamp, &sat);
       kl[i] = k;
-      T r = -coef * k;
+      // kl_coef = 0 switches the penalty off even where the estimate overflowed (0 * inf = NaN).
+      T r = coef == T(0) ? T(0) : -coef * k;
       if (t == last) r += score;  // as the CPU kernel: rewards[last] = -coef * kl + score
       rw[i] = r;
     }

@@ -5,7 +5,7 @@
 // finite. Both are computed on the device and read back together (one sync), plus one more
 // when response_mask is a 0/1 number tensor rather than bool (common.h's as_bool_mask).
 #include "cuda/glue.h"
-#include "kl_args.h"
+#include "op_args.h"
 
 #include <torch/library.h>
 
@@ -19,10 +19,7 @@ using namespace cuda_glue;
 at::Tensor kl_penalty_cuda(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator,
                            std::optional<double> clamp_min, std::optional<double> clamp_max) {
   const char* op = "kl_penalty";
-  check_float(op, "logprobs", logprobs);
-  check_float(op, "ref_logprobs", ref_logprobs);
-  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  check_same_device(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
+  check_kl_inputs(op, logprobs, ref_logprobs);
   const KLEstimator est = parse_estimator(op, estimator);
   const KLClamp c = make_clamp(op, clamp_min, clamp_max);
   const c10::cuda::CUDAGuard guard(logprobs.device());
@@ -78,21 +75,7 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cuda(const at::Tensor& scores, 
                                                       double kl_coef, c10::string_view estimator,
                                                       std::optional<double> score_clip) {
   const char* op = "shape_rewards";
-  check_float(op, "logprobs", logprobs);
-  check_float(op, "ref_logprobs", ref_logprobs);
-  check_float(op, "scores", scores);
-  as_2d(op, "logprobs", logprobs);
-  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  check_same_shape(op, "response_mask", response_mask, logprobs, "logprobs");
-  TORCH_CHECK_VALUE(scores.dim() == 1 && scores.size(0) == logprobs.size(0), "pyppo.shape_rewards: scores must have shape [B] = [",
-                    logprobs.size(0), "], got ", scores.sizes());
-  check_same_device(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  check_same_device(op, "response_mask", response_mask, logprobs, "logprobs");
-  check_same_device(op, "scores", scores, logprobs, "logprobs");
-  TORCH_CHECK_VALUE(std::isfinite(kl_coef) && kl_coef >= 0, "pyppo.shape_rewards: kl_coef must be a finite number >= 0, got ",
-                    kl_coef);
-  TORCH_CHECK_VALUE(!score_clip.has_value() || (*score_clip > 0 && !std::isnan(*score_clip)),
-                    "pyppo.shape_rewards: score_clip must be > 0 (or None), got ", score_clip.value_or(0));
+  check_shape_rewards_inputs(scores, logprobs, ref_logprobs, response_mask, kl_coef, score_clip);
   const KLEstimator est = parse_estimator(op, estimator);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const int64_t B = logprobs.size(0), T = logprobs.size(1);
