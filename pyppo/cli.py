@@ -176,6 +176,16 @@ def _read_toml(path: Path, what: str) -> dict:
         raise CLIError(f"{what} {str(path)!r}: invalid TOML: {exc}") from None
 
 
+def _same_source(a: str, b) -> bool:
+    """Whether two model/reward/prompts specs name the same thing (paths compared resolved)."""
+    if not isinstance(b, str):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() or pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
 def _coerce(value, default):
     """Fit a TOML value to the field's default type where TOML cannot say it (1 -> 1.0, list -> tuple)."""
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -234,8 +244,14 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         merged.update(_check_keys(_read_toml(path, "--config"), mapping, str(path)))
     for key in RUN_KEYS:
         value = getattr(args, key)
-        if value is not None:
-            merged[key] = value
+        if value is None:
+            continue
+        # A resumed run continues the same model, reward and prompts: switching them mid-run
+        # would make its checkpoint and its config.toml describe different experiments.
+        if resume_dir is not None and key in resumed and not _same_source(value, resumed[key]):
+            raise CLIError(f"--{key} {value!r} differs from the resumed run's {key} {resumed[key]!r}; "
+                           "start a new run (--output) to change it")
+        merged[key] = value
     for flag in FLAG_FIELDS:
         value = getattr(args, flag)
         if value is None:

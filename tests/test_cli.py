@@ -171,8 +171,14 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
     assert cli.main(argv) == 2
     assert "already holds a run" in _error_line(capsys)
 
+    # A resumed run keeps its model, reward and prompts: a different one is refused before
+    # anything is loaded or written; naming the same one (any spelling of the path) is fine.
+    config_before = (out / "config.toml").read_text()
+    assert cli.main(["train", "--resume", str(out), "--steps", "3", "--reward", "other:fn"]) == 2
+    assert "--reward" in _error_line(capsys) and (out / "config.toml").read_text() == config_before
+
     # Resume for one more step: same directory, metrics appended, config updated.
-    assert cli.main(["train", "--resume", str(out), "--steps", "3"]) == 0
+    assert cli.main(["train", "--resume", str(out), "--steps", "3", "--model", str(tiny_dir)]) == 0
     capsys.readouterr()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
