@@ -83,4 +83,44 @@ inline GatherInputs prepare_gather(const at::Tensor& logits, const at::Tensor& l
   return g;
 }
 
+// gather_logprobs_backward's inputs: the forward's checks, then the gradients and saved outputs
+// checked against labels and flattened to contiguous [N] tensors of the accumulation dtype.
+struct GatherBackwardInputs {
+  GatherInputs fwd;
+  at::Tensor grad_logprobs, lse;   // [N]
+  at::Tensor grad_entropy, entropy;  // [N], or undefined when no entropy gradient flows
+};
+
+inline GatherBackwardInputs prepare_gather_backward(const at::Tensor& grad_logprobs,
+                                                    const std::optional<at::Tensor>& grad_entropy,
+                                                    const at::Tensor& logits, const at::Tensor& labels,
+                                                    const std::optional<at::Tensor>& mask, const at::Tensor& lse,
+                                                    const std::optional<at::Tensor>& entropy, double temperature,
+                                                    int64_t ignore_index) {
+  const char* op = "gather_logprobs_backward";
+  GatherBackwardInputs b;
+  b.fwd = prepare_gather(logits, labels, mask, temperature, ignore_index);
+  TORCH_CHECK_VALUE(grad_logprobs.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_logprobs has shape ",
+                    grad_logprobs.sizes(), ", expected ", labels.sizes());
+  TORCH_CHECK_VALUE(lse.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: lse has shape ", lse.sizes(),
+                    ", expected ", labels.sizes());
+  check_same_device(op, "grad_logprobs", grad_logprobs, logits, "logits");
+  check_same_device(op, "lse", lse, logits, "logits");
+  const int64_t N = b.fwd.N;
+  const auto acc = out_dtype(logits);
+  b.grad_logprobs = grad_logprobs.to(acc).reshape({N}).contiguous();
+  b.lse = lse.to(acc).reshape({N}).contiguous();
+  if (grad_entropy.has_value() && grad_entropy->defined()) {
+    TORCH_CHECK_VALUE(grad_entropy->sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_entropy has shape ",
+                      grad_entropy->sizes(), ", expected ", labels.sizes());
+    TORCH_CHECK_VALUE(entropy.has_value() && entropy->defined() && entropy->sizes() == labels.sizes(),
+                      "pyppo.gather_logprobs_backward: grad_entropy given but entropy (the forward's output) is missing");
+    check_same_device(op, "grad_entropy", *grad_entropy, logits, "logits");
+    check_same_device(op, "entropy", *entropy, logits, "logits");
+    b.grad_entropy = grad_entropy->to(acc).reshape({N}).contiguous();
+    b.entropy = entropy->to(acc).reshape({N}).contiguous();
+  }
+  return b;
+}
+
 }  // namespace pyppo

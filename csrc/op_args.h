@@ -1,5 +1,6 @@
-// Argument checks of kl_penalty, shape_rewards and gae, and the parsing of the estimator name
-// and clamp bounds, shared by the CPU and CUDA glue so both raise the same errors.
+// Argument checks of kl_penalty, shape_rewards, gae and the masked statistics, and the parsing
+// of the KL estimator name and clamp bounds, shared by the CPU and CUDA glue so both raise the
+// same errors.
 #pragma once
 
 #include "common.h"
@@ -85,6 +86,27 @@ inline void check_gae_inputs(const at::Tensor& rewards, const at::Tensor& values
     TORCH_CHECK_VALUE(last_values->dim() == 1 && last_values->size(0) == rewards.size(0),
                       "pyppo.gae: last_values must have shape [B] = [", rewards.size(0), "], got ", last_values->sizes());
   }
+}
+
+// masked_mean / masked_var / masked_whiten: x and its mask, contiguous, x in the accumulation dtype.
+struct MaskedInputs {
+  at::Tensor x;     // contiguous, accumulation dtype
+  at::Tensor mask;  // contiguous bool
+};
+
+inline MaskedInputs prepare_masked(const char* op, const at::Tensor& x, const at::Tensor& mask) {
+  check_float(op, "x", x);
+  check_same_shape(op, "mask", mask, x, "x");
+  check_same_device(op, "mask", mask, x, "x");
+  return {x.to(out_dtype(x)).contiguous(), as_bool_mask(op, "mask", mask)};
+}
+
+// Too few masked-in elements is an error, not a NaN: none for a mean, fewer than 2 for an
+// unbiased variance.
+inline void check_masked_count(const char* op, int64_t count, bool need_var, bool unbiased) {
+  TORCH_CHECK_VALUE(count > 0, "pyppo.", op, ": mask selects no element of x (all masked)");
+  TORCH_CHECK_VALUE(!need_var || !unbiased || count > 1, "pyppo.", op,
+                    ": the unbiased variance needs at least 2 valid elements, mask selects ", count);
 }
 
 }  // namespace pyppo

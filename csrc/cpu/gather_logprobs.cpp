@@ -46,26 +46,9 @@ at::Tensor gather_logprobs_backward_cpu(const at::Tensor& grad_logprobs, const s
                                         const std::optional<at::Tensor>& mask, const at::Tensor& lse,
                                         const std::optional<at::Tensor>& entropy, double temperature,
                                         int64_t ignore_index) {
-  GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
-  TORCH_CHECK_VALUE(grad_logprobs.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_logprobs has shape ",
-                    grad_logprobs.sizes(), ", expected ", labels.sizes());
-  TORCH_CHECK_VALUE(lse.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: lse has shape ", lse.sizes(),
-                    ", expected ", labels.sizes());
-  const bool has_ent_grad = grad_entropy.has_value() && grad_entropy->defined();
-  if (has_ent_grad) {
-    TORCH_CHECK_VALUE(grad_entropy->sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_entropy has shape ",
-                      grad_entropy->sizes(), ", expected ", labels.sizes());
-    TORCH_CHECK_VALUE(entropy.has_value() && entropy->defined() && entropy->sizes() == labels.sizes(),
-                      "pyppo.gather_logprobs_backward: grad_entropy given but entropy (the forward's output) is missing");
-  }
-  const auto acc_dtype = out_dtype(logits);
-  at::Tensor g_lp = grad_logprobs.to(acc_dtype).reshape({p.N}).contiguous();
-  at::Tensor lse_c = lse.to(acc_dtype).reshape({p.N}).contiguous();
-  at::Tensor g_ent, ent_c;
-  if (has_ent_grad) {
-    g_ent = grad_entropy->to(acc_dtype).reshape({p.N}).contiguous();
-    ent_c = entropy->to(acc_dtype).reshape({p.N}).contiguous();
-  }
+  GatherBackwardInputs b =
+      prepare_gather_backward(grad_logprobs, grad_entropy, logits, labels, mask, lse, entropy, temperature, ignore_index);
+  const GatherInputs& p = b.fwd;
   at::Tensor grad = at::empty({p.N, p.V}, logits.options().memory_format(at::MemoryFormat::Contiguous));
   if (p.N > 0) {
     cpu::GatherBwdArgs a;
@@ -78,10 +61,10 @@ at::Tensor gather_logprobs_backward_cpu(const at::Tensor& grad_logprobs, const s
     a.mask = p.mask.defined() ? p.mask.const_data_ptr<bool>() : nullptr;
     a.ignore_index = ignore_index;
     a.temperature = temperature;
-    a.grad_logprobs = g_lp.const_data_ptr();
-    a.grad_entropy = has_ent_grad ? g_ent.const_data_ptr() : nullptr;
-    a.lse = lse_c.const_data_ptr();
-    a.entropy = has_ent_grad ? ent_c.const_data_ptr() : nullptr;
+    a.grad_logprobs = b.grad_logprobs.const_data_ptr();
+    a.grad_entropy = b.grad_entropy.defined() ? b.grad_entropy.const_data_ptr() : nullptr;
+    a.lse = b.lse.const_data_ptr();
+    a.entropy = b.entropy.defined() ? b.entropy.const_data_ptr() : nullptr;
     a.grad_logits = grad.data_ptr();
     cpu::cpu_kernels().gather_bwd(a);
   }

@@ -3,6 +3,7 @@
 // Whole-tensor reductions are summed in fixed blocks of kBlock elements whose partial sums
 // are then added in block order: the result is the same bits whatever the thread count.
 #include "common.h"
+#include "op_args.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -69,28 +70,14 @@ double masked_sq_dev(const T* x, const bool* m, int64_t n, double mean) {
   return out;
 }
 
-struct Prepared {
-  at::Tensor x;     // contiguous, accumulation dtype
-  at::Tensor mask;  // contiguous bool
-};
-
-Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& mask) {
-  check_float(op, "x", x);
-  check_same_shape(op, "mask", mask, x, "x");
-  check_same_device(op, "mask", mask, x, "x");
-  return {x.to(out_dtype(x)).contiguous(), as_bool_mask(op, "mask", mask)};
-}
-
 // Mean and variance of the masked-in elements; errors (not NaN) when there are too few.
-std::pair<double, double> mean_var(const char* op, const Prepared& p, bool unbiased) {
+std::pair<double, double> mean_var(const char* op, const MaskedInputs& p, bool unbiased) {
   double mean = 0, var = 0;
   AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_var", [&] {
     const scalar_t* x = p.x.data_ptr<scalar_t>();
     const bool* m = p.mask.data_ptr<bool>();
     Moments mo = masked_sum(x, m, p.x.numel());
-    TORCH_CHECK_VALUE(mo.count > 0, "pyppo.", op, ": mask selects no element of x (all masked)");
-    TORCH_CHECK_VALUE(!unbiased || mo.count > 1, "pyppo.", op,
-                      ": the unbiased variance needs at least 2 valid elements, mask selects ", mo.count);
+    check_masked_count(op, mo.count, true, unbiased);
     mean = mo.sum / static_cast<double>(mo.count);
     var = masked_sq_dev(x, m, p.x.numel(), mean) / static_cast<double>(unbiased ? mo.count - 1 : mo.count);
   });
@@ -99,12 +86,12 @@ std::pair<double, double> mean_var(const char* op, const Prepared& p, bool unbia
 
 at::Tensor masked_mean_cpu(const at::Tensor& x, const at::Tensor& mask, std::optional<int64_t> dim) {
   const char* op = "masked_mean";
-  Prepared p = prepare(op, x, mask);
+  MaskedInputs p = prepare_masked(op, x, mask);
   if (!dim.has_value()) {
     at::Tensor out = at::empty({}, p.x.options());
     AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_mean", [&] {
       Moments mo = masked_sum(p.x.data_ptr<scalar_t>(), p.mask.data_ptr<bool>(), p.x.numel());
-      TORCH_CHECK_VALUE(mo.count > 0, "pyppo.masked_mean: mask selects no element of x (all masked)");
+      check_masked_count("masked_mean", mo.count, false, false);
       out.fill_(mo.sum / static_cast<double>(mo.count));
     });
     return out;
@@ -148,7 +135,7 @@ at::Tensor masked_mean_cpu(const at::Tensor& x, const at::Tensor& mask, std::opt
 }
 
 at::Tensor masked_var_cpu(const at::Tensor& x, const at::Tensor& mask, bool unbiased) {
-  Prepared p = prepare("masked_var", x, mask);
+  MaskedInputs p = prepare_masked("masked_var", x, mask);
   auto mv = mean_var("masked_var", p, unbiased);
   return at::full({}, mv.second, p.x.options());
 }
@@ -156,7 +143,7 @@ at::Tensor masked_var_cpu(const at::Tensor& x, const at::Tensor& mask, bool unbi
 at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, bool unbiased, double eps) {
   const char* op = "masked_whiten";
   TORCH_CHECK_VALUE(eps >= 0 && std::isfinite(eps), "pyppo.masked_whiten: eps must be a finite number >= 0, got ", eps);
-  Prepared p = prepare(op, x, mask);
+  MaskedInputs p = prepare_masked(op, x, mask);
   auto [mean, var] = mean_var(op, p, unbiased);
   const double inv_std = 1.0 / std::sqrt(var + eps);
   TORCH_CHECK_VALUE(std::isfinite(inv_std), "pyppo.masked_whiten: the masked variance is ", var, " and eps is ", eps,

@@ -54,31 +54,10 @@ at::Tensor gather_logprobs_backward_cuda(const at::Tensor& grad_logprobs, const 
                                          const std::optional<at::Tensor>& mask, const at::Tensor& lse,
                                          const std::optional<at::Tensor>& entropy, double temperature,
                                          int64_t ignore_index) {
-  GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
-  TORCH_CHECK_VALUE(grad_logprobs.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_logprobs has shape ",
-                    grad_logprobs.sizes(), ", expected ", labels.sizes());
-  TORCH_CHECK_VALUE(lse.sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: lse has shape ", lse.sizes(),
-                    ", expected ", labels.sizes());
-  const bool has_ent_grad = grad_entropy.has_value() && grad_entropy->defined();
-  if (has_ent_grad) {
-    TORCH_CHECK_VALUE(grad_entropy->sizes() == labels.sizes(), "pyppo.gather_logprobs_backward: grad_entropy has shape ",
-                      grad_entropy->sizes(), ", expected ", labels.sizes());
-    TORCH_CHECK_VALUE(entropy.has_value() && entropy->defined() && entropy->sizes() == labels.sizes(),
-                      "pyppo.gather_logprobs_backward: grad_entropy given but entropy (the forward's output) is missing");
-  }
-  check_same_device("gather_logprobs_backward", "grad_logprobs", grad_logprobs, logits, "logits");
-  check_same_device("gather_logprobs_backward", "lse", lse, logits, "logits");
+  GatherBackwardInputs b =
+      prepare_gather_backward(grad_logprobs, grad_entropy, logits, labels, mask, lse, entropy, temperature, ignore_index);
+  const GatherInputs& p = b.fwd;
   const c10::cuda::CUDAGuard guard(logits.device());
-  const auto acc_dtype = out_dtype(logits);
-  at::Tensor g_lp = grad_logprobs.to(acc_dtype).reshape({p.N}).contiguous();
-  at::Tensor lse_c = lse.to(acc_dtype).reshape({p.N}).contiguous();
-  at::Tensor g_ent, ent_c;
-  if (has_ent_grad) {
-    check_same_device("gather_logprobs_backward", "grad_entropy", *grad_entropy, logits, "logits");
-    check_same_device("gather_logprobs_backward", "entropy", *entropy, logits, "logits");
-    g_ent = grad_entropy->to(acc_dtype).reshape({p.N}).contiguous();
-    ent_c = entropy->to(acc_dtype).reshape({p.N}).contiguous();
-  }
   at::Tensor grad = at::empty({p.N, p.V}, logits.options());
   if (p.N > 0) {
     cuda::GatherBwdParams k;
@@ -91,10 +70,10 @@ at::Tensor gather_logprobs_backward_cuda(const at::Tensor& grad_logprobs, const 
     k.mask = ptr_or_null<bool>(p.mask);
     k.ignore_index = ignore_index;
     k.temperature = temperature;
-    k.grad_logprobs = g_lp.const_data_ptr();
-    k.grad_entropy = has_ent_grad ? g_ent.const_data_ptr() : nullptr;
-    k.lse = lse_c.const_data_ptr();
-    k.entropy = has_ent_grad ? ent_c.const_data_ptr() : nullptr;
+    k.grad_logprobs = b.grad_logprobs.const_data_ptr();
+    k.grad_entropy = b.grad_entropy.defined() ? b.grad_entropy.const_data_ptr() : nullptr;
+    k.lse = b.lse.const_data_ptr();
+    k.entropy = b.entropy.defined() ? b.entropy.const_data_ptr() : nullptr;
     k.grad_logits = grad.mutable_data_ptr();
     k.stream = current_stream();
     check_launch("gather_logprobs_backward", cuda::launch_gather_logprobs_bwd(k));

@@ -6,6 +6,7 @@
 // every kernel is queued; plus one when the mask is a 0/1 number tensor rather than bool
 // (common.h's as_bool_mask). On an error the queued results are discarded.
 #include "cuda/glue.h"
+#include "op_args.h"
 
 #include <torch/library.h>
 
@@ -17,20 +18,8 @@ namespace {
 
 using namespace cuda_glue;
 
-struct Prepared {
-  at::Tensor x;     // contiguous, accumulation dtype
-  at::Tensor mask;  // contiguous bool
-};
-
-Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& mask) {
-  check_float(op, "x", x);
-  check_same_shape(op, "mask", mask, x, "x");
-  check_same_device(op, "mask", mask, x, "x");
-  return {x.to(out_dtype(x)).contiguous(), as_bool_mask(op, "mask", mask)};
-}
-
 // Queues the sum/count (and, if with_var, the variance) kernels; returns stats[4] on the device.
-at::Tensor queue_stats(const char* op, const Prepared& p, bool with_var, bool unbiased) {
+at::Tensor queue_stats(const char* op, const MaskedInputs& p, bool with_var, bool unbiased) {
   const int64_t n = p.x.numel();
   auto dopts = p.x.options().dtype(at::kDouble);
   at::Tensor stats = at::empty({4}, dopts);
@@ -49,23 +38,14 @@ at::Tensor queue_stats(const char* op, const Prepared& p, bool with_var, bool un
   return stats;
 }
 
-// The CPU kernel's count errors, from the stats read back to the host.
-void check_counts(const char* op, double count, bool need_var, bool unbiased) {
-  TORCH_CHECK_VALUE(count > 0, "pyppo.", op, ": mask selects no element of x (all masked)");
-  if (need_var)
-    TORCH_CHECK_VALUE(!unbiased || count > 1, "pyppo.", op,
-                      ": the unbiased variance needs at least 2 valid elements, mask selects ",
-                      static_cast<int64_t>(count));
-}
-
 at::Tensor masked_mean_cuda(const at::Tensor& x, const at::Tensor& mask, std::optional<int64_t> dim) {
   const char* op = "masked_mean";
-  Prepared p = prepare(op, x, mask);
+  MaskedInputs p = prepare_masked(op, x, mask);
   const c10::cuda::CUDAGuard guard(x.device());
   if (!dim.has_value()) {
     at::Tensor stats = queue_stats(op, p, /*with_var=*/false, /*unbiased=*/false);
     at::Tensor host = stats.cpu();  // the one sync
-    check_counts(op, host.const_data_ptr<double>()[1], false, false);
+    check_masked_count(op, static_cast<int64_t>(host.const_data_ptr<double>()[1]), false, false);
     return stats.select(0, 2).to(p.x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
   TORCH_CHECK_VALUE(x.dim() > 0, "pyppo.masked_mean: dim given for a 0-d x");
@@ -102,18 +82,18 @@ at::Tensor masked_mean_cuda(const at::Tensor& x, const at::Tensor& mask, std::op
 
 at::Tensor masked_var_cuda(const at::Tensor& x, const at::Tensor& mask, bool unbiased) {
   const char* op = "masked_var";
-  Prepared p = prepare(op, x, mask);
+  MaskedInputs p = prepare_masked(op, x, mask);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor stats = queue_stats(op, p, /*with_var=*/true, unbiased);
   at::Tensor host = stats.cpu();  // the one sync
-  check_counts(op, host.const_data_ptr<double>()[1], true, unbiased);
+  check_masked_count(op, static_cast<int64_t>(host.const_data_ptr<double>()[1]), true, unbiased);
   return stats.select(0, 3).to(p.x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
 at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, bool unbiased, double eps) {
   const char* op = "masked_whiten";
   TORCH_CHECK_VALUE(eps >= 0 && std::isfinite(eps), "pyppo.masked_whiten: eps must be a finite number >= 0, got ", eps);
-  Prepared p = prepare(op, x, mask);
+  MaskedInputs p = prepare_masked(op, x, mask);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor stats = queue_stats(op, p, /*with_var=*/true, unbiased);
   at::Tensor out = at::empty(x.sizes(), p.x.options());
@@ -130,7 +110,7 @@ at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool 
   check_launch(op, cuda::launch_masked_whiten(k));
   at::Tensor host = stats.cpu();  // the one sync
   const double* h = host.const_data_ptr<double>();
-  check_counts(op, h[1], true, unbiased);
+  check_masked_count(op, static_cast<int64_t>(h[1]), true, unbiased);
   const double var = h[3];
   const double inv_std = 1.0 / std::sqrt(var + eps);
   TORCH_CHECK_VALUE(std::isfinite(inv_std), "pyppo.masked_whiten: the masked variance is ", var, " and eps is ", eps,
