@@ -841,9 +841,9 @@ class PPOTrainer:
                     old_logprobs[ix] = lp
                     entropy[ix] = ent
                 with timer.phase("ref_forward"):
-                    # return_entropy=True as for the policy: identical op flags make the step-1 KL
-                    # exactly 0 when the reference equals the policy.
-                    ref_logprobs[ix] = self._logprobs(self.ref_policy, mb, return_entropy=True)[0]
+                    # The log-prob kernels sum in one order whether or not entropy is asked for,
+                    # so the step-1 KL is exactly 0 without computing the reference's entropy.
+                    ref_logprobs[ix] = self._logprobs(self.ref_policy, mb, return_entropy=False)[0]
                 with timer.phase("value_forward"):
                     values[ix] = self._values(mb)
         batch.old_logprobs, batch.ref_logprobs, batch.values = old_logprobs, ref_logprobs, values
@@ -923,10 +923,9 @@ class PPOTrainer:
                 mb_ratio_max = -math.inf
                 first_acc: Dict[str, float] = {}
                 for mu in mb.micro_batches(micro):
-                    # Same op flags as the rollout pass (return_entropy=True), so the first
-                    # micro-batch repeats that computation exactly even if the kernel takes a
-                    # different path when entropy is requested.
-                    logprobs, ent = self._logprobs(self.policy, mu, return_entropy=True)
+                    # The entropy is only needed for the bonus; asking for it or not leaves the
+                    # log-prob bits (and so the exact first ratio of 1) unchanged.
+                    logprobs, ent = self._logprobs(self.policy, mu, return_entropy=c.entropy_coef > 0)
                     vpred = self._values(mu)
                     pg_loss, pg_stats = ppo_policy_loss(
                         logprobs, mu.old_logprobs, mu.advantages, mu.response_mask,
