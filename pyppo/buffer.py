@@ -18,6 +18,8 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from .models import position_ids_from_mask
+
 __all__ = ["RolloutBuffer"]
 
 # Per-sequence tensors [B, ...] that are split along dim 0; order is the dataclass field order.
@@ -128,7 +130,7 @@ class RolloutBuffer:
     def position_ids(self) -> torch.Tensor:
         """``[B, P + T]`` int64: 0 at each row's first real prompt token (left padding does not
         shift positions; this matches what ``generate()`` uses while sampling)."""
-        return (self.attention_mask.cumsum(-1) - 1).clamp_min(0)
+        return position_ids_from_mask(self.attention_mask)
 
     # ------------------------------------------------------------------ slicing
     def select(self, index: torch.Tensor) -> "RolloutBuffer":
