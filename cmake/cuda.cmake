@@ -1,6 +1,7 @@
-# CUDA kernels of pyppo (csrc/cuda): kernel bodies in *.cu (CUDA headers + csrc/cuda/params.h
-# only), their ATen glue in *_glue.cpp. Included from CMakeLists.txt once target _C exists
-# (its warning flags are C++-only there, since nvcc rejects -Wall): include(cmake/cuda.cmake)
+# CUDA kernels of pyppo (csrc/cuda): kernel bodies in <op>_kernel.cu (CUDA headers and
+# csrc/cuda/params.h only), their ATen glue in <op>_glue.cpp, named as the CPU side's
+# csrc/cpu/<op>_glue.cpp. Included from CMakeLists.txt once target _C exists (its warning flags
+# are C++-only there, since nvcc rejects -Wall): include(cmake/cuda.cmake)
 #
 #   PYPPO_CUDA=auto (default)  build them when the installed torch has CUDA and nvcc is found
 #   PYPPO_CUDA=on              the same, but a missing torch CUDA or nvcc is an error
@@ -119,7 +120,7 @@ list(JOIN _pyppo_arch_names "," PYPPO_CUDA_ARCHS)
 # TORCH_CUDA_ARCH_LIST) to CMAKE_CUDA_FLAGS; drop them so the architectures are exactly ours.
 string(REGEX REPLACE "-gencode[ =]+arch=[^ ]+" "" CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS}")
 
-file(GLOB PYPPO_CUDA_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*.cu")
+file(GLOB PYPPO_CUDA_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*_kernel.cu")
 file(GLOB PYPPO_CUDA_GLUE_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*_glue.cpp")
 target_sources(_C PRIVATE ${PYPPO_CUDA_SOURCES} ${PYPPO_CUDA_GLUE_SOURCES})
 set_target_properties(_C PROPERTIES

@@ -1,8 +1,8 @@
 """Every CUDA kernel file compiles, on every CI run, even where torch is a CPU build.
 
-The kernel bodies (csrc/cuda/*.cu) include only CUDA headers and csrc/cuda/params.h, so the
+The kernel bodies (csrc/cuda/<op>_kernel.cu) include only CUDA headers and csrc/cuda/params.h, so the
 machine's nvcc compiles them for sm_80 and sm_90 with no torch at all. The ATen glue
-(csrc/cuda/*_glue.cpp) needs torch's c10/cuda headers; a CPU wheel ships them but not the
+(csrc/cuda/<op>_glue.cpp) needs torch's c10/cuda headers; a CPU wheel ships them but not the
 generated c10/cuda/impl/cuda_cmake_macros.h, so the glue is syntax-checked with the host
 compiler and C10_CUDA_NO_CMAKE_CONFIGURE_FILE (it cannot be linked here: no libc10_cuda).
 
@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 CUDA_DIR = CSRC / "cuda"
-CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
+CU_FILES = sorted(CUDA_DIR.glob("*_kernel.cu"))
 GLUE_FILES = sorted(CUDA_DIR.glob("*_glue.cpp"))
 ARCHS = ("80", "90")
 TIMEOUT_S = 300
@@ -117,8 +117,20 @@ def compiled(tmp_path_factory) -> dict[str, tuple[int, str]]:
 
 
 def test_there_are_cuda_kernels():
-    assert CU_FILES, f"no .cu files under {CUDA_DIR}"
+    assert CU_FILES, f"no *_kernel.cu files under {CUDA_DIR}"
     assert GLUE_FILES, f"no *_glue.cpp files under {CUDA_DIR}"
+
+
+def test_cpu_and_cuda_files_are_named_alike():
+    """Each op is <op>_glue.cpp + <op>_kernel.cu on CUDA and <op>_glue.cpp on CPU, so a reader
+    finds one side from the other; a .cu not named *_kernel.cu would also escape the build glob."""
+    assert sorted(p.name for p in CUDA_DIR.glob("*.cu")) == [p.name for p in CU_FILES]
+    cuda_ops = {p.name[: -len("_glue.cpp")] for p in GLUE_FILES}
+    assert cuda_ops == {p.name[: -len("_kernel.cu")] for p in CU_FILES}
+    cpu_dir = CSRC / "cpu"
+    assert sorted(p.name for p in cpu_dir.glob("*.cpp")) == sorted(p.name for p in cpu_dir.glob("*_glue.cpp"))
+    assert cuda_ops == {p.name[: -len("_glue.cpp")] for p in cpu_dir.glob("*_glue.cpp")}
+    assert all(p.name.endswith("_kernel.cpp") for p in (cpu_dir / "kernels").glob("*.cpp") if p.name != "dispatch.cpp")
 
 
 @pytest.mark.parametrize("name", [p.name for p in CU_FILES])

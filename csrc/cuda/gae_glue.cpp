@@ -1,4 +1,4 @@
-// ATen glue of gae on CUDA (kernels in gae.cu). No host sync, except the one common.h's
+// ATen glue of gae on CUDA (kernels in gae_kernel.cu). No host sync, except the one common.h's
 // as_bool_mask does for a response_mask that is a 0/1 number tensor rather than bool.
 #include "cuda/glue.h"
 #include "op_args.h"

@@ -1,5 +1,5 @@
 // ATen glue of gather_logprobs on CUDA: the CPU kernel's checks and messages, then one kernel
-// launch on the current stream (kernels in gather_logprobs.cu).
+// launch on the current stream (kernels in gather_logprobs_kernel.cu).
 //
 // Host syncs: validating the labels needs their values on the host, so each call does one
 // device-to-host sync (`bad.any().item()`), plus one more when the mask is a 0/1 number

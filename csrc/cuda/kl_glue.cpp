@@ -1,4 +1,4 @@
-// ATen glue of kl_penalty (and its backward) and shape_rewards on CUDA (kernels in kl.cu).
+// ATen glue of kl_penalty (and its backward) and shape_rewards on CUDA (kernels in kl_kernel.cu).
 //
 // Host syncs: kl_penalty has none. shape_rewards needs two facts on the host before its kernel
 // runs, to raise the CPU kernel's errors: every row has a valid position, every score is

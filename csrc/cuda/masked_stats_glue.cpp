@@ -1,4 +1,4 @@
-// ATen glue of masked_mean, masked_var and masked_whiten on CUDA (kernels in masked_stats.cu).
+// ATen glue of masked_mean, masked_var and masked_whiten on CUDA (kernels in masked_stats_kernel.cu).
 //
 // Host syncs: the reductions run entirely on the device (mean and variance never leave it:
 // masked_whiten reads them there). One device-to-host copy per call brings back what the CPU
