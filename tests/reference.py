@@ -267,3 +267,131 @@ def random_mask(B: int, T: int, g: torch.Generator, *, p_valid: float = 0.7) -> 
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# ppo_policy_loss / ppo_value_loss / aggregate_loss / explained_variance (pyppo.ops.losses)
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_aggregate_loss(rows: list, mode: str, norm: float | None) -> torch.Tensor:
+    """rows: one list per sequence of its valid tokens' float64 losses (0-d tensors; may be empty).
+
+    token-mean: mean over all tokens. seq-*: over the sequences with at least one token, the
+    mean of (token mean | token sum | token sum / norm).
+    """
+    if mode == "token-mean":
+        toks = [x for r in rows for x in r]
+        return sum(toks) / len(toks)
+    kept = [r for r in rows if len(r) > 0]
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in kept) / len(kept)
+    seq_mean = sum(sum(r) for r in kept) / len(kept)
+    if mode == "seq-mean-token-sum":
+        return seq_mean
+    if mode == "seq-mean-token-sum-norm":
+        return seq_mean / norm
+    raise ValueError(mode)
+
+
+def ref_ppo_policy_loss(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    lo: float = 0.2,
+    hi: float = 0.2,
+    dual: float | None = None,
+    mode: str = "token-mean",
+    norm: float | None = None,
+    log_ratio_clamp: float | None = 20.0,
+) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate token by token (PPO eq. 7, dual clip of Ye et al. 2020), float64.
+
+    ``lp`` may require grad: the loss is built from its 0-d elements, so autograd gives the
+    reference gradient. ``log_ratio_clamp=None`` is the textbook formula without the bound.
+    Returns (loss, stats) with the stats as Python floats.
+    """
+    B, T = lp.shape
+    lp64, old64, adv64 = lp.to(F64), old.to(F64), adv.to(F64)
+    rows, n, clipped, lower, clamped, kl, ratios = [], 0, 0, 0, 0, 0.0, []
+    for b in range(B):
+        row = []
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            d = lp64[b, t] - old64[b, t]
+            if log_ratio_clamp is not None:
+                clamped += int(abs(float(d.detach())) > log_ratio_clamp)
+                d = torch.clamp(d, -log_ratio_clamp, log_ratio_clamp)
+            r = torch.exp(d)
+            a = adv64[b, t]
+            l1 = -a * r
+            l2 = -a * min(max(r, 1 - lo), 1 + hi)
+            l = l1 if l1 >= l2 else l2
+            clipped += int(l2 > l1)
+            if dual is not None and a < 0:
+                l3 = -a * dual
+                lower += int(l3 < l)
+                l = l if l <= l3 else l3
+            row.append(l)
+            n += 1
+            kl += float((r - 1 - d).detach())
+            ratios.append(float(r.detach()))
+        rows.append(row)
+    stats = dict(clipfrac=clipped / n, clipfrac_lower=lower / n, approx_kl=kl / n,
+                 ratio_mean=sum(ratios) / n, ratio_max=max(ratios), logratio_clampfrac=clamped / n)
+    return ref_aggregate_loss(rows, mode, norm), stats
+
+
+def ref_explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var[R − V] / Var[R] over the valid tokens, with math.fsum; 0.0 where Var[R] = 0."""
+    pairs = [(float(v), float(r)) for v, r, k in
+             zip(values.to(F64).flatten().tolist(), returns.to(F64).flatten().tolist(), mask.flatten().tolist())
+             if k != 0]
+    n = len(pairs)
+    if n == 0:
+        return 0.0
+    rs = [r for _, r in pairs]
+    ds = [r - v for v, r in pairs]
+    mean_r, mean_d = math.fsum(rs) / n, math.fsum(ds) / n
+    ss_r = math.fsum((x - mean_r) ** 2 for x in rs)
+    if ss_r == 0.0:
+        return 0.0
+    return 1.0 - math.fsum((x - mean_d) ** 2 for x in ds) / ss_r
+
+
+explained_variance_ref = ref_explained_variance
+
+
+def ref_ppo_value_loss(
+    v: torch.Tensor,
+    v_old: torch.Tensor,
+    ret: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float | None = 0.2,
+    mode: str = "token-mean",
+    norm: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """½·max((V − R)², (V_old + clip(V − V_old, ±ε) − R)²) token by token, float64; ``v`` may require grad."""
+    B, T = v.shape
+    v64, old64, ret64 = v.to(F64), v_old.to(F64), ret.to(F64)
+    rows, n, clipped = [], 0, 0
+    for b in range(B):
+        row = []
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            e1 = (v64[b, t] - ret64[b, t]) ** 2
+            if eps is None:
+                l = 0.5 * e1
+            else:
+                vc = old64[b, t] + min(max(v64[b, t] - old64[b, t], -eps), eps)
+                e2 = (vc - ret64[b, t]) ** 2
+                clipped += int(e2 > e1)
+                l = 0.5 * (e1 if e1 >= e2 else e2)
+            row.append(l)
+            n += 1
+        rows.append(row)
+    stats = dict(vf_clipfrac=clipped / n, explained_variance=ref_explained_variance(v.detach(), ret, mask))
+    return ref_aggregate_loss(rows, mode, norm), stats

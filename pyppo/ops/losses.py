@@ -1,4 +1,8 @@
-"""PPO policy and value losses (plain PyTorch; DESIGN.md §1).
+"""PPO policy and value losses, their loss aggregation and the explained-variance statistic.
+
+Plain PyTorch on top of the compiled ops; ``docs/ops.md`` (sections ``ppo_policy_loss``,
+``ppo_value_loss``, ``loss aggregation``, ``explained_variance``) is the reference for the formulas
+and for how they differ from TRL, OpenRLHF and veRL.
 
 Both losses take right-padded ``[B, T]`` tensors (``B`` sequences, ``T`` response positions) and a
 ``response_mask [B, T]`` (bool or 0/1) whose zeros are excluded from the loss and from every
@@ -8,16 +12,18 @@ argument, ``stats`` a dict of 0-d detached float32 tensors.
 Arithmetic runs in float32 (float64 when an input is float64) whatever the input dtype, so bf16 /
 fp16 logprobs do not lose the small differences the PPO ratio is made of.
 
-``loss_agg`` selects how the per-token loss matrix becomes a scalar:
+``loss_agg`` selects how the per-token loss matrix ``L`` (mask ``m``) becomes a scalar, with
+``S = {b : Σ_t m[b, t] > 0}`` the sequences that have at least one valid token:
 
-* ``"token-mean"``: sum over valid tokens / number of valid tokens.
-* ``"seq-mean-token-mean"``: per-sequence mean over its valid tokens, then mean over the sequences
-  that have at least one valid token.
-* ``"seq-mean-token-sum"``: per-sequence sum, then mean over sequences with a valid token.
-* ``"seq-mean-token-sum-norm"``: as ``"seq-mean-token-sum"``, then divided by the constant
-  ``loss_agg_norm`` (default ``T``) — Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like
-  Training"), as in veRL. The constant keeps long and short responses from being weighted
-  differently by a length-dependent denominator.
+* ``"token-mean"``: ``Σ_{b,t} m·L / Σ_{b,t} m``.
+* ``"seq-mean-token-mean"``: ``(1/|S|) Σ_{b∈S} (Σ_t m·L / Σ_t m)``.
+* ``"seq-mean-token-sum"``: ``(1/|S|) Σ_{b∈S} Σ_t m·L``.
+* ``"seq-mean-token-sum-norm"``: ``(1/|S|) Σ_{b∈S} Σ_t m·L / loss_agg_norm`` (default
+  ``loss_agg_norm = T``): each sequence's token sum over a constant instead of its own length, so
+  long and short responses are not weighted by a length-dependent denominator (Dr. GRPO, Liu et
+  al. 2025, "Understanding R1-Zero-Like Training"). Not veRL's mode of the same name: veRL's
+  ``agg_loss`` computes ``Σ_b Σ_t m·L / T`` (the **sum** over the micro-batch's sequences, not
+  their mean, over ``T = loss_mask.shape[-1]``), so veRL's value is ``|S|`` times pyppo's.
 
 Under gradient accumulation the trainer passes ``normalizer`` (the whole minibatch's number of
 valid tokens, or of sequences with a valid token), so that summing the micro-batch losses gives
@@ -32,14 +38,21 @@ from typing import Dict, Optional, Tuple
 import torch
 
 __all__ = [
+    "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
     "aggregate_loss",
+    "explained_variance",
     "loss_normalizer",
     "ppo_policy_loss",
     "ppo_value_loss",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+# Bound on |log π_θ − log π_old| before the exp in ppo_policy_loss (veRL uses the same ±20).
+# exp(20) ≈ 4.85e8 is far past any clip range, so the bound never changes a clipped term, and it
+# keeps exp() and its gradient finite in float32, where exp overflows above ≈ 88.7.
+LOG_RATIO_CLAMP = 20.0
 
 Stats = Dict[str, torch.Tensor]
 
@@ -73,7 +86,9 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _check_float_2d(named: Dict[str, torch.Tensor], mask_name: str, mask: torch.Tensor) -> None:
+def _check_float_2d(
+    named: Dict[str, torch.Tensor], mask_name: str, mask: torch.Tensor, *, require_2d: bool = True
+) -> None:
     shape = None
     device = None
     for name, t in named.items():
@@ -81,7 +96,7 @@ def _check_float_2d(named: Dict[str, torch.Tensor], mask_name: str, mask: torch.
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if t.dim() != 2:
+        if require_2d and t.dim() != 2:
             raise ValueError(f"{name} must be 2-D [B, T], got shape {tuple(t.shape)}")
         if shape is None:
             shape, device, first = t.shape, t.device, name
@@ -209,7 +224,8 @@ def ppo_policy_loss(
 ) -> Tuple[torch.Tensor, Stats]:
     """Clipped-surrogate PPO policy loss (Schulman et al. 2017, eq. 7), with optional dual clip.
 
-    Per valid token, with ``r = exp(logprobs − old_logprobs)`` and advantage ``A``::
+    Per valid token, with ``δ = clamp(logprobs − old_logprobs, −20, 20)`` (:data:`LOG_RATIO_CLAMP`),
+    ``r = exp(δ)`` and advantage ``A``::
 
         L_clip = max(−A·r, −A·clip(r, 1 − cliprange_low, 1 + cliprange_high))
         L      = min(L_clip, −A·dual_clip)   where A < 0 and dual_clip is set   (Ye et al. 2020,
@@ -220,9 +236,27 @@ def ppo_policy_loss(
     (the loss is the negated PPO objective, so PPO's ``min`` becomes ``max``), then reduced with
     ``loss_agg``. Asymmetric ranges (``cliprange_high > cliprange_low``) give DAPO's "clip-higher".
 
+    The log-ratio clamp keeps the loss, its gradient and the stats finite for any log-ratio,
+    including an ``old_logprobs`` of ``−inf`` or below float32's ``exp`` range (e^−88). It changes
+    nothing for ``|δ| ≤ 20``; beyond, the token's gradient is 0 (``torch.clamp``'s gradient), which
+    loses nothing in every case but one:
+
+    * ``δ > 20``, ``A > 0``: the upper clip is active anyway (value ``−A(1 + ε_high)``, gradient 0);
+    * ``δ > 20``, ``A < 0`` with ``dual_clip = c < e^20``: the dual bound is active anyway
+      (value ``−A·c``, gradient 0);
+    * ``δ > 20``, ``A < 0`` **without** ``dual_clip``: the one real change. Unclamped the loss
+      would be ``−A·r`` with gradient ``−A·r`` (≥ 4.85e8·|A|, infinite past e^88); clamped it is
+      the constant ``−A·e^20``. Such a token no longer pushes its probability down — use
+      ``dual_clip`` for a bounded loss with the same behaviour by design;
+    * ``δ < −20``, ``A < 0``: the lower clip is active anyway (``−A(1 − ε_low)``, gradient 0);
+    * ``δ < −20``, ``A > 0``: the value moves by less than ``A·e^−20 ≈ 2e−9·A`` and a gradient of
+      at most that size is dropped.
+
+    A NaN log-ratio (a NaN input, or ``logprobs = old_logprobs = −inf``) stays NaN.
+
     Args:
-        logprobs: ``[B, T]`` float (any float dtype), log π_θ of the sampled tokens; gradients flow
-            through it.
+        logprobs: ``[B, T]`` float (any float dtype), log π_θ of the sampled tokens (nats);
+            gradients flow through it.
         old_logprobs: ``[B, T]`` float, log π_old of the same tokens (the policy that sampled them).
         advantages: ``[B, T]`` float.
         response_mask: ``[B, T]`` bool or 0/1; 0 = padding / not trained on.
@@ -233,16 +267,18 @@ def ppo_policy_loss(
 
     Returns:
         ``(loss, stats)``. ``loss`` is 0-d (float32, or float64 for float64 inputs). ``stats``
-        (0-d detached float32, over valid tokens of this call):
+        (0-d detached float32, over valid tokens of this call; 0 when there is none):
 
         * ``clipfrac``: fraction where the clipped term is strictly larger, i.e. clipping changed
           the loss (as veRL and TRL count it);
         * ``clipfrac_lower``: fraction where the dual-clip bound is active (``A < 0`` and
           ``−A·c < L_clip``); 0 without dual clip;
-        * ``approx_kl``: mean of ``k3 = r − 1 − log r``, the unbiased, non-negative estimator of
+        * ``approx_kl``: mean of ``k3 = r − 1 − δ``, the unbiased, non-negative estimator of
           KL(π_old ‖ π_θ) for tokens sampled from π_old (Schulman 2020, "Approximating KL
-          divergence");
-        * ``ratio_mean``, ``ratio_max``: mean and max of ``r``.
+          divergence"), from the clamped ``δ`` (so at most ``e^20 − 21`` per token);
+        * ``ratio_mean``, ``ratio_max``: mean and max of ``r`` (clamped: ``r ≤ e^20``);
+        * ``logratio_clampfrac``: fraction where ``|logprobs − old_logprobs| > 20``, i.e. where
+          the clamp changed ``δ``.
 
     Raises:
         ValueError: non-tensor / non-float / non-2-D input, shape or device mismatch, a mask that is
@@ -265,9 +301,10 @@ def ppo_policy_loss(
 
     dt = _compute_dtype(logprobs, old_logprobs, advantages)
     zero = torch.zeros((), dtype=dt, device=logprobs.device)
-    # Masked positions may hold garbage (e.g. -inf logprobs); zero their log-ratio so exp() and the
-    # gradient stay finite there.
-    log_ratio = torch.where(m, logprobs.to(dt) - old_logprobs.to(dt), zero)
+    raw_log_ratio = logprobs.to(dt) - old_logprobs.to(dt)
+    # Masked positions may hold garbage (e.g. -inf logprobs): where() zeroes their log-ratio and
+    # its gradient. The clamp bounds the exponent at valid ones (see LOG_RATIO_CLAMP).
+    log_ratio = torch.where(m, torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), zero)
     ratio = torch.exp(log_ratio)
     adv = torch.where(m, advantages.to(dt), zero)
 
@@ -294,6 +331,9 @@ def ppo_policy_loss(
             "clipfrac_lower": _masked_stat_mean(lower_active.to(dt), m, n),
             "approx_kl": _masked_stat_mean(k3, m, n),
             "ratio_mean": _masked_stat_mean(r, m, n),
+            "logratio_clampfrac": _masked_stat_mean(
+                (raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).to(dt), m, n
+            ),
             "ratio_max": (
                 torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max().float()
                 if n > 0 else torch.zeros((), dtype=torch.float32, device=r.device)
@@ -334,9 +374,10 @@ def ppo_value_loss(
         ``(loss, stats)``; ``stats`` (0-d detached float32, over valid tokens of this call):
 
         * ``vf_clipfrac``: fraction where the clipped error is strictly larger;
-        * ``explained_variance``: ``1 − Var[R − V] / Var[R]`` (population variances). It is
-          undefined when ``Var[R] = 0`` (constant returns, or fewer than two valid tokens); it is
-          then reported as 0 ("explains nothing") so logged metrics stay finite.
+        * ``explained_variance``: :func:`explained_variance` of ``values`` against ``returns``
+          over this call's valid tokens (0 when undefined). Over a micro-batch it is not the
+          minibatch's value: for a batch-level figure call :func:`explained_variance` on the
+          whole batch instead of averaging this stat.
 
     Raises:
         ValueError: as :func:`ppo_policy_loss`, or ``cliprange_value`` not positive and finite.
@@ -373,20 +414,63 @@ def ppo_value_loss(
         n = int(m.sum())
         stats = {
             "vf_clipfrac": _masked_stat_mean(clipped.to(dt), m, n),
-            "explained_variance": _explained_variance(v.detach(), ret, m, n),
+            "explained_variance": _explained_variance(v.detach(), ret, m),
         }
     return loss, stats
 
 
-def _explained_variance(v: torch.Tensor, ret: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
-    out = torch.zeros((), dtype=torch.float32, device=v.device)
-    if n == 0:
-        return out
-    # Computed in float64: the ratio of two variances of nearly equal data is cancellation-prone.
-    r = ret[m].double()
-    d = r - v[m].double()
-    var_r = ((r - r.mean()) ** 2).mean()
-    if var_r.item() <= 0.0:
-        return out
-    var_d = ((d - d.mean()) ** 2).mean()
-    return (1.0 - var_d / var_r).float()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Fraction of the variance of the returns that the value predictions explain.
+
+    Over the valid tokens (``response_mask`` true) of the whole input, pooled across rows::
+
+        EV = 1 − Var[R − V] / Var[R]  =  1 − Σ (d − d̄)² / Σ (R − R̄)²,   d = R − V
+
+    (the standard value-function diagnostic of OpenAI Baselines' PPO2, SB3 and veRL's
+    ``critic/vf_explained_var``). Both variances are over the same ``n`` tokens, so the ratio is
+    the same whether they are Bessel-corrected (``n − 1``, as ``torch.var`` in veRL) or not
+    (``n``); it is computed as a ratio of centred sums of squares, in float64. 1 means perfect
+    predictions, 0 no better than the constant mean return, negative worse than that.
+
+    Call it on the whole minibatch or batch: a mean of per-micro-batch values is not the batch's
+    value and changes with the micro-batch size.
+
+    Edge cases (never an error):
+
+    * ``Var[R] = 0`` exactly — constant returns, a single valid token, or none — makes the ratio
+      undefined; the result is then **0**, not NaN, so logged metrics stay finite and JSON-safe
+      (veRL instead adds 1e-5 to ``Var[R]``, giving large negative values for near-constant
+      returns; SB3 returns NaN).
+    * A non-finite value or return at a valid position gives NaN; masked positions are ignored
+      whatever they hold.
+
+    Args:
+        values: ``[*]`` float (any float dtype), value predictions ``V`` (reward units).
+        returns: same shape, float, regression targets ``R`` (e.g. GAE returns).
+        response_mask: same shape, bool or 0/1; 0 = excluded.
+
+    Returns:
+        0-d float32 tensor on ``values``' device, detached (no gradient).
+
+    Raises:
+        ValueError: a non-tensor or non-float ``values`` / ``returns``, a shape or device
+            mismatch, or a mask that is not bool or 0/1.
+    """
+    _check_float_2d({"values": values, "returns": returns}, "response_mask", response_mask, require_2d=False)
+    return _explained_variance(values, returns, _as_bool_mask(response_mask, "response_mask"))
+
+
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        # Float64: the ratio of two variances of nearly equal data is cancellation-prone. Masked
+        # sums rather than boolean indexing, so no host sync and no data-dependent shape.
+        zero = torch.zeros((), dtype=torch.float64, device=values.device)
+        r = torch.where(m, returns.detach().double(), zero)
+        d = torch.where(m, r - values.detach().double(), zero)
+        n = m.sum().double().clamp_min(1.0)
+        ss_r = torch.where(m, r - r.sum() / n, zero).square().sum()
+        ss_d = torch.where(m, d - d.sum() / n, zero).square().sum()
+        # ss_r == 0 (constant returns, n < 2) is undefined: report 0. A NaN ss_r is not == 0 and
+        # stays NaN.
+        ev = torch.where(ss_r == 0, zero, 1.0 - ss_d / torch.where(ss_r == 0, torch.ones_like(ss_r), ss_r))
+        return ev.float()
