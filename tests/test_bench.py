@@ -1,24 +1,27 @@
 """``pyppo bench`` on tiny sizes, and the eager references it times pyppo against.
 
-The eager references (``benchmarks/eager/``) are what users of TRL / OpenRLHF / veRL write; a
+The eager references (``pyppo.bench.eager``) are what users of TRL / OpenRLHF / veRL write; a
 speed-up is only meaningful if they compute the same thing, so they are checked here against the
 pyppo ops (and, where they differ by design, against each other).
 """
 
 from __future__ import annotations
 
-import importlib
+import io
 import json
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
 
 import pyppo.ops as ops
-from pyppo import bench
-
-cases_mod = bench.load_benchmarks()
-eager = importlib.import_module("pyppo.benchmarks.eager")
+from pyppo import bench, cli
+from pyppo.bench import eager
+from pyppo.bench.environment import cuda_usable
+from pyppo.bench.inputs import bt_inputs
+from pyppo.bench.memory import peak_extra_bytes
+from pyppo.bench.timing import HostClock, measure
 
 OPS = {"gather_logprobs", "linear_logprobs", "kl_penalty", "shape_rewards", "gae", "masked_whiten"}
 
@@ -26,16 +29,25 @@ OPS = {"gather_logprobs", "linear_logprobs", "kl_penalty", "shape_rewards", "gae
 # --------------------------------------------------------------------------- the harness
 
 
+def _bench(*argv: str) -> tuple[int, str]:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        status = cli.main(["bench", *argv])
+    return status, buf.getvalue()
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    import io
-    from contextlib import redirect_stdout
+    status, stdout = _bench("--sizes", "tiny", "--output", str(out), "--device", "cpu")
+    return status, out, stdout
 
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        status = bench.main(["--sizes", "tiny", "--output", str(out), "--device", "cpu"])
-    return status, out, buf.getvalue()
+
+PACKAGE_DIR = Path(bench.__file__).resolve().parent.parent  # pyppo/
+
+
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
 
 
 def test_tiny_run_writes_table_json_and_png(tiny_run):
@@ -47,6 +59,8 @@ def test_tiny_run_writes_table_json_and_png(tiny_run):
     assert jsons[0].stem == pngs[0].stem
     assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(jsons[0].read_text())
+    assert {"created", "sizes", "suites", "env", "rows", "sweeps"} <= set(result)
+    assert result["suites"] == ["ops"] and result["sizes"] == "tiny"
     rows = result["rows"]
     assert {r["op"] for r in rows} == OPS
     labels = {(r["label"], r["dtype"]) for r in rows}
@@ -56,11 +70,14 @@ def test_tiny_run_writes_table_json_and_png(tiny_run):
     eagers = {r["eager"] for r in rows if r["op"] == "gather_logprobs"}
     assert {"log_softmax.gather", "trl selective_log_softmax"} <= eagers
     for r in rows:
+        assert r["suite"] == "ops"
         assert r["agree"], r  # pyppo == the eager reference (checks the references too)
         for key in ("pyppo_ms", "eager_ms", "floor_ms", "speedup", "floor_ratio"):
             assert r[key] > 0, (key, r)
         assert r["pyppo_extra_bytes"] is not None and r["eager_extra_bytes"] is not None
-        assert r["device"] == "cpu"
+        assert r["device"] == "cpu" and r["input_sets"] >= 1
+    fwd = [r for r in rows if r["label"] == "gather_logprobs fwd"]
+    assert all(r["pyppo_gbps"] > 0 and r["bandwidth_pct"] > 0 for r in fwd)
     env = result["env"]
     assert env["torch_threads"] == torch.get_num_threads()
     assert env["cpu_capability"] and env["devices"] == ["cpu"]
@@ -69,33 +86,97 @@ def test_tiny_run_writes_table_json_and_png(tiny_run):
         assert len(s["points"]) >= 2 and all(p["pyppo_ms"] > 0 for p in s["points"])
 
 
-def test_tiny_run_prints_the_table(tiny_run):
+def test_tiny_run_prints_the_table_last(tiny_run):
     _, out, stdout = tiny_run
     header = next(line for line in stdout.splitlines() if line.startswith("op "))
     for col in ("op", "shape", "dtype", "pyppo ms", "eager ms", "speed-up", "x floor", "pyppo extra"):
         assert col in header
-    assert "threads: torch" in stdout and "cpu kernel ISA" in stdout
+    assert "threads: torch" in stdout and "cpu kernel ISA" in stdout and "suite ops:" in stdout
     for op in OPS:
         assert op in stdout
-    assert str(out) in stdout
+    assert str(out) in stdout.split("pyppo bench (")[0]  # "wrote ..." comes before the table
+    assert stdout.rstrip().splitlines()[-1].startswith("GB/s = ")
 
 
-def test_cli_subcommand_and_output_default(tmp_path, capsys):
-    from pyppo import cli
-
-    assert cli.main(["bench", "--sizes", "tiny", "--ops", "gae,kl_penalty", "--no-sweeps",
-                     "--memory", "off", "--output", str(tmp_path)]) == 0
+def test_cli_runs_only_the_named_ops(tmp_path):
+    status, _ = _bench("--sizes", "tiny", "--ops", "gae,kl_penalty", "--no-sweeps", "--memory", "off",
+                       "--output", str(tmp_path))
+    assert status == 0
     (path,) = tmp_path.glob("bench-*.json")
     rows = json.loads(path.read_text())["rows"]
     assert {r["op"] for r in rows} == {"gae", "kl_penalty"}
     assert not list(tmp_path.glob("*.png"))  # no sweeps, no plot
-    # from a source tree, results go to benchmarks/results/
-    assert bench.default_output_dir() == Path(bench.__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def test_quick_run_writes_into_output_dir_and_nothing_into_the_package(tmp_path):
+    before = _files(PACKAGE_DIR)
+    out = tmp_path / "results"
+    status, stdout = _bench("--quick", "--ops", "kl_penalty,gae", "--no-sweeps", "--memory", "off",
+                            "--output", str(out))
+    assert status == 0, stdout
+    (path,) = out.glob("bench-*.json")
+    assert json.loads(path.read_text())["sizes"] == "quick"
+    assert _files(PACKAGE_DIR) == before
+    # Named targets with their own descriptions, nothing pointing outside the repository.
+    assert "targets:" in stdout and "gae with holes >= 100x the Python loop" in stdout
+    assert "issue" not in stdout.lower() and "DESIGN" not in stdout
+
+
+def test_output_defaults_to_the_current_directory_and_json_names_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _bench("--sizes", "tiny", "--ops", "kl_penalty", "--no-sweeps", "--memory", "off")[0] == 0
+    assert len(list(tmp_path.glob("bench-*.json"))) == 1
+    target = tmp_path / "sub" / "gpu_bench.json"
+    assert _bench("--sizes", "tiny", "--ops", "kl_penalty", "--no-sweeps", "--memory", "off",
+                  "--json", str(target))[0] == 0
+    assert json.loads(target.read_text())["rows"][0]["op"] == "kl_penalty"
+    assert len(list(tmp_path.glob("bench-*.json"))) == 1
+
+
+def test_memory_suite_runs_in_the_same_harness(tmp_path):
+    status, stdout = _bench("--suite", "memory", "--sizes", "tiny", "--device", "cpu", "--output", str(tmp_path))
+    assert status == 0, stdout
+    (path,) = tmp_path.glob("bench-*.json")
+    result = json.loads(path.read_text())
+    assert result["suites"] == ["memory"] and "suite memory:" in stdout
+    rows = result["rows"]
+    assert {r["op"] for r in rows} == {"linear_logprobs", "gather_logprobs"}
+    assert len({r["shape_str"] for r in rows if r["label"] == "linear_logprobs fwd+bwd"}) >= 2  # over N
+    for r in rows:
+        assert r["suite"] == "memory" and r["agree"], r
+        assert r["pyppo_extra_bytes"] >= 0 and r["eager_extra_bytes"] > 0 and r["memory_ratio"] >= 0
+
+
+@pytest.mark.skipif(cuda_usable(), reason="checks the behaviour without CUDA")
+def test_gpu_suite_needs_cuda(tmp_path, capsys):
+    assert cli.main(["bench", "--suite", "gpu", "--sizes", "tiny", "--output", str(tmp_path)]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    status, _ = _bench("--suite", "all", "--sizes", "tiny", "--ops", "kl_penalty", "--no-sweeps", "--memory",
+                       "off", "--output", str(tmp_path))
+    assert status == 0
+    assert "gpu suite is skipped" in capsys.readouterr().err
+    (path,) = tmp_path.glob("bench-*.json")
+    assert json.loads(path.read_text())["suites"] == ["ops", "memory"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_usable(), reason="needs a CUDA device and pyppo built with CUDA")
+def test_gpu_suite_runs_in_the_same_harness(tmp_path):
+    status, stdout = _bench("--suite", "gpu", "--sizes", "tiny", "--json", str(tmp_path / "gpu.json"))
+    assert status == 0, stdout
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["suites"] == ["gpu"] and "suite gpu:" in stdout
+    rows = result["rows"]
+    assert {r["op"] for r in rows} == OPS
+    for r in rows:
+        assert r["suite"] == "gpu" and r["device"].startswith("cuda") and r["agree"], r
+        assert "cuda" in r["pyppo_extra_by_method"]
+    copy_rows = [r for r in rows if r["floor"] == "logits.clone()"]
+    assert copy_rows and all(r["bandwidth_pct"] > 0 for r in copy_rows)
 
 
 def test_bad_ops_is_a_user_error(capsys):
-    from pyppo import cli
-
     assert cli.main(["bench", "--sizes", "tiny", "--ops", "nope"]) == 2
     assert "unknown op" in capsys.readouterr().err
 
@@ -105,19 +186,30 @@ def test_peak_memory_methods_see_a_large_allocation():
     big = lambda d: torch.ones(d["n"])  # noqa: E731  (touches every page)
     none = lambda d: None  # noqa: E731
     cpu = torch.device("cpu")
-    got = bench.peak_extra_bytes(big, inp, cpu, "both")
+    got = peak_extra_bytes(big, inp, cpu, "both")
     assert got["alloc"] == 64 * 2**20
     assert 60 * 2**20 <= got["rss"] <= 72 * 2**20
-    got = bench.peak_extra_bytes(none, inp, cpu, "both")
+    got = peak_extra_bytes(none, inp, cpu, "both")
     assert got["alloc"] == 0 and got["rss"] < 4 * 2**20
 
 
-def test_measure_interleaves_and_counts():
+def test_measure_interleaves_rotates_inputs_and_counts():
     calls = []
-    variants = {name: (lambda inp, n=name: calls.append(n)) for name in ("a", "b", "c")}
-    times = bench.measure(variants, None, lambda: None, warmup=1, min_reps=4, max_reps=4, budget_s=0.0)
+    variants = {name: (lambda inp, n=name: calls.append((n, inp))) for name in ("a", "b", "c")}
+    times = measure(variants, [0, 1, 2], HostClock(), warmup=1, min_reps=4, max_reps=4, budget_s=0.0)
     assert all(len(v) == 4 for v in times.values())
-    assert calls[:3] == ["a", "b", "c"] and calls[3:6] == ["a", "b", "c"] and calls[6:9] == ["b", "c", "a"]
+    names = [n for n, _ in calls]
+    assert names[:3] == ["a", "b", "c"] and names[3:6] == ["a", "b", "c"] and names[6:9] == ["b", "c", "a"]
+    assert [i for n, i in calls[3:] if n == "a"] == [0, 1, 2, 0]  # timed rounds walk the input sets
+
+
+def test_quiet_stderr_is_public_for_the_profiler(capfd):
+    import os
+
+    with bench.quiet_stderr():
+        os.write(2, b"kineto noise\n")
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"
 
 
 # --------------------------------------------------------------------------- eager references
@@ -156,7 +248,7 @@ def test_eager_gather_logprobs_backward_matches():
 
 
 def _bt(seed, B=5, T=40):
-    return cases_mod._bt_inputs((B, T), torch.float32, torch.device("cpu"), seed)
+    return bt_inputs((B, T), torch.float32, torch.device("cpu"), seed)
 
 
 def test_bench_masks_have_holes_and_padding():

@@ -46,8 +46,10 @@ def test_wheel_contents_and_metadata(wheel):
         meta = z.read(meta_name).decode()
     assert any(n.startswith("pyppo/_C") and n.endswith(".so") for n in names), names
     assert "pyppo/ops/gather_logprobs.py" in names
-    assert "pyppo/benchmarks/cases.py" in names  # what `pyppo bench` runs
-    assert not any("/results/" in n for n in names)
+    # `pyppo bench` runs from the wheel: the harness and the eager references are pyppo.bench,
+    # the only name they are importable under.
+    assert {"pyppo/bench/__init__.py", "pyppo/bench/suites.py", "pyppo/bench/eager/gae.py"} <= set(names)
+    assert not any(n.startswith(("benchmarks/", "pyppo/benchmarks/")) or "/results/" in n for n in names)
     # Pinned to the exact torch release, as torchvision and torchaudio are.
     assert f"Requires-Dist: torch=={release}" in meta
 
@@ -78,3 +80,13 @@ print(json.dumps({"err": float((lp - ref).abs().max()), "adv_finite": bool(torch
     info = json.loads(_run([str(env_dir / "bin" / "pyppo"), "info", "--json"], cwd=work, env=env))
     assert info["torch_built_against"] == torch.__version__
     assert info["torch_running"] == torch.__version__
+
+    # pyppo bench from site-packages writes where it is run, not into the installed package.
+    site_pkg = Path(_run([str(py), "-c", "import pyppo, os; print(os.path.dirname(pyppo.__file__))"], cwd=work,
+                         env=env).strip())
+    before = sorted(p for p in site_pkg.rglob("*") if "__pycache__" not in p.parts)
+    _run([str(env_dir / "bin" / "pyppo"), "bench", "--sizes", "tiny", "--ops", "kl_penalty,gae", "--no-sweeps",
+          "--memory", "off"], cwd=work, env=env)
+    (result,) = work.glob("bench-*.json")
+    assert {r["op"] for r in json.loads(result.read_text())["rows"]} == {"kl_penalty", "gae"}
+    assert sorted(p for p in site_pkg.rglob("*") if "__pycache__" not in p.parts) == before

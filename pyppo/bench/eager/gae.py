@@ -5,19 +5,13 @@ from __future__ import annotations
 import torch
 
 
-def gae_loop(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_loop(rewards, values, response_mask, gamma: float = 1.0, lam: float = 0.95):
     """veRL's ``compute_gae_advantage_return`` (``verl/trainer/ppo/core_algos.py``).
 
     A loop over ``t = T-1 .. 0`` with a handful of ``[B]`` tensor ops per step; masked positions
     (observation / tool tokens, padding) neither add a TD term nor break the chain: ``nextvalues``
     and ``lastgaelam`` are carried across them through ``mask`` blends. This is the hole-aware
-    formula of DESIGN.md §1, so its advantages equal pyppo's at valid positions. Masked outputs
+    formula pyppo's ``gae`` computes (docs/ops.md), so its advantages equal pyppo's at valid positions. Masked outputs
     are zeroed at the end (veRL leaves them for ``masked_whiten`` to ignore).
     """
     mask = response_mask.to(values.dtype)
@@ -37,13 +31,7 @@ def gae_loop(
     return advantages * mask, returns * mask
 
 
-def gae_loop_trl(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_loop_trl(rewards, values, response_mask, gamma: float = 1.0, lam: float = 0.95):
     """TRL's PPO trainer GAE (``trl/trainer/ppo_trainer.py``), masks as TRL handles them.
 
     Rewards and values are zeroed at masked positions first (``masked_fill(..., padding_mask,
