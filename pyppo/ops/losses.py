@@ -22,8 +22,10 @@ fp16 logprobs do not lose the small differences the PPO ratio is made of.
   ``loss_agg_norm = T``): each sequence's token sum over a constant instead of its own length, so
   long and short responses are not weighted by a length-dependent denominator (Dr. GRPO, Liu et
   al. 2025, "Understanding R1-Zero-Like Training"). Not veRL's mode of the same name: veRL's
-  ``agg_loss`` computes ``Σ_b Σ_t m·L / T`` (the **sum** over the micro-batch's sequences, not
-  their mean, over ``T = loss_mask.shape[-1]``), so veRL's value is ``|S|`` times pyppo's.
+  ``agg_loss`` (``verl/trainer/ppo/core_algos.py``) computes ``Σ_b Σ_t m·L / loss_scale_factor``
+  (default ``T = loss_mask.shape[-1]``), the **sum** over the micro-batch's sequences rather than
+  their mean, so veRL's value is ``|S|`` times pyppo's. TRL's GRPO ``dr_grpo`` divides by
+  ``B · max_completion_length``, which is pyppo's mode when every row has a valid token.
 
 Under gradient accumulation the trainer passes ``normalizer`` (the whole minibatch's number of
 valid tokens, or of sequences with a valid token), so that summing the micro-batch losses gives
