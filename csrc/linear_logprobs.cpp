@@ -3,8 +3,7 @@
 //
 // Device-generic: the GEMMs go through ATen (BLAS / cuBLAS) and the softmax part through the
 // pyppo::gather_logprobs kernels of the same device, so one implementation serves CPU and CUDA.
-#include "common.h"
-#include "gather_args.h"
+#include "args/linear_logprobs.h"
 #include "cpu/kernels/kernels.h"
 
 #include <ATen/ATen.h>
@@ -17,60 +16,11 @@
 namespace pyppo {
 namespace {
 
-constexpr const char* kOp = "linear_logprobs";
 // Chunk logits are kept to about this many bytes: large enough for efficient GEMMs (M of a few
 // hundred tokens), small enough to stay a few % of what the full logits would take.
 constexpr int64_t kChunkBytes = int64_t(128) << 20;
 
-struct Flat {
-  at::Tensor hidden;  // [N, H]
-  at::Tensor labels;  // [N] int64, contiguous
-  at::Tensor mask;    // [N] bool, contiguous, or undefined
-  int64_t N, H, V;
-};
-
-Flat flatten(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
-             const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias, double temperature,
-             int64_t ignore_index) {
-  check_float(kOp, "hidden", hidden);
-  check_float(kOp, "weight", weight);
-  TORCH_CHECK_VALUE(hidden.dim() >= 1, "pyppo.linear_logprobs: hidden must have shape [*, H], got a 0-d tensor");
-  TORCH_CHECK_VALUE(weight.dim() == 2, "pyppo.linear_logprobs: weight must have shape [V, H], got ", weight.sizes());
-  TORCH_CHECK_VALUE(weight.size(1) == hidden.size(-1), "pyppo.linear_logprobs: weight has shape ", weight.sizes(),
-                    " but hidden has H = ", hidden.size(-1), "; weight must be [V, H]");
-  TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: weight is ",
-                    weight.scalar_type(), " but hidden is ", hidden.scalar_type(), "; they must match");
-  check_temperature(kOp, temperature);
-  TORCH_CHECK_VALUE(weight.size(0) > 0, "pyppo.linear_logprobs: weight has an empty vocabulary dimension (V = 0)");
-  TORCH_CHECK_VALUE(labels.sizes() == hidden.sizes().slice(0, hidden.dim() - 1), "pyppo.linear_logprobs: labels has shape ",
-                    labels.sizes(), " but hidden has shape ", hidden.sizes(), "; labels must be hidden.shape[:-1]");
-  check_same_device(kOp, "weight", weight, hidden, "hidden");
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "pyppo.linear_logprobs: bias must have shape [V] = [",
-                      weight.size(0), "], got ", bias->sizes());
-    TORCH_CHECK_VALUE(bias->scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: bias is ", bias->scalar_type(),
-                      " but hidden is ", hidden.scalar_type());
-    check_same_device(kOp, "bias", *bias, hidden, "hidden");
-  }
-  GatherInputs g;
-  g.V = weight.size(0);
-  flatten_labels(kOp, labels, mask, hidden, "hidden", g);
-  // Checked once over all tokens, so an error gives the label's index in the whole input rather
-  // than in whichever chunk held it.
-  check_label_range(kOp, g, ignore_index);
-  Flat f;
-  f.H = hidden.size(-1);
-  f.V = g.V;
-  f.N = g.N;
-  f.hidden = hidden.reshape({f.N, f.H});
-  f.labels = g.labels;
-  f.mask = g.mask;
-  return f;
-}
-
 int64_t resolve_chunk(int64_t chunk_size, int64_t N, int64_t V) {
-  TORCH_CHECK_VALUE(chunk_size >= 0, "pyppo.linear_logprobs: chunk_size must be > 0 (or None for automatic), got ",
-                    chunk_size);
   if (chunk_size > 0) return chunk_size;
   return std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(N, 1), kChunkBytes / (4 * std::max<int64_t>(V, 1))));
 }
@@ -96,17 +46,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_impl(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& bias, double temperature, int64_t ignore_index, bool return_entropy,
     int64_t chunk_size) {
-  Flat f = flatten(hidden, weight, labels, mask, bias, temperature, ignore_index);
+  LinearInputs f = prepare_linear(hidden, weight, labels, mask, bias, temperature, ignore_index, chunk_size);
   const int64_t C = resolve_chunk(chunk_size, f.N, f.V);
   static auto gather = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("pyppo::gather_logprobs", "")
                            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, int64_t,
                                bool)>();
-  auto opts = hidden.options().dtype(out_dtype(hidden));
-  at::Tensor logprobs = at::empty({f.N}, opts);
-  at::Tensor lse = at::empty({f.N}, opts);
-  at::Tensor entropy = return_entropy ? at::empty({f.N}, opts) : at::empty({0}, opts);
+  LogprobsOutputs out = alloc_logprobs_outputs(labels, out_options(hidden), return_entropy);
+  at::Tensor logprobs = out.logprobs.view({f.N}), lse = out.lse.view({f.N});
+  at::Tensor entropy = return_entropy ? out.entropy.view({f.N}) : out.entropy;
   at::Tensor buf = at::empty({std::min(C, f.N), f.V}, hidden.options());
   for (int64_t a = 0; a < f.N; a += C) {
     const int64_t b = std::min(f.N, a + C);
@@ -117,8 +66,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_impl(
     lse.slice(0, a, b).copy_(l);
     if (return_entropy) entropy.slice(0, a, b).copy_(ent);
   }
-  auto shape = labels.sizes();
-  return {logprobs.view(shape), return_entropy ? entropy.view(shape) : entropy, lse.view(shape)};
+  return out.tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
@@ -126,7 +74,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
     const at::Tensor& weight, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& bias, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
     double temperature, int64_t ignore_index, int64_t chunk_size, std::array<bool, 3> output_mask) {
-  Flat f = flatten(hidden, weight, labels, mask, bias, temperature, ignore_index);
+  check_linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels, mask, bias, lse, entropy,
+                                 temperature, chunk_size);
+  LinearInputs f = prepare_linear(hidden, weight, labels, mask, bias, temperature, ignore_index, chunk_size);
   const int64_t C = resolve_chunk(chunk_size, f.N, f.V);
   static auto gather_bwd = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("pyppo::gather_logprobs_backward", "")
@@ -164,21 +114,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
     at::Tensor h = f.hidden.slice(0, a, b);
     at::Tensor g = chunk_logits(buf, h, weight, bias);  // recomputed, never saved
     if (cpu_inplace) {
-      const auto esz = [](const at::Tensor& t) { return t.element_size(); };
+      GatherInputs rows;
+      rows.logits = g;
+      rows.labels = f.labels.slice(0, a, b);
+      if (f.mask.defined()) rows.mask = f.mask.slice(0, a, b);
+      rows.N = b - a;
+      rows.V = f.V;
       cpu::GatherBwdArgs ga;
       ga.dtype = g.scalar_type();
-      ga.logits = g.const_data_ptr();
-      ga.row_stride = f.V;
-      ga.N = b - a;
-      ga.V = f.V;
-      ga.labels = f.labels.const_data_ptr<int64_t>() + a;
-      ga.mask = f.mask.defined() ? f.mask.const_data_ptr<bool>() + a : nullptr;
-      ga.ignore_index = ignore_index;
-      ga.temperature = temperature;
-      ga.grad_logprobs = static_cast<const char*>(g_lp_c.const_data_ptr()) + a * esz(g_lp_c);
-      ga.grad_entropy = has_ent ? static_cast<const char*>(g_ent_c.const_data_ptr()) + a * esz(g_ent_c) : nullptr;
-      ga.lse = static_cast<const char*>(lse_c.const_data_ptr()) + a * esz(lse_c);
-      ga.entropy = has_ent ? static_cast<const char*>(ent_c.const_data_ptr()) + a * esz(ent_c) : nullptr;
+      fill_gather_rows(ga, rows, ignore_index, temperature);
+      ga.grad_logprobs = g_lp_c.slice(0, a, b).const_data_ptr();
+      ga.grad_entropy = has_ent ? g_ent_c.slice(0, a, b).const_data_ptr() : nullptr;
+      ga.lse = lse_c.slice(0, a, b).const_data_ptr();
+      ga.entropy = has_ent ? ent_c.slice(0, a, b).const_data_ptr() : nullptr;
       ga.grad_logits = g.data_ptr();
       cpu::cpu_kernels().gather_bwd(ga);
     } else {

@@ -1,12 +1,10 @@
-// Generalized Advantage Estimation on CPU: one right-to-left scan per row, rows in parallel.
-#include "common.h"
-#include "op_args.h"
+// Generalized Advantage Estimation on CPU: the checks of args/gae.h, then one right-to-left scan
+// per row, rows in parallel.
+#include "args/gae.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-
-#include <cmath>
 
 namespace pyppo {
 namespace {
@@ -14,24 +12,15 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::Tensor& values,
                                            const at::Tensor& response_mask, double gamma, double lam,
                                            const std::optional<at::Tensor>& last_values) {
-  const char* op = "gae";
-  check_gae_inputs(rewards, values, response_mask, gamma, lam, last_values);
-  const int64_t B = rewards.size(0), T = rewards.size(1);
-  const auto acc = out_dtype(rewards);
-  at::Tensor r = rewards.to(acc).contiguous();
-  at::Tensor v = values.to(acc).contiguous();
-  at::Tensor mask = as_bool_mask(op, "response_mask", response_mask);
-  at::Tensor boot;
-  if (last_values.has_value() && last_values->defined()) boot = last_values->to(acc).contiguous();
-  at::Tensor adv = at::empty({B, T}, r.options());
-  at::Tensor ret = at::empty({B, T}, r.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_gae", [&] {
-    const scalar_t* rp = r.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    const bool* mp = mask.data_ptr<bool>();
-    const scalar_t* bp = boot.defined() ? boot.data_ptr<scalar_t>() : nullptr;
-    scalar_t* ap = adv.data_ptr<scalar_t>();
-    scalar_t* op_ = ret.data_ptr<scalar_t>();
+  GaeTensors t = prepare_gae(rewards, values, response_mask, gamma, lam, last_values);
+  const int64_t B = t.B, T = t.T;
+  AT_DISPATCH_FLOATING_TYPES(t.rewards.scalar_type(), "pyppo_gae", [&] {
+    const scalar_t* rp = t.rewards.data_ptr<scalar_t>();
+    const scalar_t* vp = t.values.data_ptr<scalar_t>();
+    const bool* mp = t.mask.data_ptr<bool>();
+    const scalar_t* bp = t.last_values.defined() ? t.last_values.data_ptr<scalar_t>() : nullptr;
+    scalar_t* ap = t.advantages.data_ptr<scalar_t>();
+    scalar_t* op_ = t.returns.data_ptr<scalar_t>();
     const scalar_t g = static_cast<scalar_t>(gamma);
     const scalar_t gl = static_cast<scalar_t>(gamma * lam);
     at::parallel_for(0, B, std::max<int64_t>(1, 65536 / std::max<int64_t>(T, 1)), [&](int64_t begin, int64_t end) {
@@ -56,7 +45,7 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::
       }
     });
   });
-  return {adv, ret};
+  return {t.advantages, t.returns};
 }
 
 }  // namespace

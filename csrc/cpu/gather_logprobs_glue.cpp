@@ -1,44 +1,35 @@
-// gather_logprobs on CPU: argument checks and allocation. The row loops live in
-// cpu/kernels/gather_logprobs_kernel.cpp, compiled once per instruction set.
-#include "common.h"
-#include "gather_args.h"
+// gather_logprobs on CPU: the checks of args/gather_logprobs.h and the allocation. The row loops
+// live in cpu/kernels/gather_logprobs_kernel.cpp, compiled once per instruction set.
+#include "args/gather_logprobs.h"
 #include "cpu/kernels/kernels.h"
 
 #include <torch/library.h>
 
-#include <cmath>
-#include <limits>
-
 namespace pyppo {
 namespace {
+
+template <typename Args>
+Args gather_kernel_args(const GatherInputs& p, int64_t ignore_index, double temperature) {
+  Args a;
+  a.dtype = p.logits.scalar_type();
+  fill_gather_rows(a, p, ignore_index, temperature);
+  return a;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cpu(const at::Tensor& logits, const at::Tensor& labels,
                                                                   const std::optional<at::Tensor>& mask,
                                                                   double temperature, int64_t ignore_index,
                                                                   bool return_entropy) {
   GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
-  auto opts = logits.options().dtype(out_dtype(logits));
-  at::Tensor logprobs = at::empty({p.N}, opts);
-  at::Tensor lse = at::empty({p.N}, opts);
-  at::Tensor entropy = return_entropy ? at::empty({p.N}, opts) : at::empty({0}, opts);
+  LogprobsOutputs out = alloc_logprobs_outputs(labels, out_options(logits), return_entropy);
   if (p.N > 0) {
-    cpu::GatherFwdArgs a;
-    a.dtype = p.logits.scalar_type();
-    a.logits = p.logits.const_data_ptr();
-    a.row_stride = p.logits.stride(0);
-    a.N = p.N;
-    a.V = p.V;
-    a.labels = p.labels.const_data_ptr<int64_t>();
-    a.mask = p.mask.defined() ? p.mask.const_data_ptr<bool>() : nullptr;
-    a.ignore_index = ignore_index;
-    a.temperature = temperature;
-    a.logprobs = logprobs.data_ptr();
-    a.lse = lse.data_ptr();
-    a.entropy = return_entropy ? entropy.data_ptr() : nullptr;
+    auto a = gather_kernel_args<cpu::GatherFwdArgs>(p, ignore_index, temperature);
+    a.logprobs = out.logprobs.data_ptr();
+    a.lse = out.lse.data_ptr();
+    a.entropy = return_entropy ? out.entropy.data_ptr() : nullptr;
     cpu::cpu_kernels().gather_fwd(a);
   }
-  auto shape = labels.sizes();
-  return {logprobs.view(shape), return_entropy ? entropy.view(shape) : entropy, lse.view(shape)};
+  return out.tuple();
 }
 
 at::Tensor gather_logprobs_backward_cpu(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
@@ -49,18 +40,9 @@ at::Tensor gather_logprobs_backward_cpu(const at::Tensor& grad_logprobs, const s
   GatherBackwardInputs b =
       prepare_gather_backward(grad_logprobs, grad_entropy, logits, labels, mask, lse, entropy, temperature, ignore_index);
   const GatherInputs& p = b.fwd;
-  at::Tensor grad = at::empty({p.N, p.V}, logits.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
   if (p.N > 0) {
-    cpu::GatherBwdArgs a;
-    a.dtype = p.logits.scalar_type();
-    a.logits = p.logits.const_data_ptr();
-    a.row_stride = p.logits.stride(0);
-    a.N = p.N;
-    a.V = p.V;
-    a.labels = p.labels.const_data_ptr<int64_t>();
-    a.mask = p.mask.defined() ? p.mask.const_data_ptr<bool>() : nullptr;
-    a.ignore_index = ignore_index;
-    a.temperature = temperature;
+    auto a = gather_kernel_args<cpu::GatherBwdArgs>(p, ignore_index, temperature);
     a.grad_logprobs = b.grad_logprobs.const_data_ptr();
     a.grad_entropy = b.grad_entropy.defined() ? b.grad_entropy.const_data_ptr() : nullptr;
     a.lse = b.lse.const_data_ptr();
@@ -68,7 +50,7 @@ at::Tensor gather_logprobs_backward_cpu(const at::Tensor& grad_logprobs, const s
     a.grad_logits = grad.data_ptr();
     cpu::cpu_kernels().gather_bwd(a);
   }
-  return grad.view(logits.sizes());
+  return grad;
 }
 
 }  // namespace

@@ -1,7 +1,6 @@
-// kl_penalty (and its backward) and shape_rewards on CPU.
-#include "common.h"
-#include "kl_estimators.h"
-#include "op_args.h"
+// kl_penalty (and its backward) and shape_rewards on CPU: the checks of args/kl_penalty.h and
+// args/shape_rewards.h, then the per-ISA KL kernel (cpu/kernels/kl_kernel.cpp).
+#include "args/shape_rewards.h"
 #include "cpu/kernels/kernels.h"
 
 #include <ATen/Dispatch.h>
@@ -35,32 +34,21 @@ cpu::KLArgs kl_args(at::ScalarType acc, KLEstimator est, const KLClamp& c, const
 
 at::Tensor kl_penalty_cpu(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator,
                           std::optional<double> clamp_min, std::optional<double> clamp_max) {
-  const char* op = "kl_penalty";
-  check_kl_inputs(op, logprobs, ref_logprobs);
-  const KLEstimator est = parse_estimator(op, estimator);
-  const KLClamp c = make_clamp(op, clamp_min, clamp_max);
-  const auto acc = out_dtype(logprobs);
-  at::Tensor lp = logprobs.to(acc).contiguous();
-  at::Tensor ref = ref_logprobs.to(acc).contiguous();
-  at::Tensor out = at::empty(logprobs.sizes(), lp.options());
-  cpu::cpu_kernels().kl_fwd(kl_args(acc, est, c, lp, ref, out));
+  const KLArgsParsed a = check_kl_penalty(logprobs, ref_logprobs, estimator, clamp_min, clamp_max);
+  const KLTensors t = kl_tensors(logprobs, ref_logprobs);
+  at::Tensor out = at::empty(logprobs.sizes(), t.lp.options());
+  cpu::cpu_kernels().kl_fwd(kl_args(t.acc, a.estimator, a.clamp, t.lp, t.ref, out));
   return out;
 }
 
 at::Tensor kl_penalty_backward_cpu(const at::Tensor& grad_kl, const at::Tensor& logprobs,
                                    const at::Tensor& ref_logprobs, c10::string_view estimator,
                                    std::optional<double> clamp_min, std::optional<double> clamp_max) {
-  const char* op = "kl_penalty_backward";
-  check_same_shape(op, "grad_kl", grad_kl, logprobs, "logprobs");
-  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  const KLEstimator est = parse_estimator(op, estimator);
-  const KLClamp c = make_clamp(op, clamp_min, clamp_max);
-  const auto acc = out_dtype(logprobs);
-  at::Tensor g = grad_kl.to(acc).contiguous();
-  at::Tensor lp = logprobs.to(acc).contiguous();
-  at::Tensor ref = ref_logprobs.to(acc).contiguous();
-  at::Tensor out = at::empty(logprobs.sizes(), lp.options());
-  cpu::KLArgs k = kl_args(acc, est, c, lp, ref, out);
+  const KLArgsParsed a = check_kl_penalty_backward(grad_kl, logprobs, ref_logprobs, estimator, clamp_min, clamp_max);
+  const KLTensors t = kl_tensors(logprobs, ref_logprobs);
+  at::Tensor g = grad_kl.to(t.acc).contiguous();
+  at::Tensor out = at::empty(logprobs.sizes(), t.lp.options());
+  cpu::KLArgs k = kl_args(t.acc, a.estimator, a.clamp, t.lp, t.ref, out);
   k.grad = g.const_data_ptr();
   cpu::cpu_kernels().kl_bwd(k);
   return out.to(logprobs.scalar_type());
@@ -70,17 +58,15 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cpu(const at::Tensor& scores, c
                                                      const at::Tensor& ref_logprobs, const at::Tensor& response_mask,
                                                      double kl_coef, c10::string_view estimator,
                                                      std::optional<double> score_clip) {
-  const char* op = "shape_rewards";
-  check_shape_rewards_inputs(scores, logprobs, ref_logprobs, response_mask, kl_coef, score_clip);
-  const KLEstimator est = parse_estimator(op, estimator);
+  const KLEstimator est =
+      check_shape_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, estimator, score_clip);
   const int64_t B = logprobs.size(0), T = logprobs.size(1);
-  const auto acc = out_dtype(logprobs);
-  at::Tensor lp = logprobs.to(acc).contiguous();
-  at::Tensor ref = ref_logprobs.to(acc).contiguous();
+  const KLTensors t = kl_tensors(logprobs, ref_logprobs);
+  const auto acc = t.acc;
   at::Tensor sc = scores.to(acc).contiguous();
-  at::Tensor mask = as_bool_mask(op, "response_mask", response_mask);
-  at::Tensor rewards = at::empty({B, T}, lp.options());
-  at::Tensor kl = at::empty({B, T}, lp.options());
+  at::Tensor mask = as_bool_mask("shape_rewards", "response_mask", response_mask);
+  at::Tensor rewards = at::empty({B, T}, t.lp.options());
+  at::Tensor kl = at::empty({B, T}, t.lp.options());
 
   // Validated before any work so the error names the first bad row, not whichever a thread hit.
   std::vector<int64_t> last(B, -1);
@@ -91,16 +77,15 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cpu(const at::Tensor& scores, c
         last[b] = t;
         break;
       }
-    TORCH_CHECK_VALUE(last[b] >= 0, "pyppo.shape_rewards: row ", b,
-                      " of response_mask has no valid position; every response needs at least one token to carry its score");
+    if (last[b] < 0) fail_row_without_valid_position(b);
   }
   // The per-token estimate for every position (the vectorised kernel of kl_penalty, so the two
   // ops agree bit for bit), then one pass per row masking, scaling and adding the score.
-  cpu::cpu_kernels().kl_fwd(kl_args(acc, est, KLClamp{}, lp, ref, kl));
+  cpu::cpu_kernels().kl_fwd(kl_args(acc, est, KLClamp{}, t.lp, t.ref, kl));
   AT_DISPATCH_FLOATING_TYPES(acc, "pyppo_shape_rewards", [&] {
     const scalar_t* s = sc.data_ptr<scalar_t>();
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK_VALUE(std::isfinite(s[b]), "pyppo.shape_rewards: scores[", b, "] = ", s[b], " is not finite");
+      if (!std::isfinite(s[b])) fail_non_finite_score(b, static_cast<double>(s[b]));
     scalar_t* rw = rewards.data_ptr<scalar_t>();
     scalar_t* k = kl.data_ptr<scalar_t>();
     const scalar_t coef = static_cast<scalar_t>(kl_coef);

@@ -1,9 +1,8 @@
-// masked_mean, masked_var and masked_whiten on CPU.
+// masked_mean, masked_var and masked_whiten on CPU, after the checks of args/masked.h.
 //
 // Whole-tensor reductions are summed in fixed blocks of kBlock elements whose partial sums
 // are then added in block order: the result is the same bits whatever the thread count.
-#include "common.h"
-#include "op_args.h"
+#include "args/masked.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -86,37 +85,29 @@ std::pair<double, double> mean_var(const char* op, const MaskedInputs& p, bool u
 
 at::Tensor masked_mean_cpu(const at::Tensor& x, const at::Tensor& mask, std::optional<int64_t> dim) {
   const char* op = "masked_mean";
+  const std::optional<int64_t> dd = check_masked_mean(x, mask, dim);
   MaskedInputs p = prepare_masked(op, x, mask);
-  if (!dim.has_value()) {
+  if (!dd.has_value()) {
     at::Tensor out = at::empty({}, p.x.options());
     AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_mean", [&] {
       Moments mo = masked_sum(p.x.data_ptr<scalar_t>(), p.mask.data_ptr<bool>(), p.x.numel());
-      check_masked_count("masked_mean", mo.count, false, false);
+      check_masked_count(op, mo.count, false, false);
       out.fill_(mo.sum / static_cast<double>(mo.count));
     });
     return out;
   }
-  TORCH_CHECK_VALUE(x.dim() > 0, "pyppo.masked_mean: dim given for a 0-d x");
-  TORCH_CHECK_VALUE(*dim >= -x.dim() && *dim < x.dim(), "pyppo.masked_mean: dim must be in [", -x.dim(), ", ",
-                    x.dim() - 1, "] for a ", x.dim(), "-d x, got ", *dim);
-  const int64_t d = c10::maybe_wrap_dim(*dim, x.dim());
-  at::Tensor xs = p.x.movedim(d, -1).contiguous();
-  at::Tensor ms = p.mask.movedim(d, -1).contiguous();
-  const int64_t L = x.size(d);
-  const int64_t R = L == 0 ? 0 : xs.numel() / L;
-  std::vector<int64_t> out_shape;
-  for (int64_t i = 0; i < x.dim(); ++i)
-    if (i != d) out_shape.push_back(x.size(i));
-  at::Tensor out = at::empty(out_shape, p.x.options());
-  TORCH_CHECK_VALUE(L > 0 || out.numel() == 0, "pyppo.masked_mean: x has size 0 along dim ", d);
+  const int64_t d = *dd;
+  MeanDimInputs md = prepare_mean_dim(p, x, d);
+  const int64_t R = md.R, L = md.L;
+  at::Tensor out = md.out;
   AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_mean_dim", [&] {
-    const scalar_t* xp = xs.data_ptr<scalar_t>();
-    const bool* mp = ms.data_ptr<bool>();
+    const scalar_t* xp = md.x.data_ptr<scalar_t>();
+    const bool* mp = md.mask.data_ptr<bool>();
     scalar_t* o = out.data_ptr<scalar_t>();
     for (int64_t r = 0; r < R; ++r) {
       int64_t c = 0;
       for (int64_t j = 0; j < L; ++j) c += mp[r * L + j];
-      TORCH_CHECK_VALUE(c > 0, "pyppo.masked_mean: slice ", r, " along dim ", d, " is all masked");
+      if (c == 0) fail_all_masked_slice(r, d);
     }
     at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(L, 1)), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -142,12 +133,10 @@ at::Tensor masked_var_cpu(const at::Tensor& x, const at::Tensor& mask, bool unbi
 
 at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, bool unbiased, double eps) {
   const char* op = "masked_whiten";
-  TORCH_CHECK_VALUE(eps >= 0 && std::isfinite(eps), "pyppo.masked_whiten: eps must be a finite number >= 0, got ", eps);
+  check_whiten_eps(eps);
   MaskedInputs p = prepare_masked(op, x, mask);
   auto [mean, var] = mean_var(op, p, unbiased);
-  const double inv_std = 1.0 / std::sqrt(var + eps);
-  TORCH_CHECK_VALUE(std::isfinite(inv_std), "pyppo.masked_whiten: the masked variance is ", var, " and eps is ", eps,
-                    "; their sum must be > 0 (pass eps > 0 for constant inputs)");
+  const double inv_std = whiten_inv_std(var, eps);
   at::Tensor out = at::empty(x.sizes(), p.x.options());
   AT_DISPATCH_FLOATING_TYPES(p.x.scalar_type(), "pyppo_masked_whiten", [&] {
     const scalar_t* xp = p.x.data_ptr<scalar_t>();

@@ -1,22 +1,27 @@
-// ATen glue of gather_logprobs on CUDA: the CPU kernel's checks and messages, then one kernel
+// ATen glue of gather_logprobs on CUDA: the checks of args/gather_logprobs.h, then one kernel
 // launch on the current stream (kernels in gather_logprobs_kernel.cu).
 //
 // Host syncs: validating the labels needs their values on the host, so each call does one
 // device-to-host sync (`bad.any().item()`), plus one more when the mask is a 0/1 number
-// tensor rather than bool (common.h's as_bool_mask). An error costs a few more, only then.
+// tensor rather than bool (args/common.h's as_bool_mask). An error costs a few more, only then.
 #include "cuda/glue.h"
-#include "gather_args.h"
+#include "args/gather_logprobs.h"
 
 #include <torch/library.h>
-
-#include <cmath>
 
 namespace pyppo {
 namespace {
 
 using namespace cuda_glue;
 
-constexpr const char* kOp = "gather_logprobs";
+template <typename Params>
+Params gather_params(const GatherInputs& p, int64_t ignore_index, double temperature) {
+  Params k;
+  k.dtype = dtype_of(p.logits);
+  fill_gather_rows(k, p, ignore_index, temperature);
+  k.stream = current_stream();
+  return k;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cuda(const at::Tensor& logits, const at::Tensor& labels,
                                                                    const std::optional<at::Tensor>& mask,
@@ -24,29 +29,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_cuda(const at::Te
                                                                    bool return_entropy) {
   GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
   const c10::cuda::CUDAGuard guard(logits.device());
-  auto opts = logits.options().dtype(out_dtype(logits));
-  at::Tensor logprobs = at::empty({p.N}, opts);
-  at::Tensor lse = at::empty({p.N}, opts);
-  at::Tensor entropy = return_entropy ? at::empty({p.N}, opts) : at::empty({0}, opts);
+  LogprobsOutputs out = alloc_logprobs_outputs(labels, out_options(logits), return_entropy);
   if (p.N > 0) {
-    cuda::GatherFwdParams k;
-    k.logits = p.logits.const_data_ptr();
-    k.dtype = dtype_of(p.logits);
-    k.N = p.N;
-    k.V = p.V;
-    k.row_stride = p.logits.stride(0);
-    k.labels = p.labels.const_data_ptr<int64_t>();
-    k.mask = ptr_or_null<bool>(p.mask);
-    k.ignore_index = ignore_index;
-    k.temperature = temperature;
-    k.logprobs = logprobs.mutable_data_ptr();
-    k.entropy = return_entropy ? entropy.mutable_data_ptr() : nullptr;
-    k.lse = lse.mutable_data_ptr();
-    k.stream = current_stream();
-    check_launch(kOp, cuda::launch_gather_logprobs_fwd(k));
+    auto k = gather_params<cuda::GatherFwdParams>(p, ignore_index, temperature);
+    k.logprobs = out.logprobs.mutable_data_ptr();
+    k.entropy = return_entropy ? out.entropy.mutable_data_ptr() : nullptr;
+    k.lse = out.lse.mutable_data_ptr();
+    check_launch("gather_logprobs", cuda::launch_gather_logprobs_fwd(k));
   }
-  auto shape = labels.sizes();
-  return {logprobs.view(shape), return_entropy ? entropy.view(shape) : entropy, lse.view(shape)};
+  return out.tuple();
 }
 
 at::Tensor gather_logprobs_backward_cuda(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
@@ -56,29 +47,18 @@ at::Tensor gather_logprobs_backward_cuda(const at::Tensor& grad_logprobs, const 
                                          int64_t ignore_index) {
   GatherBackwardInputs b =
       prepare_gather_backward(grad_logprobs, grad_entropy, logits, labels, mask, lse, entropy, temperature, ignore_index);
-  const GatherInputs& p = b.fwd;
   const c10::cuda::CUDAGuard guard(logits.device());
-  at::Tensor grad = at::empty({p.N, p.V}, logits.options());
-  if (p.N > 0) {
-    cuda::GatherBwdParams k;
-    k.logits = p.logits.const_data_ptr();
-    k.dtype = dtype_of(p.logits);
-    k.N = p.N;
-    k.V = p.V;
-    k.row_stride = p.logits.stride(0);
-    k.labels = p.labels.const_data_ptr<int64_t>();
-    k.mask = ptr_or_null<bool>(p.mask);
-    k.ignore_index = ignore_index;
-    k.temperature = temperature;
+  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  if (b.fwd.N > 0) {
+    auto k = gather_params<cuda::GatherBwdParams>(b.fwd, ignore_index, temperature);
     k.grad_logprobs = b.grad_logprobs.const_data_ptr();
-    k.grad_entropy = b.grad_entropy.defined() ? b.grad_entropy.const_data_ptr() : nullptr;
+    k.grad_entropy = ptr_or_null(b.grad_entropy);
     k.lse = b.lse.const_data_ptr();
-    k.entropy = b.entropy.defined() ? b.entropy.const_data_ptr() : nullptr;
+    k.entropy = ptr_or_null(b.entropy);
     k.grad_logits = grad.mutable_data_ptr();
-    k.stream = current_stream();
     check_launch("gather_logprobs_backward", cuda::launch_gather_logprobs_bwd(k));
   }
-  return grad.view(logits.sizes());
+  return grad;
 }
 
 }  // namespace

@@ -1,14 +1,14 @@
-// Helpers shared by the ATen glue of the CUDA kernels (csrc/cuda/*_glue.cpp): dtype mapping,
-// the current stream, launch error checks. The glue does the argument checks (with the CPU
-// kernels' messages, from common.h and op_args.h) and the conversions; the kernels behind
-// cuda/params.h see raw pointers only.
+// Helpers shared by the ATen glue of the CUDA kernels (csrc/cuda/<op>_glue.cpp): dtype mapping,
+// the current stream, launch error checks. The glue runs the argument checks of args/<op>.h
+// (the same as the CPU glue's) and the conversions; the kernels behind cuda/params.h see raw
+// pointers only.
 //
 // Only c10/cuda headers are used (the same stream as at::cuda::getCurrentCUDAStream(), which
 // is an alias of c10::cuda::getCurrentCUDAStream): ATen/cuda/CUDAContext.h would also pull in
 // cuBLAS/cuSPARSE/cuSOLVER headers that the glue does not need.
 #pragma once
 
-#include "common.h"
+#include "args/common.h"
 #include "cuda/params.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -35,10 +35,7 @@ inline void check_launch(const char* op, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, "pyppo.", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
-template <typename T>
-inline const T* ptr_or_null(const at::Tensor& t) {
-  return t.defined() ? t.const_data_ptr<T>() : nullptr;
-}
+inline const void* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
 
 }  // namespace cuda_glue
 }  // namespace pyppo

@@ -1,72 +1,55 @@
 // ATen glue of kl_penalty (and its backward) and shape_rewards on CUDA (kernels in kl_kernel.cu).
 //
 // Host syncs: kl_penalty has none. shape_rewards needs two facts on the host before its kernel
-// runs, to raise the CPU kernel's errors: every row has a valid position, every score is
+// runs, to raise the errors of args/shape_rewards.h: every row has a valid position, every score is
 // finite. Both are computed on the device and read back together (one sync), plus one more
-// when response_mask is a 0/1 number tensor rather than bool (common.h's as_bool_mask).
+// when response_mask is a 0/1 number tensor rather than bool (args/common.h's as_bool_mask).
 #include "cuda/glue.h"
-#include "op_args.h"
+#include "args/shape_rewards.h"
 
 #include <torch/library.h>
 
-#include <cmath>
 
 namespace pyppo {
 namespace {
 
 using namespace cuda_glue;
 
+// The fields the forward and backward launches share.
+cuda::KLParams kl_params(const KLArgsParsed& a, const KLTensors& t, at::Tensor& out) {
+  cuda::KLParams k;
+  k.is_double = t.acc == at::kDouble;
+  k.n = t.lp.numel();
+  k.logprobs = t.lp.const_data_ptr();
+  k.ref_logprobs = t.ref.const_data_ptr();
+  k.out = out.mutable_data_ptr();
+  k.estimator = a.estimator;
+  k.clamp = a.clamp;
+  k.stream = current_stream();
+  return k;
+}
+
 at::Tensor kl_penalty_cuda(const at::Tensor& logprobs, const at::Tensor& ref_logprobs, c10::string_view estimator,
                            std::optional<double> clamp_min, std::optional<double> clamp_max) {
-  const char* op = "kl_penalty";
-  check_kl_inputs(op, logprobs, ref_logprobs);
-  const KLEstimator est = parse_estimator(op, estimator);
-  const KLClamp c = make_clamp(op, clamp_min, clamp_max);
+  const KLArgsParsed a = check_kl_penalty(logprobs, ref_logprobs, estimator, clamp_min, clamp_max);
   const c10::cuda::CUDAGuard guard(logprobs.device());
-  const auto acc = out_dtype(logprobs);
-  at::Tensor lp = logprobs.to(acc).contiguous();
-  at::Tensor ref = ref_logprobs.to(acc).contiguous();
-  at::Tensor out = at::empty(logprobs.sizes(), lp.options());
-  cuda::KLParams k;
-  k.is_double = acc == at::kDouble;
-  k.n = lp.numel();
-  k.logprobs = lp.const_data_ptr();
-  k.ref_logprobs = ref.const_data_ptr();
-  k.out = out.mutable_data_ptr();
-  k.estimator = est;
-  k.clamp = c;
-  k.stream = current_stream();
-  check_launch(op, cuda::launch_kl_penalty_fwd(k));
+  const KLTensors t = kl_tensors(logprobs, ref_logprobs);
+  at::Tensor out = at::empty(logprobs.sizes(), t.lp.options());
+  check_launch("kl_penalty", cuda::launch_kl_penalty_fwd(kl_params(a, t, out)));
   return out;
 }
 
 at::Tensor kl_penalty_backward_cuda(const at::Tensor& grad_kl, const at::Tensor& logprobs,
                                     const at::Tensor& ref_logprobs, c10::string_view estimator,
                                     std::optional<double> clamp_min, std::optional<double> clamp_max) {
-  const char* op = "kl_penalty_backward";
-  check_same_shape(op, "grad_kl", grad_kl, logprobs, "logprobs");
-  check_same_shape(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  check_same_device(op, "grad_kl", grad_kl, logprobs, "logprobs");
-  check_same_device(op, "ref_logprobs", ref_logprobs, logprobs, "logprobs");
-  const KLEstimator est = parse_estimator(op, estimator);
-  const KLClamp c = make_clamp(op, clamp_min, clamp_max);
+  const KLArgsParsed a = check_kl_penalty_backward(grad_kl, logprobs, ref_logprobs, estimator, clamp_min, clamp_max);
   const c10::cuda::CUDAGuard guard(logprobs.device());
-  const auto acc = out_dtype(logprobs);
-  at::Tensor g = grad_kl.to(acc).contiguous();
-  at::Tensor lp = logprobs.to(acc).contiguous();
-  at::Tensor ref = ref_logprobs.to(acc).contiguous();
-  at::Tensor out = at::empty(logprobs.sizes(), lp.options());
-  cuda::KLParams k;
-  k.is_double = acc == at::kDouble;
-  k.n = lp.numel();
-  k.logprobs = lp.const_data_ptr();
-  k.ref_logprobs = ref.const_data_ptr();
+  const KLTensors t = kl_tensors(logprobs, ref_logprobs);
+  at::Tensor g = grad_kl.to(t.acc).contiguous();
+  at::Tensor out = at::empty(logprobs.sizes(), t.lp.options());
+  cuda::KLParams k = kl_params(a, t, out);
   k.grad_kl = g.const_data_ptr();
-  k.out = out.mutable_data_ptr();
-  k.estimator = est;
-  k.clamp = c;
-  k.stream = current_stream();
-  check_launch(op, cuda::launch_kl_penalty_bwd(k));
+  check_launch("kl_penalty_backward", cuda::launch_kl_penalty_bwd(k));
   return out.to(logprobs.scalar_type());
 }
 
@@ -75,32 +58,27 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cuda(const at::Tensor& scores, 
                                                       double kl_coef, c10::string_view estimator,
                                                       std::optional<double> score_clip) {
   const char* op = "shape_rewards";
-  check_shape_rewards_inputs(scores, logprobs, ref_logprobs, response_mask, kl_coef, score_clip);
-  const KLEstimator est = parse_estimator(op, estimator);
+  const KLEstimator est =
+      check_shape_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, estimator, score_clip);
   const c10::cuda::CUDAGuard guard(logprobs.device());
   const int64_t B = logprobs.size(0), T = logprobs.size(1);
-  const auto acc = out_dtype(logprobs);
-  at::Tensor lp = logprobs.to(acc).contiguous();
-  at::Tensor ref = ref_logprobs.to(acc).contiguous();
+  const KLTensors t = kl_tensors(logprobs, ref_logprobs);
+  const auto acc = t.acc;
   at::Tensor sc = scores.to(acc).contiguous();
   at::Tensor mask = as_bool_mask(op, "response_mask", response_mask);
-  at::Tensor rewards = at::empty({B, T}, lp.options());
-  at::Tensor kl = at::empty({B, T}, lp.options());
+  at::Tensor rewards = at::empty({B, T}, t.lp.options());
+  at::Tensor kl = at::empty({B, T}, t.lp.options());
 
-  // The CPU kernel's two input errors, in its order; one sync reads both flags.
+  // The CPU glue's two data errors, in its order; one sync reads both flags.
   if (B > 0) {
     at::Tensor row_has_valid = mask.any(1);
     at::Tensor finite = at::isfinite(sc);
     at::Tensor flags = at::stack({row_has_valid.all(), finite.all()}).cpu();
     const bool* f = flags.const_data_ptr<bool>();
-    if (!f[0]) {
-      const int64_t b = row_has_valid.logical_not().nonzero().select(1, 0)[0].item<int64_t>();
-      TORCH_CHECK_VALUE(false, "pyppo.shape_rewards: row ", b,
-                        " of response_mask has no valid position; every response needs at least one token to carry its score");
-    }
+    if (!f[0]) fail_row_without_valid_position(row_has_valid.logical_not().nonzero().select(1, 0)[0].item<int64_t>());
     if (!f[1]) {
       const int64_t b = finite.logical_not().nonzero().select(1, 0)[0].item<int64_t>();
-      TORCH_CHECK_VALUE(false, "pyppo.shape_rewards: scores[", b, "] = ", sc[b].item<double>(), " is not finite");
+      fail_non_finite_score(b, sc[b].item<double>());
     }
   }
   if (B > 0 && T > 0) {
@@ -109,8 +87,8 @@ std::tuple<at::Tensor, at::Tensor> shape_rewards_cuda(const at::Tensor& scores, 
     k.B = B;
     k.T = T;
     k.scores = sc.const_data_ptr();
-    k.logprobs = lp.const_data_ptr();
-    k.ref_logprobs = ref.const_data_ptr();
+    k.logprobs = t.lp.const_data_ptr();
+    k.ref_logprobs = t.ref.const_data_ptr();
     k.mask = mask.const_data_ptr<bool>();
     k.kl_coef = kl_coef;
     k.estimator = est;

@@ -1,12 +1,13 @@
-// ATen glue of masked_mean, masked_var and masked_whiten on CUDA (kernels in masked_stats_kernel.cu).
+// ATen glue of masked_mean, masked_var and masked_whiten on CUDA (kernels in masked_stats_kernel.cu),
+// after the checks of args/masked.h.
 //
 // Host syncs: the reductions run entirely on the device (mean and variance never leave it:
-// masked_whiten reads them there). One device-to-host copy per call brings back what the CPU
-// kernel's errors need (the count of valid elements, and for masked_whiten the variance), after
+// masked_whiten reads them there). One device-to-host copy per call brings back what the data
+// errors of args/masked.h need (the count of valid elements, and for masked_whiten the variance), after
 // every kernel is queued; plus one when the mask is a 0/1 number tensor rather than bool
-// (common.h's as_bool_mask). On an error the queued results are discarded.
+// (args/common.h's as_bool_mask). On an error the queued results are discarded.
 #include "cuda/glue.h"
-#include "op_args.h"
+#include "args/masked.h"
 
 #include <torch/library.h>
 
@@ -40,44 +41,36 @@ at::Tensor queue_stats(const char* op, const MaskedInputs& p, bool with_var, boo
 
 at::Tensor masked_mean_cuda(const at::Tensor& x, const at::Tensor& mask, std::optional<int64_t> dim) {
   const char* op = "masked_mean";
+  const std::optional<int64_t> dd = check_masked_mean(x, mask, dim);
   MaskedInputs p = prepare_masked(op, x, mask);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (!dim.has_value()) {
+  if (!dd.has_value()) {
     at::Tensor stats = queue_stats(op, p, /*with_var=*/false, /*unbiased=*/false);
     at::Tensor host = stats.cpu();  // the one sync
     check_masked_count(op, static_cast<int64_t>(host.const_data_ptr<double>()[1]), false, false);
     return stats.select(0, 2).to(p.x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
-  TORCH_CHECK_VALUE(x.dim() > 0, "pyppo.masked_mean: dim given for a 0-d x");
-  const int64_t d = c10::maybe_wrap_dim(*dim, x.dim());
-  at::Tensor xs = p.x.movedim(d, -1).contiguous();
-  at::Tensor ms = p.mask.movedim(d, -1).contiguous();
-  const int64_t L = x.size(d);
-  const int64_t R = L == 0 ? 0 : xs.numel() / L;
-  std::vector<int64_t> out_shape;
-  for (int64_t i = 0; i < x.dim(); ++i)
-    if (i != d) out_shape.push_back(x.size(i));
-  at::Tensor out = at::empty(out_shape, p.x.options());
-  TORCH_CHECK_VALUE(L > 0 || out.numel() == 0, "pyppo.masked_mean: x has size 0 along dim ", d);
+  const int64_t d = *dd;
+  MeanDimInputs md = prepare_mean_dim(p, x, d);
+  const int64_t R = md.R;
   if (R > 0) {
     at::Tensor counts = at::empty({R}, p.x.options().dtype(at::kLong));
     cuda::MaskedMeanDimParams k;
     k.is_double = p.x.scalar_type() == at::kDouble;
     k.R = R;
-    k.L = L;
-    k.x = xs.const_data_ptr();
-    k.mask = ms.const_data_ptr<bool>();
-    k.out = out.mutable_data_ptr();
+    k.L = md.L;
+    k.x = md.x.const_data_ptr();
+    k.mask = md.mask.const_data_ptr<bool>();
+    k.out = md.out.mutable_data_ptr();
     k.counts = counts.mutable_data_ptr<int64_t>();
     k.stream = current_stream();
     check_launch(op, cuda::launch_masked_mean_dim(k));
     at::Tensor empty_slice = counts.eq(0);
     if (empty_slice.any().item<bool>()) {  // the one sync
-      const int64_t r = empty_slice.nonzero().select(1, 0)[0].item<int64_t>();
-      TORCH_CHECK_VALUE(false, "pyppo.masked_mean: slice ", r, " along dim ", d, " is all masked");
+      fail_all_masked_slice(empty_slice.nonzero().select(1, 0)[0].item<int64_t>(), d);
     }
   }
-  return out;
+  return md.out;
 }
 
 at::Tensor masked_var_cuda(const at::Tensor& x, const at::Tensor& mask, bool unbiased) {
@@ -92,7 +85,7 @@ at::Tensor masked_var_cuda(const at::Tensor& x, const at::Tensor& mask, bool unb
 
 at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, bool unbiased, double eps) {
   const char* op = "masked_whiten";
-  TORCH_CHECK_VALUE(eps >= 0 && std::isfinite(eps), "pyppo.masked_whiten: eps must be a finite number >= 0, got ", eps);
+  check_whiten_eps(eps);
   MaskedInputs p = prepare_masked(op, x, mask);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor stats = queue_stats(op, p, /*with_var=*/true, unbiased);
@@ -111,10 +104,7 @@ at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool 
   at::Tensor host = stats.cpu();  // the one sync
   const double* h = host.const_data_ptr<double>();
   check_masked_count(op, static_cast<int64_t>(h[1]), true, unbiased);
-  const double var = h[3];
-  const double inv_std = 1.0 / std::sqrt(var + eps);
-  TORCH_CHECK_VALUE(std::isfinite(inv_std), "pyppo.masked_whiten: the masked variance is ", var, " and eps is ", eps,
-                    "; their sum must be > 0 (pass eps > 0 for constant inputs)");
+  whiten_inv_std(h[3], eps);
   return out;
 }
 

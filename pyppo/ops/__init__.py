@@ -1,8 +1,14 @@
 """The PPO hot paths as torch custom operators (``torch.ops.pyppo.*``).
 
-Each function here wraps one compiled operator with keyword arguments and documentation; the
-fake (meta) kernels that let ``torch.compile`` trace them and their autograd formulas are
-registered next to each wrapper.
+Each function here wraps one compiled operator with keyword arguments and documentation; its
+autograd formula is registered next to the wrapper. Semantics, shapes and formulas:
+``docs/ops.md``.
+
+There are no Python fake kernels. ``torch.compile`` and ``FakeTensorMode`` trace the operators
+through C++ kernels registered for the Meta device (``csrc/meta/<op>_glue.cpp``), which run the
+same argument checks as the CPU and CUDA kernels (``csrc/args/<op>.h``) and allocate the
+outputs: a bad input raises the same exception with the same message on every path, and no
+message is written twice.
 """
 
 from ._non_differentiable import register_non_differentiable, register_once_differentiable
@@ -10,6 +16,7 @@ from .gae import gae
 from .gather_logprobs import gather_logprobs
 from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
 from .linear_logprobs import linear_logprobs
+from .losses import LOSS_AGG_MODES, aggregate_loss, ppo_policy_loss, ppo_value_loss
 from .masked import masked_mean, masked_var, masked_whiten
 
 # Outputs that PPO treats as constants: marked non-differentiable rather than left without an
@@ -19,10 +26,6 @@ register_once_differentiable(
     "pyppo::gather_logprobs_backward", "pyppo::kl_penalty_backward", "pyppo::linear_logprobs_backward"
 )
 
-try:  # written by the trainer side; plain torch on top of the compiled ops
-    from .losses import LOSS_AGG_MODES, aggregate_loss, ppo_policy_loss, ppo_value_loss
-except ImportError:  # pragma: no cover
-    pass
 
 __all__ = [
     "gather_logprobs",
@@ -36,5 +39,6 @@ __all__ = [
     "ppo_policy_loss",
     "ppo_value_loss",
     "aggregate_loss",
+    "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
 ]

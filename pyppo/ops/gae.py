@@ -45,9 +45,3 @@ def gae(
     """
     return torch.ops.pyppo.gae.default(rewards, values, response_mask, float(gamma), float(lam), last_values)
 
-
-@torch.library.register_fake("pyppo::gae")
-def _gae_fake(rewards, values, response_mask, gamma, lam, last_values):
-    torch._check(rewards.dim() == 2, lambda: "pyppo.gae: rewards must be [B, T]")
-    dt = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-    return rewards.new_empty(rewards.shape, dtype=dt), rewards.new_empty(rewards.shape, dtype=dt)

@@ -7,10 +7,6 @@ import torch
 __all__ = ["gather_logprobs"]
 
 
-def _out_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def gather_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -64,30 +60,6 @@ def gather_logprobs(
         logits, labels, mask, float(temperature), int(ignore_index), bool(return_entropy)
     )
     return (logprobs, entropy) if return_entropy else logprobs
-
-
-@torch.library.register_fake("pyppo::gather_logprobs")
-def _gather_logprobs_fake(logits, labels, mask, temperature, ignore_index, return_entropy):
-    torch._check(logits.dim() >= 1, lambda: "pyppo.gather_logprobs: logits must have shape [*, V]")
-    torch._check(
-        labels.dim() == logits.dim() - 1,
-        lambda: f"pyppo.gather_logprobs: labels must be logits.shape[:-1], got {tuple(labels.shape)}",
-    )
-    for i in range(labels.dim()):
-        torch._check(labels.shape[i] == logits.shape[i], lambda: "pyppo.gather_logprobs: labels must be logits.shape[:-1]")
-    dt = _out_dtype(logits)
-    logprobs = logits.new_empty(labels.shape, dtype=dt)
-    entropy = logits.new_empty(labels.shape if return_entropy else (0,), dtype=dt)
-    lse = logits.new_empty(labels.shape, dtype=dt)
-    return logprobs, entropy, lse
-
-
-@torch.library.register_fake("pyppo::gather_logprobs_backward")
-def _gather_logprobs_backward_fake(
-    grad_logprobs, grad_entropy, logits, labels, mask, lse, entropy, temperature, ignore_index
-):
-    # The kernel writes a fresh contiguous gradient whatever the logits' strides.
-    return logits.new_empty(logits.shape)
 
 
 def _setup_context(ctx, inputs, output):

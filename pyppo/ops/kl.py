@@ -52,8 +52,6 @@ def kl_penalty(
         ValueError: unknown ``estimator``, shape mismatch, bad ``clamp``, non-float dtypes.
         RuntimeError: inputs on different devices.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"pyppo.kl_penalty: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     lo, hi = _clamp_bounds(clamp)
     return torch.ops.pyppo.kl_penalty.default(logprobs, ref_logprobs, estimator, lo, hi)
 
@@ -91,8 +89,6 @@ def shape_rewards(
         ValueError: a row of ``response_mask`` has no valid position, a non-finite score,
             ``kl_coef < 0``, shape or dtype mismatches, unknown ``estimator``.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"pyppo.shape_rewards: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     return torch.ops.pyppo.shape_rewards.default(
         scores,
         logprobs,
@@ -102,28 +98,6 @@ def shape_rewards(
         estimator,
         None if score_clip is None else float(score_clip),
     )
-
-
-def _out_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-@torch.library.register_fake("pyppo::kl_penalty")
-def _kl_penalty_fake(logprobs, ref_logprobs, estimator, clamp_min, clamp_max):
-    torch._check(logprobs.shape == ref_logprobs.shape, lambda: "pyppo.kl_penalty: shapes must match")
-    return logprobs.new_empty(logprobs.shape, dtype=_out_dtype(logprobs))
-
-
-@torch.library.register_fake("pyppo::kl_penalty_backward")
-def _kl_penalty_backward_fake(grad_kl, logprobs, ref_logprobs, estimator, clamp_min, clamp_max):
-    return logprobs.new_empty(logprobs.shape)
-
-
-@torch.library.register_fake("pyppo::shape_rewards")
-def _shape_rewards_fake(scores, logprobs, ref_logprobs, response_mask, kl_coef, estimator, score_clip):
-    torch._check(logprobs.dim() == 2, lambda: "pyppo.shape_rewards: logprobs must be [B, T]")
-    dt = _out_dtype(logprobs)
-    return logprobs.new_empty(logprobs.shape, dtype=dt), logprobs.new_empty(logprobs.shape, dtype=dt)
 
 
 def _kl_setup_context(ctx, inputs, output):

@@ -7,10 +7,6 @@ import torch
 __all__ = ["linear_logprobs"]
 
 
-def _out_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -70,30 +66,6 @@ def linear_logprobs(
         0 if chunk_size is None else int(chunk_size),
     )
     return (logprobs, entropy) if return_entropy else logprobs
-
-
-@torch.library.register_fake("pyppo::linear_logprobs")
-def _linear_logprobs_fake(hidden, weight, labels, mask, bias, temperature, ignore_index, return_entropy, chunk_size):
-    torch._check(weight.dim() == 2, lambda: "pyppo.linear_logprobs: weight must be [V, H]")
-    torch._check(labels.dim() == hidden.dim() - 1, lambda: "pyppo.linear_logprobs: labels must be hidden.shape[:-1]")
-    dt = _out_dtype(hidden)
-    logprobs = hidden.new_empty(labels.shape, dtype=dt)
-    entropy = hidden.new_empty(labels.shape if return_entropy else (0,), dtype=dt)
-    return logprobs, entropy, hidden.new_empty(labels.shape, dtype=dt)
-
-
-@torch.library.register_fake("pyppo::linear_logprobs_backward")
-def _linear_logprobs_backward_fake(
-    grad_logprobs, grad_entropy, hidden, weight, labels, mask, bias, lse, entropy, temperature, ignore_index,
-    chunk_size, output_mask,
-):
-    # The kernel's gradients are fresh contiguous tensors whatever the inputs' strides.
-    empty = hidden.new_empty((0,))
-    return (
-        hidden.new_empty(hidden.shape) if output_mask[0] else empty,
-        weight.new_empty(weight.shape) if output_mask[1] else empty,
-        bias.new_empty(bias.shape) if (output_mask[2] and bias is not None) else empty,
-    )
 
 
 def _setup_context(ctx, inputs, output):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ._non_differentiable import first_derivative_only
+
 __all__ = ["masked_mean", "masked_var", "masked_whiten"]
-
-
-def _out_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -78,40 +76,23 @@ def masked_whiten(
     return torch.ops.pyppo.masked_whiten.default(x, mask, bool(shift_mean), bool(unbiased), float(eps))
 
 
-@torch.library.register_fake("pyppo::masked_mean")
-def _masked_mean_fake(x, mask, dim):
-    torch._check(x.shape == mask.shape, lambda: "pyppo.masked_mean: mask must have x's shape")
-    if dim is None:
-        return x.new_empty((), dtype=_out_dtype(x))
-    d = dim % x.dim()
-    return x.new_empty([s for i, s in enumerate(x.shape) if i != d], dtype=_out_dtype(x))
-
-
-@torch.library.register_fake("pyppo::masked_var")
-def _masked_var_fake(x, mask, unbiased):
-    return x.new_empty((), dtype=_out_dtype(x))
-
-
-@torch.library.register_fake("pyppo::masked_whiten")
-def _masked_whiten_fake(x, mask, shift_mean, unbiased, eps):
-    return x.new_empty(x.shape, dtype=_out_dtype(x))
-
-
 def _mean_setup_context(ctx, inputs, output):
     x, mask, dim = inputs
-    ctx.save_for_backward(mask)
+    # x is saved only to tie the gradient to it, so that a second derivative raises (the mean is
+    # linear: its gradient does not depend on x).
+    ctx.save_for_backward(mask, x)
     ctx.dim = dim
     ctx.x_dtype = x.dtype
 
 
 def _mean_backward(ctx, grad):
-    (mask,) = ctx.saved_tensors
+    mask, x = ctx.saved_tensors
     m = (mask != 0).to(grad.dtype)
     if ctx.dim is None:
         g = grad * m / m.sum()
     else:
         g = grad.unsqueeze(ctx.dim) * m / m.sum(ctx.dim, keepdim=True)
-    return g.to(ctx.x_dtype), None, None
+    return first_derivative_only("pyppo::masked_mean", g.to(ctx.x_dtype), x), None, None
 
 
 torch.library.register_autograd("pyppo::masked_mean", _mean_backward, setup_context=_mean_setup_context)
