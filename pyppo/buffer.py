@@ -1,4 +1,4 @@
-"""One PPO batch of rollouts, and its minibatch / micro-batch views (DESIGN.md §2.1–2.6).
+"""One PPO batch of rollouts, and its minibatch / micro-batch views (``docs/trainer.md``).
 
 Layout: ``B`` sequences, each a left-padded prompt of ``P`` positions followed by a right-padded
 response of ``T`` positions. Every per-token quantity (log-probs, values, rewards, ...) is stored at
@@ -22,12 +22,6 @@ from .models import position_ids_from_mask
 
 __all__ = ["RolloutBuffer"]
 
-# Per-sequence tensors [B, ...] that are split along dim 0; order is the dataclass field order.
-_TENSOR_FIELDS = (
-    "query_ids", "query_mask", "response_ids", "response_mask",
-    "old_logprobs", "ref_logprobs", "values", "scores", "rewards", "kl", "advantages", "returns",
-    "has_eos",
-)
 _LIST_FIELDS = ("prompts", "responses")
 
 
@@ -42,10 +36,11 @@ class RolloutBuffer:
     * ``response_ids [B, T]`` int64, right-padded sampled tokens;
     * ``response_mask [B, T]`` bool, 1 up to and including the first EOS.
 
-    Filled in as the step proceeds (``None`` until then): ``old_logprobs``, ``ref_logprobs``,
-    ``values``, ``rewards``, ``kl``, ``advantages``, ``returns`` (all ``[B, T]`` float32),
-    ``scores [B]`` float32, ``has_eos [B]`` bool, and the decoded ``prompts`` / ``responses``
-    (lists of ``B`` strings).
+    Filled in as the step proceeds (``None`` until then): ``old_logprobs``, ``entropy`` (of the
+    sampling distribution), ``ref_logprobs``, ``values``, ``rewards``, ``kl``, ``advantages``,
+    ``returns`` (all ``[B, T]`` float32), ``raw_scores [B]`` (what the reward returned) and
+    ``scores [B]`` (clipped and penalised, what the rewards are shaped from) float32,
+    ``has_eos [B]`` bool, and the decoded ``prompts`` / ``responses`` (lists of ``B`` strings).
 
     Raises:
         ValueError: (at construction, and from :meth:`validate`) a field with the wrong batch size
@@ -57,8 +52,10 @@ class RolloutBuffer:
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     old_logprobs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
+    raw_scores: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
     rewards: Optional[torch.Tensor] = None
     kl: Optional[torch.Tensor] = None
@@ -102,10 +99,10 @@ class RolloutBuffer:
         if self.response_ids.shape[0] != B:
             raise ValueError(f"response_ids has batch size {self.response_ids.shape[0]}, expected {B}")
         expected = {"query_mask": (B, P), "response_mask": (B, T)}
-        for name in ("old_logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns"):
+        for name in ("old_logprobs", "entropy", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns"):
             expected[name] = (B, T)
-        expected["scores"] = (B,)
-        expected["has_eos"] = (B,)
+        for name in ("raw_scores", "scores", "has_eos"):
+            expected[name] = (B,)
         for name, shape in expected.items():
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:

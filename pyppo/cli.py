@@ -1,4 +1,4 @@
-"""The ``pyppo`` command line (``pyppo ...`` or ``python -m pyppo ...``), DESIGN.md §4.
+"""The ``pyppo`` command line (``pyppo ...`` or ``python -m pyppo ...``).
 
 Subcommands:
 
@@ -39,10 +39,6 @@ PROG = "pyppo"
 
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
 RUN_KEYS = ("model", "reward", "prompts")
-
-#: ``pyppo train`` flags that set the PPOConfig field of the same name.
-FLAG_FIELDS = ("steps", "batch_size", "mini_batch_size", "ppo_epochs", "max_new_tokens", "lr", "kl_coef",
-               "target_kl", "seed")
 
 #: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
 #: default (SmolLM2-135M, sentiment reward) shows its mean score rising within about 10
@@ -146,20 +142,68 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# pyppo train: configuration
+# config flags: one per PPOConfig field, from the field metadata (shared with `pyppo profile`)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _flag_type(knob):
+    from pyppo.config import Int, Num
+
+    base = int if isinstance(knob.check, Int) else float if isinstance(knob.check, Num) else str
+
+    def parse(text: str):
+        if knob.optional and text.lower() == "none":
+            return None
+        return base(text)
+
+    parse.__name__ = base.__name__  # argparse says "invalid int value: ..."
+    return parse
+
+
+_METAVARS = {"Int": "N", "Num": "X", "Device": "DEVICE"}
+
+
+def add_config_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """Add a flag for every ``PPOConfig`` field, grouped as in ``docs/trainer.md``.
+
+    ``defaults`` are the values shown in ``--help`` (the command's own preset over the field
+    defaults). A flag not given leaves no attribute, so flags only override what they name.
+    """
+    from pyppo.config import Bool, config_knobs
+
+    groups: dict = {}
+    for name, knob in config_knobs():
+        if knob.group not in groups:
+            groups[knob.group] = parser.add_argument_group(f"PPO settings: {knob.group}")
+        shown = "none" if defaults[name] is None else defaults[name]
+        kwargs = dict(dest=name, default=argparse.SUPPRESS, help=f"{knob.help} (default: {shown})")
+        if isinstance(knob.check, Bool):
+            groups[knob.group].add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            metavar = _METAVARS.get(type(knob.check).__name__) or "{" + ",".join(knob.check.options) + "}"
+            metavar += "|none" if knob.optional else ""
+            groups[knob.group].add_argument(_flag(name), type=_flag_type(knob), metavar=metavar, **kwargs)
+
+
+def config_flag_values(args: argparse.Namespace) -> dict:
+    """The ``PPOConfig`` fields that were given as flags."""
+    from pyppo.config import config_knobs
+
+    return {name: getattr(args, name) for name, _ in config_knobs() if hasattr(args, name)}
+
+
+def field_defaults(preset: dict) -> dict:
+    """Every field's default, with ``preset`` over it."""
+    return {f.name: f.default for f in dataclasses.fields(_ppo_config_class())} | preset
 
 
 def _ppo_config_class():
-    try:
-        from pyppo.trainer import PPOConfig
-    except ImportError as exc:
-        raise CLIError(f"the trainer is not available: {exc}") from exc
+    from pyppo.config import PPOConfig
+
     return PPOConfig
-
-
-def _field_map(config_cls) -> dict[str, str]:
-    """Accepted config key -> PPOConfig field name (every field under its own name)."""
-    return {f.name: f.name for f in dataclasses.fields(config_cls)}
 
 
 def _read_toml(path: Path, what: str) -> dict:
@@ -186,33 +230,45 @@ def _same_source(a: str, b) -> bool:
     return a == b
 
 
-def _coerce(value, default):
-    """Fit a TOML value to the field's default type where TOML cannot say it (1 -> 1.0, list -> tuple)."""
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(default, tuple) and isinstance(value, list):
-        return tuple(value)
-    return value
+def _check_keys(table: dict, where: str) -> dict:
+    """The settings of a flat TOML table, with ``"none"`` read as None for optional fields.
 
+    Raises:
+        CLIError: an unknown key or a table, naming it and the known keys.
+    """
+    from pyppo.config import config_knobs
 
-def _check_keys(table: dict, mapping: dict[str, str], where: str) -> dict:
-    """Split a flat settings table into run keys and PPOConfig fields; reject unknown keys."""
+    knobs = dict(config_knobs())
     out = {}
     for key, value in table.items():
-        if key in RUN_KEYS:
-            out[key] = value
-        elif key in mapping:
-            out[mapping[key]] = value
-        else:
-            known = ", ".join(sorted(set(RUN_KEYS) | set(mapping)))
+        if key not in RUN_KEYS and key not in knobs:
+            known = ", ".join(sorted(set(RUN_KEYS) | set(knobs)))
             if isinstance(value, dict):
                 raise CLIError(f"{where}: unknown table [{key}]; settings are flat keys: {known}")
             raise CLIError(f"{where}: unknown key {key!r}; known keys: {known}")
+        if key in knobs and knobs[key].optional and isinstance(value, str) and value.lower() == "none":
+            value = None  # TOML has no null; config.toml writes None as "none"
+        out[key] = value
     return out
 
 
+def make_config(settings: dict):
+    """``PPOConfig(**settings)``, a TOML integer accepted where a float is expected.
+
+    Raises:
+        CLIError: an invalid value (the config's message, naming the key).
+    """
+    defaults = field_defaults({})
+    kwargs = {k: float(v) if isinstance(defaults.get(k), float) and type(v) is int else v for k, v in settings.items()}
+    try:
+        return _ppo_config_class()(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(f"invalid configuration: {exc}") from None
+
+
 def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, Path | None]:
-    """Merge defaults, ``--resume``'s config, ``--config`` and the flags.
+    """Merge, in increasing priority: the field defaults, :data:`TRAIN_DEFAULTS`, ``--resume``'s
+    config.toml, ``--config`` and the flags.
 
     Returns:
         ``(run, ppo_config, output_dir, resume_dir)`` where ``run`` holds ``model``, ``reward`` and
@@ -221,27 +277,23 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     Raises:
         CLIError: unknown key, missing file, invalid value (PPOConfig's validation message).
     """
+    from pyppo import checkpoint
     from pyppo.models import DEFAULT_MODEL
 
-    config_cls = _ppo_config_class()
-    mapping = _field_map(config_cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(config_cls) if f.default is not dataclasses.MISSING}
     merged: dict = {"model": DEFAULT_MODEL, "reward": "sentiment", "prompts": None, **TRAIN_DEFAULTS}
-
-    resume_dir = None
+    resume_dir, resumed = None, {}
     if args.resume is not None:
         resume_dir = Path(args.resume).expanduser()
         if not resume_dir.is_dir():
             raise CLIError(f"--resume {args.resume!r}: no such run directory")
-        from pyppo.trainer import find_checkpoint
-
-        if find_checkpoint(resume_dir / "checkpoint") is None:
+        if checkpoint.find(resume_dir / "checkpoint") is None:
             raise CLIError(f"--resume {args.resume!r}: no complete checkpoint/ in it (did the run save one?)")
-        resumed = _read_toml(resume_dir / "config.toml", "--resume config")
-        merged.update(_check_keys(resumed, mapping, f"{resume_dir / 'config.toml'}"))
+        resumed = _check_keys(_read_toml(resume_dir / "config.toml", "--resume config"),
+                              str(resume_dir / "config.toml"))
+        merged.update(resumed)
     if args.config is not None:
         path = Path(args.config).expanduser()
-        merged.update(_check_keys(_read_toml(path, "--config"), mapping, str(path)))
+        merged.update(_check_keys(_read_toml(path, "--config"), str(path)))
     for key in RUN_KEYS:
         value = getattr(args, key)
         if value is None:
@@ -252,17 +304,13 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
             raise CLIError(f"--{key} {value!r} differs from the resumed run's {key} {resumed[key]!r}; "
                            "start a new run (--output) to change it")
         merged[key] = value
-    for flag in FLAG_FIELDS:
-        value = getattr(args, flag)
-        if value is None:
-            continue
-        merged[flag] = value
-    # `--batch-size 8` alone should work: when the mini-batch size came from TRAIN_DEFAULTS (no
-    # flag, no config file set it) and does not divide the batch, train on the whole batch at once.
-    if (args.batch_size is not None and args.mini_batch_size is None
-            and merged.get("mini_batch_size") == TRAIN_DEFAULTS["mini_batch_size"]
-            and args.batch_size % TRAIN_DEFAULTS["mini_batch_size"] != 0):
-        merged["mini_batch_size"] = args.batch_size
+    flags = config_flag_values(args)
+    merged.update(flags)
+    # `--batch-size 8` alone should work: when the mini-batch size is still TRAIN_DEFAULTS' and does
+    # not divide the batch, train on the whole batch at once.
+    if ("batch_size" in flags and merged.get("mini_batch_size") == TRAIN_DEFAULTS["mini_batch_size"]
+            and "mini_batch_size" not in flags and flags["batch_size"] % TRAIN_DEFAULTS["mini_batch_size"] != 0):
+        merged["mini_batch_size"] = flags["batch_size"]
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
     for key in RUN_KEYS:
@@ -280,12 +328,7 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     reward_path = Path(run["reward"]).expanduser()
     if reward_path.is_dir():
         run["reward"] = str(reward_path.resolve())
-
-    kwargs = {name: _coerce(value, defaults.get(name)) for name, value in merged.items()}
-    try:
-        ppo_config = config_cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise CLIError(f"invalid configuration: {exc}") from None
+    ppo_config = make_config(merged)
 
     if args.output is not None:
         output = Path(args.output).expanduser()
@@ -303,27 +346,16 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     return run, ppo_config, output, resume_dir
 
 
-def _toml_value(value):
-    if isinstance(value, tuple):
-        return [_toml_value(v) for v in value]
-    if isinstance(value, (bool, int, float, str, list, dict)):
-        return value
-    return str(value)  # e.g. a torch.dtype: written readably; PPOConfig validates it on the way back
-
-
 def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
-    """Write the settings a run actually used as flat TOML (``None`` values are omitted: TOML has no null)."""
+    """Write the settings a run actually used as flat TOML; a None setting is written ``"none"``
+    (TOML has no null), which ``--config`` and ``--resume`` read back as None."""
     import tomli_w
 
     table = {k: v for k, v in run.items() if v is not None}
-    for name, value in dataclasses.asdict(ppo_config).items():
-        if value is not None:
-            table[name] = _toml_value(value)
+    table.update({k: "none" if v is None else v for k, v in dataclasses.asdict(ppo_config).items()})
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(
-        "# Resolved pyppo configuration; `pyppo train --config` or `--resume` reads it back.\n"
-        + tomli_w.dumps(table)
-    )
+    tmp.write_text("# Resolved pyppo configuration; `pyppo train --config` or `--resume` reads it back.\n"
+                   + tomli_w.dumps(table))
     os.replace(tmp, path)
 
 
@@ -332,53 +364,25 @@ def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
-
-    from pyppo.models import ValueModel, load_model_and_tokenizer, make_reference, resolve_model_source
+    from pyppo.builder import build_trainer
     from pyppo.plotting import plot_metrics
-    from pyppo.prompts import DEFAULT_PROMPTS, load_prompts
-    from pyppo.rewards import load_reward
+    from pyppo.skips import NonFiniteUpdateError
 
     run, config, output, resume_dir = resolve_train_config(args)
-    try:
-        from pyppo.trainer import NonFiniteUpdateError, PPOTrainer
-    except ImportError as exc:
-        raise CLIError(f"the trainer is not available: {exc}") from exc
-
-    # Cheap checks first, so a typo in --model, --prompts or --reward fails before the model loads
-    # and before the output directory is created.
-    resolve_model_source(run["model"])
-    prompts = load_prompts(run["prompts"]) if run["prompts"] else list(DEFAULT_PROMPTS)
-    device = getattr(config, "device", "cpu") or "cpu"
-    try:
-        reward_fn = load_reward(run["reward"], device=device)
-    except (AttributeError, TypeError) as exc:  # "module:function" naming a missing or non-callable attribute
-        raise CLIError(str(exc)) from None
-
-    print(f"pyppo: loading {run['model']} ...", file=sys.stderr)
-    seed = getattr(config, "seed", None)
-    if seed is not None:
-        # The value head's init draws from the global RNG; seeding first makes runs repeatable.
-        torch.manual_seed(seed)
-    policy, tokenizer = load_model_and_tokenizer(run["model"], device=device)
-    ref_policy = make_reference(policy)
-    value_model = ValueModel.from_causal_lm(policy)
-
+    # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
+    trainer = build_trainer(config, **run,
+                            before_loading=lambda: print(f"pyppo: loading {run['model']} ...", file=sys.stderr))
     output.mkdir(parents=True, exist_ok=True)
     write_resolved_config(output / "config.toml", run, config)
-
-    trainer = PPOTrainer(config, policy, ref_policy, value_model, tokenizer, reward_fn, prompts)
     if resume_dir is not None:
         trainer.load_checkpoint(resume_dir / "checkpoint")
     try:
         trainer.train(output)
     except KeyboardInterrupt:
-        metrics = output / "metrics.jsonl"
-        if metrics.is_file():
-            plot_metrics(metrics, output / "curves.png")
-        has_ckpt = (output / "checkpoint").is_dir()
-        hint = (f"continue from the last checkpoint with: pyppo train --resume {output}" if has_ckpt
-                else "no checkpoint was written yet (see save_every)")
+        if (output / "metrics.jsonl").is_file():
+            plot_metrics(output / "metrics.jsonl", output / "curves.png")
+        hint = (f"continue from the last checkpoint with: pyppo train --resume {output}"
+                if (output / "checkpoint").is_dir() else "no checkpoint was written yet (see save_every)")
         print(f"\npyppo: interrupted; outputs so far are in {output}; {hint}", file=sys.stderr)
         return 130
     except NonFiniteUpdateError as exc:
@@ -387,9 +391,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
 
-    metrics = output / "metrics.jsonl"
-    if metrics.is_file():
-        plot_metrics(metrics, output / "curves.png")
+    if (output / "metrics.jsonl").is_file():
+        plot_metrics(output / "metrics.jsonl", output / "curves.png")
     print(f"pyppo: run written to {output}")
     for name, what in _OUTPUT_FILES.items():
         if (output / name).exists():
@@ -401,35 +404,27 @@ def cmd_train(args: argparse.Namespace) -> int:
 # Parser and entry point
 
 
-def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = False) -> None:
+    """``--model``, ``--reward`` and ``--prompts`` (what to train), shared with ``pyppo profile``."""
     from pyppo.models import DEFAULT_MODEL
 
     src = p.add_argument_group("what to train")
-    src.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
+    src.add_argument("--model", metavar="NAME|DIR|FILE.gguf", default=DEFAULT_MODEL if required_defaults else None,
                      help=f"policy to start from: {DEFAULT_MODEL!r} (default), a local HF model dir or a .gguf file")
-    src.add_argument("--reward", metavar="SPEC",
+    src.add_argument("--reward", metavar="SPEC", default="sentiment" if required_defaults else None,
                      help="'sentiment' (default, VADER compound of the response), 'module:function', "
-                          "or a local HF sequence-classification model dir")
+                          "'file.py:function', or a local HF sequence-classification model dir")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help='prompts, one {"prompt": ...} per line (default: the built-in set)')
 
-    d = TRAIN_DEFAULTS
-    ppo = p.add_argument_group("PPO settings (any other PPOConfig field can be set in --config)")
-    ppo.add_argument("--steps", type=int, help=f"PPO steps (rollout + update) to run (default {d['steps']})")
-    ppo.add_argument("--batch-size", type=int, help=f"prompts per rollout (default {d['batch_size']})")
-    ppo.add_argument("--mini-batch-size", type=int,
-                     help=f"sequences per optimizer step (default {d['mini_batch_size']})")
-    ppo.add_argument("--ppo-epochs", type=int, help=f"passes over each rollout (default {d['ppo_epochs']})")
-    ppo.add_argument("--max-new-tokens", type=int, help=f"response length limit (default {d['max_new_tokens']})")
-    ppo.add_argument("--lr", type=float, help=f"learning rate (default {d['lr']})")
-    ppo.add_argument("--kl-coef", type=float, help=f"(initial) KL penalty coefficient (default {d['kl_coef']})")
-    ppo.add_argument("--target-kl", type=float, help="target KL of the adaptive controller (default: fixed kl_coef)")
-    ppo.add_argument("--seed", type=int, help="random seed")
 
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    add_source_flags(p)
     io = p.add_argument_group("files")
-    io.add_argument("--config", metavar="FILE.toml", help="settings file (flat keys; flags override it)")
+    io.add_argument("--config", metavar="FILE.toml", help="settings file (flat keys, as the flags; flags override it)")
     io.add_argument("--output", metavar="DIR", help="run directory (default: runs/<timestamp>, or the --resume dir)")
     io.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint/ and config.toml")
+    add_config_flags(p, field_defaults(TRAIN_DEFAULTS))
 
 
 def _register_optional(sub, name: str, module_name: str) -> None:
@@ -472,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p_train = sub.add_parser("train", help="train a policy with PPO",
-                             description="Train a causal LM with PPO. Flags override --config, which overrides --resume's config.")
+                             description="Train a causal LM with PPO. Flags override --config, which overrides "
+                                         "--resume's config. Every setting is explained in docs/trainer.md.")
     _add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
 

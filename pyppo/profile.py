@@ -10,7 +10,7 @@ the seconds and share of it spent inside pyppo ops (profiler events whose name s
 ``torch.profiler.record_function("pyppo/<phase>")``, so the phases also show up as ranges in the
 trace and in any profiler a user runs around their own training loop.
 
-Files written to ``--output DIR`` (default ``runs/profile-YYYYMMDD-HHMMSS``):
+Files written to ``--output DIR`` (default: the current directory):
 
 * ``trace.json``: the Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
 * ``profile.json``: the table, the pyppo ops by time, the step's metrics and the settings.
@@ -29,7 +29,6 @@ import argparse
 import datetime as _dt
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -89,7 +88,7 @@ def phase_table(events, metrics: dict) -> dict:
     ``profiler_seconds`` (the ``pyppo/<phase>`` ranges), ``pyppo_seconds``, ``pyppo_share``
     (of the phase) and ``pyppo_device_seconds``.
     """
-    from pyppo.trainer import PHASES
+    from pyppo.stats import PHASES
 
     ranges: dict[str, list] = {p: [] for p in PHASES}
     op_events = []
@@ -193,7 +192,7 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     with _QuietStderr():  # kineto prints profiler_start / profiler_stop lines on stderr
         prof.start()
     try:
-        metrics = trainer.step()
+        metrics = trainer.step().metrics
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
     finally:
@@ -206,39 +205,33 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     return table
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``pyppo profile`` options to ``parser``."""
-    from pyppo.models import DEFAULT_MODEL
+#: What ``pyppo profile`` changes from PPOConfig's defaults: one small step after the warm-up.
+PROFILE_DEFAULTS = {"batch_size": 4, "mini_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 16}
 
-    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|DIR|FILE.gguf",
-                        help=f"policy: {DEFAULT_MODEL!r} (default), a local HF model dir or a .gguf file")
-    parser.add_argument("--reward", default="sentiment", metavar="SPEC",
-                        help="'sentiment' (default), 'module:function' or a local HF classifier dir")
-    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl", help="prompts (default: built-in)")
-    parser.add_argument("--batch-size", type=int, default=4, help="prompts in the step (default 4)")
-    parser.add_argument("--mini-batch-size", type=int, default=None, help="default: --batch-size")
-    parser.add_argument("--ppo-epochs", type=int, default=1, help="default 1")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="default 16")
-    parser.add_argument("--warmup-steps", type=int, default=1,
-                        help="unprofiled steps first, so one-time costs stay out (default 1)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto (default): CUDA when available, else CPU")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
-    parser.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
-    parser.add_argument("--output", metavar="DIR", default=None,
-                        help="where trace.json and profile.json go (default: runs/profile-YYYYMMDD-HHMMSS)")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``pyppo profile`` options to ``parser``: the model, reward and prompts, every
+    ``PPOConfig`` field (as ``pyppo train``), and the profiler's own options."""
+    from pyppo.cli import add_config_flags, add_source_flags, field_defaults
+
+    add_source_flags(parser, required_defaults=True)
+    prof = parser.add_argument_group("profiler")
+    prof.add_argument("--warmup-steps", type=int, default=1,
+                      help="unprofiled steps first, so one-time costs stay out (default 1)")
+    prof.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first")
+    prof.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
+    prof.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    prof.add_argument("--output", metavar="DIR", default=".",
+                      help="where trace.json and profile.json go (default: the current directory)")
+    add_config_flags(parser, field_defaults(PROFILE_DEFAULTS))
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``pyppo profile`` with parsed ``args``; returns the exit status."""
     import pyppo
     from pyppo import _C
-    from pyppo.models import ValueModel, load_model_and_tokenizer, make_reference
-    from pyppo.prompts import DEFAULT_PROMPTS, load_prompts
-    from pyppo.rewards import load_reward
-    from pyppo.trainer import PPOConfig, PPOTrainer
+    from pyppo.builder import build_trainer
+    from pyppo.cli import config_flag_values, make_config
 
     if args.warmup_steps < 0:
         raise ValueError("--warmup-steps must be >= 0")
@@ -246,39 +239,25 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    if args.device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    else:
-        device = args.device
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
-    config = PPOConfig(
-        steps=args.warmup_steps + 1,
-        batch_size=args.batch_size,
-        mini_batch_size=args.mini_batch_size or args.batch_size,
-        ppo_epochs=args.ppo_epochs,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    )
-    prompts = load_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
-    reward_fn = load_reward(args.reward, device=device)
-    output = Path(args.output).expanduser() if args.output else Path("runs") / time.strftime("profile-%Y%m%d-%H%M%S")
+    settings = {**PROFILE_DEFAULTS, **config_flag_values(args), "steps": args.warmup_steps + 1}
+    if "batch_size" in settings and "mini_batch_size" not in config_flag_values(args):
+        settings["mini_batch_size"] = settings["batch_size"]
+    config = make_config(settings)
+    output = Path(args.output).expanduser()
 
-    print(f"pyppo profile: loading {args.model} ...", file=sys.stderr)
-    torch.manual_seed(args.seed)
-    policy, tokenizer = load_model_and_tokenizer(args.model, device=device)
-    trainer = PPOTrainer(config, policy, make_reference(policy), ValueModel.from_causal_lm(policy),
-                         tokenizer, reward_fn, prompts)
+    trainer = build_trainer(config, model=args.model, reward=args.reward, prompts=args.prompts,
+                            before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr))
     print(f"pyppo profile: {args.warmup_steps} warm-up step(s), then one profiled step ...", file=sys.stderr)
     table = profile_step(trainer, output, warmup_steps=args.warmup_steps,
                          record_shapes=args.record_shapes, with_stack=args.with_stack)
 
+    device = trainer.device
     env = {
         "pyppo": getattr(pyppo, "__version__", "unknown"),
         "torch": torch.__version__,
-        "device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name(0)})",
+        "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
         "torch_threads": torch.get_num_threads(),
-        "cpu_capability": _C.cpu_capability() if hasattr(_C, "cpu_capability") else None,
+        "cpu_capability": _C.cpu_capability(),
     }
     header = (f"pyppo profile: {args.model} on {env['device']}, {env['torch_threads']} threads "
               f"({env['cpu_capability']}); batch {config.batch_size}, mini-batch {config.mini_batch_size}, "
@@ -288,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         "created": _dt.datetime.now().isoformat(timespec="seconds"),
         "model": args.model,
         "reward": args.reward,
-        "config": config.to_dict() if hasattr(config, "to_dict") else vars(config),
+        "config": config.to_dict(),
         "warmup_steps": args.warmup_steps,
         "env": env,
         "trace": "trace.json",

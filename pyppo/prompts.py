@@ -1,4 +1,4 @@
-"""Prompt sets: the built-in default and ``.jsonl`` files (``pyppo train --prompts FILE.jsonl``).
+"""Prompt sets (the built-in default and ``.jsonl`` files) and the seeded order they are sampled in.
 
 The built-in prompts are short and open-ended, inviting an opinion or a description, so that the
 default sentiment reward has room to move: a response about a rainy afternoon can be gloomy or
@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence
 
-__all__ = ["DEFAULT_PROMPTS", "load_prompts"]
+import numpy as np
+
+__all__ = ["DEFAULT_PROMPTS", "PromptSampler", "load_prompts"]
 
 DEFAULT_PROMPTS: list[str] = [
     # Descriptions
@@ -128,3 +131,57 @@ def load_prompts(path: str | os.PathLike) -> list[str]:
     if not prompts:
         raise ValueError(f"prompts file {str(path)!r} holds no prompt")
     return prompts
+
+
+class PromptSampler:
+    """Prompts in a seeded random order, epoch after epoch (each epoch a fresh permutation).
+
+    Epoch ``e``'s order is ``numpy.random.default_rng([seed, e]).permutation(N)``, a pure function
+    of ``(seed, e)``, so the state is just ``(epoch, position)``.
+
+    Raises:
+        ValueError: an empty prompt list or a non-string prompt.
+    """
+
+    def __init__(self, prompts: Sequence[str], seed: int):
+        if len(prompts) == 0:
+            raise ValueError("prompts must not be empty")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise ValueError(f"prompts[{i}] must be a str, got {type(p).__name__}")
+        self.prompts = list(prompts)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.position = 0
+        self._perm: Optional[np.ndarray] = None
+        self._perm_epoch = -1
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.prompts))
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def sample(self, k: int) -> List[str]:
+        """The next ``k`` prompts (crossing into the next epoch's permutation when needed)."""
+        out: List[str] = []
+        n = len(self.prompts)
+        while len(out) < k:
+            perm = self._permutation()
+            take = min(k - len(out), n - self.position)
+            out.extend(self.prompts[i] for i in perm[self.position:self.position + take])
+            self.position += take
+            if self.position == n:
+                self.epoch += 1
+                self.position = 0
+        return out
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": len(self.prompts)}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        if state["n"] != len(self.prompts):
+            raise ValueError(f"state: the checkpoint had {state['n']} prompts, this sampler has {len(self.prompts)}")
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

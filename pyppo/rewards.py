@@ -1,4 +1,4 @@
-"""Reward functions: ``(prompts, responses) -> one float per response`` (DESIGN.md §3).
+"""Reward functions: ``(prompts, responses) -> one float per response``.
 
 A reward is any callable ``reward_fn(prompts: list[str], responses: list[str]) -> list[float]``
 (a list, tuple, 1-D numpy array or 1-D tensor of length ``B`` also works). :func:`load_reward`
@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,6 +34,8 @@ __all__ = [
     "RewardFn",
     "SequenceClassifierReward",
     "load_reward",
+    "reward_name",
+    "score_responses",
     "sentiment_reward",
     "validate_scores",
 ]
@@ -141,6 +143,41 @@ def validate_scores(scores, n: int, name: str) -> list[float]:
             )
         out.append(value)
     return out
+
+
+def reward_name(fn: Any) -> str:
+    """How errors name a reward: its ``reward_name``, ``__name__`` or type name."""
+    name = getattr(fn, "reward_name", None) or getattr(fn, "__name__", None)
+    return str(name) if name else type(fn).__name__
+
+
+def _clip_text(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def score_responses(reward_fn: RewardFn, prompts: list[str], responses: list[str], *, where: str) -> list[float]:
+    """Call ``reward_fn`` and check its output: one finite float per (prompt, response).
+
+    Args:
+        where: context for error messages, e.g. ``"step 3"``.
+
+    Raises:
+        RewardError: the reward raised, or returned bad scores; the message names the reward,
+            ``where`` and, for one bad element, the prompt and response at fault.
+    """
+    name = reward_name(reward_fn)
+    try:
+        return validate_scores(reward_fn(list(prompts), list(responses)), len(responses), name)
+    except RewardError as exc:
+        # Also catches a load_reward wrapper's error: add the pair at fault, don't wrap twice.
+        detail = where
+        if exc.index is not None and 0 <= exc.index < len(responses):
+            i = exc.index
+            detail += f"; prompt {i}: {_clip_text(prompts[i])!r}, response: {_clip_text(responses[i])!r}"
+        raise RewardError(f"{exc} ({detail})", reward=exc.reward, index=exc.index, value=exc.value) from exc
+    except Exception as exc:
+        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} ({where}, scoring "
+                          f"{len(responses)} responses)", reward=name) from exc
 
 
 def _checked(fn: Callable, name: str) -> RewardFn:

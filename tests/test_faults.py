@@ -22,7 +22,10 @@ import torch
 
 from pyppo import cli
 from pyppo.rewards import RewardError, load_reward
-from pyppo.trainer import CHECKPOINT_FILES, NonFiniteUpdateError, PPOConfig, find_checkpoint
+from pyppo.checkpoint import CHECKPOINT_FILES
+from pyppo.checkpoint import find as find_checkpoint
+from pyppo.config import PPOConfig
+from pyppo.skips import NonFiniteUpdateError
 from test_trainer import PROMPTS, count_e, make_trainer, small_config
 from tiny_models import save_tiny_causal_lm
 
@@ -246,8 +249,8 @@ def test_nan_loss_skips_that_update_only(monkeypatch):
     # 8 sequences, minibatches of 4, no accumulation, 2 epochs: 4 updates, the 2nd one poisoned.
     tr = make_trainer(small_config(steps=1, micro_batch_size=None))
     with pytest.warns(RuntimeWarning, match=r"epoch 1, minibatch 2: non-finite policy_loss=nan.*update skipped"):
-        m = tr.step()
-    assert m["skipped_updates"] == 1 and tr.skipped_updates_total == 1 and tr.consecutive_skips == 0
+        m = tr.step().metrics
+    assert m["skipped_updates"] == 1 and tr.skips.total == 1 and tr.skips.consecutive == 0
     assert _adam_steps(tr.policy_optimizer) == {3} and _adam_steps(tr.value_optimizer) == {3}
     assert all(math.isfinite(v) for v in m.values()), m  # averages over the applied updates
     assert all(torch.isfinite(p).all() for p in tr.policy.parameters())
@@ -268,7 +271,8 @@ def test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint(
         with pytest.raises(NonFiniteUpdateError) as info:
             tr.train(tmp_path, progress=False)
     msg = str(info.value)
-    assert "training stopped at step 2: 3 updates in a row" in msg and "max_consecutive_skips=3" in msg
+    assert "training stopped at step 2, epoch 2, minibatch 1: 3 updates in a row" in msg
+    assert "max_consecutive_skips=3" in msg
     assert f"last good checkpoint is {str(tmp_path / 'checkpoint')!r} (step 1)" in msg
     assert _ckpt_step(tmp_path / "checkpoint") == 1 and find_checkpoint(tmp_path / "checkpoint") is not None
     assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [1]  # the failed step is not logged
@@ -281,8 +285,8 @@ def test_all_skipped_step_reports_nan_losses_and_counts_across_steps():
     param = next(p for p in tr.value_model.parameters() if p.requires_grad)
     param.register_hook(lambda g: torch.full_like(g, math.inf))
     with pytest.warns(RuntimeWarning, match="value_grad_norm=inf"):
-        m = tr.step()
-    assert m["skipped_updates"] == 4 and tr.consecutive_skips == 4
+        m = tr.step().metrics
+    assert m["skipped_updates"] == 4 and tr.skips.consecutive == 4
     assert math.isnan(m["policy_loss"]) and math.isnan(m["clipfrac"]) and math.isfinite(m["score_mean"])
     with pytest.warns(RuntimeWarning), pytest.raises(NonFiniteUpdateError, match="6 updates in a row"):
         tr.step()

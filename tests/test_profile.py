@@ -9,7 +9,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from pyppo import profile
-from pyppo.trainer import PHASES
+from pyppo.stats import PHASES
 from tiny_models import save_tiny_causal_lm
 
 FLAGS = ["--batch-size", "2", "--max-new-tokens", "5", "--warmup-steps", "0", "--device", "cpu", "--seed", "1"]

@@ -1,6 +1,8 @@
-"""The PPO loop on a tiny random Llama (2 layers, H=32, V=128) with a character tokenizer.
+"""The PPO loop on tiny random models with a character tokenizer.
 
-EOS == pad (as in SmolLM2), so these tests exercise the response-mask rules of DESIGN.md §2.2.
+EOS == pad (as in SmolLM2), so these tests exercise the response-mask rules. The wiring tests
+check what the trainer hands the ops against independent float64 references (tests/reference.py)
+computed with the config's own knobs, so that a swapped argument or an ignored knob fails.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from pyppo.trainer import METRIC_KEYS, PPOConfig, PPOTrainer, response_mask_from_eos
-from tiny_models import tiny_causal_lm, tiny_tokenizer
+from pyppo.config import PPOConfig
+from pyppo.rollout import response_mask_from_eos
+from pyppo.trainer import METRIC_KEYS, PPOTrainer
+from reference import ref_gae, ref_masked_whiten, ref_shape_rewards
+from tiny_models import tiny_batch_mixing_lm, tiny_causal_lm, tiny_dropout_lm, tiny_tokenizer
 
 PROMPTS = [f"say something {'nice ' * (i % 4)}about {i}" for i in range(24)]
 EOS = 2
@@ -31,18 +36,22 @@ def small_config(**overrides):
     return PPOConfig(**cfg)
 
 
-def make_trainer(config=None, *, eos_bias=None, reward=count_e, prompts=PROMPTS):
-    policy = tiny_causal_lm(seed=0)
+def with_eos_bias(policy, eos_bias):
+    """An LM head with a bias on EOS: makes EOS (= pad) likely, or certain, at every position."""
+    head = nn.Linear(policy.lm_head.in_features, policy.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(policy.lm_head.weight)
+        head.bias.zero_()
+        head.bias[EOS] = eos_bias
+    policy.lm_head = head
+    return policy
+
+
+def make_trainer(config=None, *, eos_bias=None, reward=count_e, prompts=PROMPTS, policy=None, ref=None):
+    policy = policy if policy is not None else tiny_causal_lm(seed=0)
     if eos_bias is not None:
-        # An LM head with a bias on EOS: makes EOS (= pad) likely, or certain, at every position.
-        head = nn.Linear(policy.lm_head.in_features, policy.lm_head.out_features, bias=True)
-        with torch.no_grad():
-            head.weight.copy_(policy.lm_head.weight)
-            head.bias.zero_()
-            head.bias[EOS] = eos_bias
-        policy.lm_head = head
-    torch.manual_seed(1)  # the value head's init
-    return PPOTrainer(config or small_config(), policy, None, None, tiny_tokenizer(), reward, prompts)
+        policy = with_eos_bias(policy, eos_bias)
+    return PPOTrainer(config or small_config(), policy, ref, None, tiny_tokenizer(), reward, prompts)
 
 
 # --------------------------------------------------------------------------- response mask
@@ -62,9 +71,7 @@ def test_response_mask_from_first_eos_when_pad_is_eos():
 
 
 def test_rollout_mask_matches_first_eos():
-    tr = make_trainer(small_config(steps=1, max_new_tokens=12), eos_bias=2.0)
-    tr.step()
-    b = tr.last_batch
+    b = make_trainer(small_config(steps=1, max_new_tokens=12), eos_bias=2.0).step().batch
     assert 0 < int(b.has_eos.sum()) < len(b)  # a mix of finished and truncated responses
     T = b.response_length
     for row, mask, eos in zip(b.response_ids, b.response_mask, b.has_eos):
@@ -77,13 +84,21 @@ def test_rollout_mask_matches_first_eos():
 
 
 def test_response_that_is_only_eos_has_one_valid_position():
-    tr = make_trainer(small_config(steps=1), eos_bias=100.0)
-    m = tr.step()
-    b = tr.last_batch
+    m, b = tuple(make_trainer(small_config(steps=1), eos_bias=100.0).step())
     assert b.response_ids.shape[1] == 1 and (b.response_ids == EOS).all()
     assert b.response_mask.all() and m["response_length_mean"] == 1.0
     assert b.responses == [""] * len(b)
     assert all(math.isfinite(v) for v in m.values())
+
+
+def test_batch_of_one_with_an_eos_only_response_does_not_crash():
+    # One valid token in the whole batch: whitening needs two, so the raw advantages are used.
+    cfg = small_config(steps=1, batch_size=1, mini_batch_size=1, micro_batch_size=None)
+    m, b = tuple(make_trainer(cfg, eos_bias=100.0).step())
+    assert int(b.response_mask.sum()) == 1
+    torch.testing.assert_close(b.advantages, b.returns - b.values)  # not whitened (whitening gives 0)
+    assert m["explained_variance"] == 0.0  # Var[returns] = 0 over one token: defined as 0
+    assert all(math.isfinite(v) for v in m.values()), m
 
 
 # --------------------------------------------------------------------------- PPO step
@@ -91,16 +106,14 @@ def test_two_steps_first_ratio_exactly_one_and_metrics():
     tr = make_trainer()
     policy_before = [p.detach().clone() for p in tr.policy.parameters()]
     for step in (1, 2):
-        m = tr.step()
+        m = tr.step().metrics
         for k in METRIC_KEYS:
             assert k in m, k
         assert all(math.isfinite(v) for v in m.values()), m
         # Before the first optimizer step of a PPO step, π_θ is π_old: bit-identical log-probs.
-        s = tr.first_minibatch_stats
-        assert s["max_abs_logratio"] == 0.0
-        assert s["ratio_min"] == 1.0 and s["ratio_max"] == 1.0 and s["ratio_mean"] == 1.0
-        assert s["approx_kl"] == 0.0 and s["clipfrac"] == 0.0
-        assert m["first_ratio_max"] == 1.0 and m["first_approx_kl"] == 0.0
+        assert m["first_max_abs_logratio"] == 0.0
+        assert m["first_ratio_min"] == m["first_ratio_max"] == m["first_ratio_mean"] == 1.0
+        assert m["first_approx_kl"] == 0.0
         if step == 1:
             # the policy still equals the reference: KL exactly 0
             assert m["kl_mean"] == 0.0 and m["reward_mean"] == pytest.approx(m["score_mean"])
@@ -111,6 +124,32 @@ def test_two_steps_first_ratio_exactly_one_and_metrics():
     assert tr.step_count == 2
 
 
+def test_first_ratio_is_exact_for_a_model_that_is_not_batch_invariant():
+    # The layout mechanism, not the model, makes the first ratio 1: a row's log-probs here
+    # depend on its batch-mates, so a training forward on other micro-batches than the rollout's
+    # (a reshuffled first epoch, other chunks) would give a ratio != 1.
+    tr = make_trainer(small_config(steps=1, ppo_epochs=1, micro_batch_size=2), policy=tiny_batch_mixing_lm())
+    m, b = tuple(tr.step())
+    assert m["first_max_abs_logratio"] == 0.0 and m["first_ratio_min"] == m["first_ratio_max"] == 1.0
+    # ... and the model really is not batch-invariant: rows 0 and 1 together vs rows 1 and 0.
+    with torch.no_grad():
+        a = tr.ref_logprobs(b.select(torch.tensor([0, 1])))[0][0]
+        c = tr.ref_logprobs(b.select(torch.tensor([0, 2])))[0][0]
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_disable_dropout(disable):
+    tr = make_trainer(small_config(steps=1, ppo_epochs=1, disable_dropout=disable), policy=tiny_dropout_lm(p=0.3))
+    ps = {m.p for model in (tr.policy, tr.value_model) for m in model.modules() if isinstance(m, nn.Dropout)}
+    assert ps == ({0.0} if disable else {0.3})
+    m = tr.step().metrics
+    if disable:  # training forwards (train mode) repeat the rollout's (eval mode) bit for bit
+        assert m["first_max_abs_logratio"] == 0.0
+    else:  # dropout on in train mode: the first ratio is not 1
+        assert m["first_max_abs_logratio"] > 1e-3
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
 def test_logprobs_from_hidden_match_full_logits_over_two_steps(temperature):
     # linear_logprobs (default) and the full-logits path must train the same model: same
@@ -118,14 +157,15 @@ def test_logprobs_from_hidden_match_full_logits_over_two_steps(temperature):
     runs = {}
     for from_hidden in (True, False):
         tr = make_trainer(small_config(temperature=temperature, logprobs_from_hidden=from_hidden))
-        metrics = [tr.step() for _ in range(2)]
-        runs[from_hidden] = (tr, metrics)
-    (a, ma), (b, mb) = runs[True], runs[False]
-    assert torch.equal(a.last_batch.response_ids, b.last_batch.response_ids)
-    torch.testing.assert_close(a.last_batch.old_logprobs, b.last_batch.old_logprobs, rtol=1e-4, atol=1e-5)
-    for x, y in zip(ma, mb):
+        assert tr.policy_logprobs.uses_hidden is from_hidden
+        results = [tr.step() for _ in range(2)]
+        runs[from_hidden] = (tr, results)
+    (a, ra), (b, rb) = runs[True], runs[False]
+    assert torch.equal(ra[-1].batch.response_ids, rb[-1].batch.response_ids)
+    torch.testing.assert_close(ra[-1].batch.old_logprobs, rb[-1].batch.old_logprobs, rtol=1e-4, atol=1e-5)
+    for x, y in zip(ra, rb):
         for k in ("score_mean", "kl_mean", "policy_loss", "value_loss", "entropy_mean", "approx_kl"):
-            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-5), k
+            assert x.metrics[k] == pytest.approx(y.metrics[k], rel=1e-3, abs=1e-5), k
     for p, q in zip(a.policy.parameters(), b.policy.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
 
@@ -133,8 +173,7 @@ def test_logprobs_from_hidden_match_full_logits_over_two_steps(temperature):
 def test_logprobs_align_with_tokens_and_ignore_left_padding():
     temperature = 0.7
     tr = make_trainer(small_config(steps=1, temperature=temperature, ppo_epochs=1))
-    tr.step()
-    b = tr.last_batch
+    b = tr.step().batch
     ref = tr.ref_policy  # == the policy that sampled, at step 1
     for i in range(len(b)):
         # The row alone, without any left padding: logit at position t scores token t+1.
@@ -148,12 +187,63 @@ def test_logprobs_align_with_tokens_and_ignore_left_padding():
         torch.testing.assert_close(b.old_logprobs[i, :n].double(), expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b.ref_logprobs[i, :n].double(), expected, rtol=1e-4, atol=1e-4)
         assert (b.old_logprobs[i, n:] == 0).all()
+        # The rollout's entropy is that of the sampling distribution.
+        p = torch.softmax(logits, -1)
+        torch.testing.assert_close(b.entropy[i, :n].double(), -(p * p.log()).sum(-1), rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- wiring against references
+@pytest.mark.parametrize("estimator, whiten", [("k1", True), ("k3", False)])
+def test_rollout_tensors_match_the_references_with_the_config_knobs(estimator, whiten):
+    # A reference that differs from the policy, so the KL is not 0 and its sign matters; gamma
+    # and lam far apart, so swapping them shows; a clip and a penalty that both act.
+    cfg = small_config(steps=1, ppo_epochs=1, kl_estimator=estimator, kl_coef=0.3, gamma=0.9, lam=0.6,
+                       whiten_advantages=whiten, score_clip=0.4, missing_eos_penalty=0.25, max_new_tokens=10)
+    tr = make_trainer(cfg, eos_bias=2.0, ref=tiny_causal_lm(seed=1))
+    b = tr.step().batch
+    assert 0 < int(b.has_eos.sum()) < len(b)
+    raw = torch.tensor(count_e(b.prompts, b.responses), dtype=torch.float64)
+    torch.testing.assert_close(b.raw_scores.double(), raw)
+    # The clip acts on the raw score; the penalty comes after it, so the clip cannot absorb it.
+    scores = raw.clamp(-0.4, 0.4) - 0.25 * (~b.has_eos).double()
+    torch.testing.assert_close(b.scores.double(), scores, rtol=1e-6, atol=1e-6)
+    rewards, kl = ref_shape_rewards(scores, b.old_logprobs, b.ref_logprobs, b.response_mask,
+                                    kl_coef=0.3, estimator=estimator)
+    assert kl[b.response_mask].abs().max() > 1e-3
+    torch.testing.assert_close(b.kl.double(), kl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.rewards.double(), rewards, rtol=1e-5, atol=1e-6)
+    adv, ret = ref_gae(rewards, b.values, b.response_mask, gamma=0.9, lam=0.6)
+    torch.testing.assert_close(b.returns.double(), ret, rtol=1e-5, atol=1e-6)
+    if whiten:
+        adv = ref_masked_whiten(adv, b.response_mask)
+    torch.testing.assert_close(b.advantages.double(), adv, rtol=1e-4, atol=1e-5)
+
+
+def test_ratio_and_kl_use_the_sampling_temperature():
+    # The rollout's log-probs are of softmax(z / temperature) (checked in the alignment test);
+    # here the update's too: a policy that has not moved gives ratio 1 at any temperature only if
+    # both sides use the same one.
+    tr = make_trainer(small_config(steps=1, ppo_epochs=1, temperature=0.5, mini_batch_size=8, micro_batch_size=None))
+    assert tr.policy_logprobs.temperature == tr.ref_logprobs.temperature == 0.5
+    m = tr.step().metrics
+    assert m["first_max_abs_logratio"] == 0.0
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_explained_variance_does_not_depend_on_micro_batch_size(micro):
+    # Gradient accumulation gives the same update whatever the micro-batch size, so the logged
+    # explained variance (over every token of the update) must agree too; a mean of
+    # per-micro-batch values would not.
+    m = make_trainer(small_config(steps=1, micro_batch_size=micro)).step().metrics
+    whole = make_trainer(small_config(steps=1, micro_batch_size=4)).step().metrics
+    assert m["explained_variance"] == pytest.approx(whole["explained_variance"], rel=1e-4, abs=1e-6)
+    assert m["explained_variance"] != 0.0
 
 
 def test_adaptive_kl_controller_is_applied():
     tr = make_trainer(small_config(target_kl=0.5, kl_coef=0.2, kl_horizon=100))
-    m1 = tr.step()
-    m2 = tr.step()
+    m1 = tr.step().metrics
+    m2 = tr.step().metrics
     err = min(max(m1["kl_mean"] / 0.5 - 1, -0.2), 0.2)
     assert m1["kl_coef"] == 0.2
     assert m2["kl_coef"] == pytest.approx(0.2 * (1 + err * 8 / 100))
@@ -226,51 +316,10 @@ def test_missing_checkpoint_file(tmp_path):
         tr.load_checkpoint(tmp_path / "ck")
 
 
-# --------------------------------------------------------------------------- config
-@pytest.mark.parametrize(
-    "key, value",
-    [
-        ("steps", 0), ("batch_size", 0), ("mini_batch_size", 3), ("mini_batch_size", 32), ("micro_batch_size", 3),
-        ("ppo_epochs", 0), ("max_new_tokens", 0), ("temperature", 0.0), ("top_p", 0.0), ("top_k", -1),
-        ("lr", 0.0), ("lr", math.nan), ("kl_coef", -0.1), ("target_kl", 0.0), ("kl_horizon", 0.0),
-        ("kl_estimator", "k4"), ("gamma", 1.5), ("lam", -0.1), ("cliprange", 1.0), ("cliprange_high", 0.0),
-        ("dual_clip", 1.0), ("cliprange_value", 0.0), ("vf_coef", -1.0), ("entropy_coef", -0.1),
-        ("max_grad_norm", 0.0), ("score_clip", -1.0), ("missing_eos_penalty", -1.0), ("loss_agg", "mean"),
-        ("loss_agg_norm", 0.0), ("whiten_advantages", 1), ("use_chat_template", "yes"), ("seed", -1),
-        ("save_every", -1), ("steps", 2.5), ("batch_size", True),
-    ],
-)
-def test_config_validation_names_the_key(key, value):
-    with pytest.raises(ValueError, match=key):
-        PPOConfig(**{key: value})
-
-
-def test_config_from_dict():
-    cfg = PPOConfig.from_dict({"steps": 3, "lr": 2e-5, "loss_agg": "seq-mean-token-sum-norm"})
-    assert cfg.steps == 3 and cfg.lr == 2e-5 and cfg.effective_loss_agg_norm == cfg.max_new_tokens
-    assert PPOConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="bogus, learning_rate"):
-        PPOConfig.from_dict({"learning_rate": 1.0, "bogus": 2, "steps": 1})
-    with pytest.raises(ValueError, match="kl_coef"):
-        PPOConfig(kl_coef=0.0, target_kl=1.0)
-
-
-def test_other_knobs_run(tmp_path, capsys):
-    cfg = small_config(
-        steps=1, loss_agg="seq-mean-token-sum-norm", dual_clip=3.0, cliprange_high=0.28, cliprange_value=None,
-        entropy_coef=0.01, missing_eos_penalty=1.0, score_clip=0.5, whiten_advantages=False,
-        use_chat_template=False, max_prompt_length=6, micro_batch_size=None, kl_estimator="k3", gamma=0.99,
-        max_grad_norm=None, value_lr=1e-4,
-    )
-    tr = make_trainer(cfg, eos_bias=2.0)
-    (m,) = tr.train(tmp_path, progress=True)
-    assert all(math.isfinite(v) for v in m.values())
-    assert tr.last_batch.query_ids.shape[1] <= 6
-    err = capsys.readouterr().err
-    assert "score=" in err and "kl=" in err  # the progress bar shows the live score and KL
-    b = tr.last_batch
-    assert 0 < int(b.has_eos.sum()) < len(b)
-    # the reward saw the penalty for responses without EOS; the logged score is the raw one
-    raw = torch.tensor(count_e(b.prompts, b.responses))
-    torch.testing.assert_close(b.scores, raw - 1.0 * (~b.has_eos).float())
-    assert m["score_mean"] == pytest.approx(raw.mean().item())
+def test_samples_log_the_raw_score(tmp_path):
+    tr = make_trainer(small_config(steps=1, missing_eos_penalty=1.0, score_clip=0.5, max_new_tokens=10), eos_bias=2.0)
+    (m,) = tr.train(tmp_path, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    raw = count_e([r["prompt"] for r in rows], [r["response"] for r in rows])
+    assert [r["score"] for r in rows] == pytest.approx(raw)
+    assert m["score_mean"] == pytest.approx(sum(raw) / len(raw))

@@ -86,3 +86,54 @@ def save_tiny_classifier(path: Path, num_labels: int = 1, id2label=None, seed: i
     LlamaForSequenceClassification(tiny_llama_config(**kwargs)).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# other architectures, for the trainer's head check and its wiring tests
+
+#: Tiny random configs of several causal-LM families, with the head transform (if any) made large
+#: enough to show on a probe of small logits. ``uses_hidden``: whether the trainer may compute
+#: log-probs from the hidden states (the head is a plain linear map of them).
+ARCHITECTURES = {
+    "llama": (dict(), True),
+    "qwen2": (dict(), True),
+    "gpt2": (dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2), True),
+    "gemma2": (dict(head_dim=8, final_logit_softcapping=0.5), False),
+    "granite": (dict(logits_scaling=4.0), False),
+    "cohere": (dict(logit_scale=0.25, bos_token_id=1, eos_token_id=2), False),
+}
+
+
+def tiny_arch(name: str, seed: int = 0, **overrides):
+    """A tiny random causal LM of the family ``name`` (a key of :data:`ARCHITECTURES`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra, _ = ARCHITECTURES[name]
+    cfg = AutoConfig.for_model(name, **TINY_CONFIG, **{"pad_token_id": 2, **extra, **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def tiny_dropout_lm(p: float = 0.3, seed: int = 0):
+    """A tiny GPT-2 with ``nn.Dropout`` of probability ``p`` on embeddings, attention and MLP."""
+    return tiny_arch("gpt2", seed=seed, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
+
+
+class BatchMixingEmbedding(torch.nn.Module):
+    """An embedding whose output depends slightly on the other rows of the batch (their mean), so
+    a model built on it is not batch-invariant: a row's log-probs change with its batch-mates."""
+
+    def __init__(self, embedding: torch.nn.Embedding, eps: float = 1e-2):
+        super().__init__()
+        self.embedding = embedding
+        self.eps = eps
+
+    def forward(self, ids):
+        x = self.embedding(ids)
+        return x + self.eps * x.mean(dim=0, keepdim=True)
+
+
+def tiny_batch_mixing_lm(seed: int = 0):
+    model = tiny_causal_lm(seed)
+    model.model.embed_tokens = BatchMixingEmbedding(model.model.embed_tokens)
+    return model

@@ -1,0 +1,204 @@
+"""Checkpoints that survive SIGKILL, JSON-lines logs that match them, and RNG capture.
+
+A checkpoint is a directory of ``torch.save`` files (:data:`CHECKPOINT_FILES`). :func:`save` swaps
+it in atomically so that at every instant a complete checkpoint is at a known path:
+
+1. every file is written into a temporary sibling ``.<name>.tmp-*`` and fsync'ed, then the
+   directory is fsync'ed (``<name>`` still holds the previous checkpoint);
+2. ``<name>`` is renamed to ``<name>.old`` (the previous checkpoint, complete);
+3. the temporary directory is renamed to ``<name>`` (the new checkpoint, complete);
+4. ``<name>.old`` is deleted.
+
+A crash before 2 leaves the previous checkpoint at ``<name>``; between 2 and 3 at ``<name>.old``,
+where :func:`find` finds it; after 3 the new one is at ``<name>``. Temporaries of a killed save
+are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["CHECKPOINT_FILES", "save", "find", "load", "saved_step", "truncate_log", "capture_rng", "restore_rng"]
+
+CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is_complete(d: Path) -> bool:
+    return d.is_dir() and all((d / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def _backup(target: Path) -> Path:
+    return target.parent / f"{target.name}.old"
+
+
+def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
+    """Write ``payloads`` (file name -> object for ``torch.save``) as the checkpoint ``directory``,
+    swapped in atomically (see the module docstring). Returns the directory."""
+    target = Path(directory)
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    backup = _backup(target)
+    for stale in parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+    try:
+        for name, obj in payloads.items():
+            with open(tmp / name, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if target.exists():
+            if _is_complete(target) or not _is_complete(backup):
+                shutil.rmtree(backup, ignore_errors=True)
+                os.rename(target, backup)
+            else:
+                # An incomplete <name> (not written here) beside a complete backup: keep the
+                # backup, drop the debris.
+                shutil.rmtree(target)
+            _fsync_dir(parent)
+        # No <name> but a complete <name>.old: a save was killed between the two renames; that
+        # backup stays until the new checkpoint is in place.
+        os.rename(tmp, target)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+    for legacy in parent.glob(f"{glob.escape(target.name)}.old-*"):
+        shutil.rmtree(legacy, ignore_errors=True)
+    _fsync_dir(parent)
+    return target
+
+
+def find(directory: str | os.PathLike) -> Optional[Path]:
+    """The complete checkpoint to resume from for ``directory``, or ``None``.
+
+    ``directory`` itself when it holds every file; otherwise the previous checkpoint that an
+    interrupted :func:`save` left at ``<directory>.old`` (or ``<directory>.old-*``, as older
+    versions named it), when that one is complete.
+    """
+    target = Path(directory)
+    if _is_complete(target):
+        return target
+    for cand in [_backup(target)] + sorted(target.parent.glob(f"{glob.escape(target.name)}.old-*"), reverse=True):
+        if _is_complete(cand):
+            return cand
+    return None
+
+
+def load(directory: str | os.PathLike, map_location) -> tuple[Path, Dict[str, Any]]:
+    """Read every file of the checkpoint :func:`find` picks for ``directory``.
+
+    Everything is read before anything is returned, so a caller that restores only after this
+    returns leaves its state untouched by a failed load. ``trainer_state.pt`` is mapped to CPU.
+
+    Returns:
+        ``(the directory actually read, {file name: object})``.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint (the message names the missing files).
+        ValueError: a file cannot be read (truncated or corrupt); the message names it.
+    """
+    requested = Path(directory)
+    d = find(requested)
+    if d is None:
+        missing = [str(requested / n) for n in CHECKPOINT_FILES if not (requested / n).is_file()]
+        raise FileNotFoundError(f"checkpoint file missing: {', '.join(missing)}")
+    if d != requested:
+        warnings.warn(f"checkpoint {str(requested)!r} is missing or incomplete (a save was interrupted); "
+                      f"resuming from the previous checkpoint {str(d)!r}", RuntimeWarning, stacklevel=3)
+    out = {}
+    for name in CHECKPOINT_FILES:
+        try:
+            out[name] = torch.load(d / name, map_location="cpu" if name == "trainer_state.pt" else map_location,
+                                   weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"checkpoint file {str(d / name)!r} cannot be read: {exc}") from exc
+    return d, out
+
+
+def saved_step(directory: str | os.PathLike) -> int:
+    """The step counter stored in a checkpoint directory."""
+    return int(torch.load(Path(directory) / "trainer_state.pt", map_location="cpu", weights_only=True)["step"])
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Drop the rows of a JSON-lines log whose ``step`` is after ``last_step``, and a torn last line.
+
+    A run killed after logging a step but before checkpointing it logged steps that the resumed
+    run takes again. Rewritten atomically; untouched when there is nothing to drop.
+    """
+    if not path.is_file():
+        return
+    keep: List[str] = []
+    dropped = 0
+    with open(path, "r") as f:
+        for line in f:
+            try:
+                ok = line.endswith("\n") and float(json.loads(line)["step"]) <= last_step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if ok:
+                keep.append(line)
+            else:
+                dropped += 1
+    if not dropped:
+        return
+    warnings.warn(f"{path}: dropped {dropped} line(s) logged after step {last_step} (the checkpoint's) or torn",
+                  RuntimeWarning, stacklevel=3)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def capture_rng() -> Dict[str, Any]:
+    """torch (CPU and every CUDA device), numpy and python RNG states, as ``weights_only`` values."""
+    np_state = np.random.get_state()
+    state = {
+        "rng_torch": torch.get_rng_state(),
+        # numpy's state as plain python values, so that the file loads with weights_only=True.
+        "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "rng_python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["rng_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    """Undo :func:`capture_rng`."""
+    torch.set_rng_state(state["rng_torch"])
+    if "rng_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    kind, keys, pos, has_gauss, cached = state["rng_numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    py = state["rng_python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))

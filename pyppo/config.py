@@ -1,0 +1,344 @@
+"""``PPOConfig``: every knob of the PPO loop, each declared once.
+
+A field is declared with :func:`knob`: its default, a one-line help and its check live together in
+the dataclass field's metadata. Validation loops over that metadata (cross-field rules are written
+out in :meth:`PPOConfig.__post_init__`), ``pyppo train`` builds one flag per field from it, and the
+key table of ``docs/trainer.md`` is generated from it (:func:`config_markdown`; a test fails when
+the file is stale). Regenerate the table with ``python -m pyppo.config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional, Sequence
+
+import numpy as np
+
+from .ops.kl import KL_ESTIMATORS
+from .ops.losses import LOSS_AGG_MODES
+
+__all__ = ["PPOConfig", "Knob", "knob", "config_knobs", "config_markdown", "resolve_device"]
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: ok(value), normalize(value) and expected() for the error message and the docs
+# ---------------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class Int:
+    lo: int
+    hi: Optional[int] = None  # exclusive
+
+    def ok(self, v: Any) -> bool:
+        return _is_int(v) and v >= self.lo and (self.hi is None or v < self.hi)
+
+    def normalize(self, v: Any) -> int:
+        return int(v)
+
+    def expected(self) -> str:
+        if self.hi is None:
+            return f"an int >= {self.lo}"
+        return f"an int in [{self.lo}, {'2**63' if self.hi == 2**63 else self.hi})"
+
+
+@dataclass(frozen=True)
+class Num:
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def ok(self, v: Any) -> bool:
+        return _is_num(v) and (v > self.lo if self.lo_open else v >= self.lo) and (
+            v < self.hi if self.hi_open else v <= self.hi)
+
+    def normalize(self, v: Any) -> float:
+        return float(v)
+
+    def expected(self) -> str:
+        return f"a finite number in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+
+@dataclass(frozen=True)
+class Bool:
+    def ok(self, v: Any) -> bool:
+        return isinstance(v, bool)
+
+    def normalize(self, v: Any) -> bool:
+        return v
+
+    def expected(self) -> str:
+        return "a bool"
+
+
+@dataclass(frozen=True)
+class Choice:
+    options: Sequence[str]
+
+    def ok(self, v: Any) -> bool:
+        return isinstance(v, str) and v in self.options
+
+    def normalize(self, v: Any) -> str:
+        return v
+
+    def expected(self) -> str:
+        return f"one of {tuple(self.options)}"
+
+
+@dataclass(frozen=True)
+class Device:
+    def ok(self, v: Any) -> bool:
+        import torch
+
+        if not isinstance(v, str) or not v:
+            return False
+        if v == "auto":
+            return True
+        try:
+            return torch.device(v).type in ("cpu", "cuda")
+        except (RuntimeError, ValueError):
+            return False
+
+    def normalize(self, v: Any) -> str:
+        return v
+
+    def expected(self) -> str:
+        return "'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """What :func:`knob` stores in a field's metadata."""
+
+    help: str
+    check: Any  # Int | Num | Bool | Choice | Device
+    group: str
+    optional: bool  # None is allowed (and means what the help says)
+
+    def validate(self, key: str, value: Any) -> Any:
+        if value is None and self.optional:
+            return None
+        if not self.check.ok(value):
+            raise ValueError(f"{key} must be {self.expected()}, got {value!r}")
+        return self.check.normalize(value)
+
+    def expected(self) -> str:
+        return self.check.expected() + (" or None" if self.optional else "")
+
+
+def knob(default: Any, help: str, check: Any, *, group: str, optional: bool = False) -> Any:
+    """A config field: ``default``, a one-line ``help``, its ``check`` and the ``group`` it is listed under."""
+    return dataclasses.field(default=default, metadata={"knob": Knob(help, check, group, optional)})
+
+
+# ---------------------------------------------------------------------------------------------
+# the config
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PPOConfig:
+    """Every knob of the PPO loop (see ``docs/trainer.md`` for the loop and the key table).
+
+    Each field's default, help and check are declared once, below. Construction validates every
+    field and the cross-field rules.
+
+    Raises:
+        ValueError: an invalid value; the message starts with the key.
+    """
+
+    # -- sizes (counts of sequences)
+    steps: int = knob(100, "PPO steps (rollout + update) to run", Int(1), group="sizes")
+    batch_size: int = knob(16, "prompts sampled per step", Int(1), group="sizes")
+    mini_batch_size: int = knob(8, "sequences per optimizer step; must divide batch_size", Int(1), group="sizes")
+    micro_batch_size: Optional[int] = knob(
+        None, "sequences per forward/backward (gradient accumulation; also the rollout forward size); "
+        "must divide mini_batch_size; None = mini_batch_size", Int(1), group="sizes", optional=True)
+    ppo_epochs: int = knob(4, "passes over the batch per step", Int(1), group="sizes")
+
+    # -- sampling
+    max_new_tokens: int = knob(48, "response length limit, in tokens", Int(1), group="sampling")
+    max_prompt_length: Optional[int] = knob(
+        None, "prompts longer than this many tokens are cut from the left; None = no cut", Int(1),
+        group="sampling", optional=True)
+    temperature: float = knob(
+        1.0, "sampling temperature; the ratio and KL use the same softmax(z / temperature)",
+        Num(0.0, lo_open=True), group="sampling")
+    top_k: int = knob(
+        0, "top-k filter of sampling (0 = off); anything else samples from a distribution the "
+        "log-probs do not describe (off-policy)", Int(0), group="sampling")
+    top_p: float = knob(
+        1.0, "nucleus filter of sampling (1.0 = off); below 1 is off-policy like top_k",
+        Num(0.0, 1.0, lo_open=True), group="sampling")
+    use_chat_template: bool = knob(
+        True, "format prompts with the tokenizer's chat template when it has one", Bool(), group="sampling")
+
+    # -- optimisation
+    lr: float = knob(1e-5, "AdamW learning rate of the policy", Num(0.0, lo_open=True), group="optimisation")
+    value_lr: Optional[float] = knob(
+        None, "AdamW learning rate of the value model; None = lr", Num(0.0, lo_open=True),
+        group="optimisation", optional=True)
+    weight_decay: float = knob(0.0, "AdamW weight decay of both models", Num(0.0), group="optimisation")
+    adam_eps: float = knob(1e-8, "AdamW epsilon of both models", Num(0.0, lo_open=True), group="optimisation")
+    max_grad_norm: Optional[float] = knob(
+        1.0, "clip each model's gradient norm to this; None = no clipping", Num(0.0, lo_open=True),
+        group="optimisation", optional=True)
+    logprobs_from_hidden: bool = knob(
+        True, "log-probs from the last hidden states with linear_logprobs (no [B, T, V] logits); "
+        "falls back to full logits when the model's head is not a plain linear map", Bool(),
+        group="optimisation")
+    disable_dropout: bool = knob(
+        True, "set every dropout of the policy and the value model to 0, so training forwards "
+        "match the rollout's", Bool(), group="optimisation")
+    device: str = knob("auto", "where the models run: auto = CUDA when available, else CPU", Device(),
+                       group="optimisation")
+
+    # -- KL penalty
+    kl_coef: float = knob(0.05, "KL penalty coefficient beta (initial value with target_kl)", Num(0.0),
+                          group="KL penalty")
+    target_kl: Optional[float] = knob(
+        None, "target KL (nats per sequence) of the adaptive controller; None = fixed kl_coef",
+        Num(0.0, lo_open=True), group="KL penalty", optional=True)
+    kl_horizon: float = knob(10000.0, "adaptive controller horizon, in samples", Num(0.0, lo_open=True),
+                             group="KL penalty")
+    kl_estimator: str = knob("k1", "per-token KL estimator (Schulman 2020)", Choice(KL_ESTIMATORS),
+                             group="KL penalty")
+    score_clip: Optional[float] = knob(
+        None, "clip raw scores to [-score_clip, score_clip] (before missing_eos_penalty); None = no clip",
+        Num(0.0, lo_open=True), group="KL penalty", optional=True)
+    missing_eos_penalty: Optional[float] = knob(
+        None, "subtracted from the (clipped) score of responses that hit max_new_tokens without EOS",
+        Num(0.0), group="KL penalty", optional=True)
+
+    # -- advantages and losses
+    gamma: float = knob(1.0, "GAE discount", Num(0.0, 1.0), group="advantages and losses")
+    lam: float = knob(0.95, "GAE lambda", Num(0.0, 1.0), group="advantages and losses")
+    whiten_advantages: bool = knob(
+        True, "whiten advantages over the whole batch's valid tokens (skipped below 2 valid tokens)",
+        Bool(), group="advantages and losses")
+    cliprange: float = knob(0.2, "PPO clip epsilon (low side, and high side unless cliprange_high)",
+                            Num(0.0, 1.0, hi_open=True), group="advantages and losses")
+    cliprange_high: Optional[float] = knob(
+        None, "high-side clip epsilon (DAPO clip-higher); None = cliprange", Num(0.0, lo_open=True),
+        group="advantages and losses", optional=True)
+    dual_clip: Optional[float] = knob(
+        None, "dual-clip constant c > 1 bounding the loss of negative advantages (Ye et al. 2020)",
+        Num(1.0, lo_open=True), group="advantages and losses", optional=True)
+    cliprange_value: Optional[float] = knob(
+        0.2, "value clip epsilon around the rollout's values; None = unclipped", Num(0.0, lo_open=True),
+        group="advantages and losses", optional=True)
+    vf_coef: float = knob(0.1, "value-loss weight", Num(0.0), group="advantages and losses")
+    entropy_coef: float = knob(0.0, "entropy-bonus weight", Num(0.0), group="advantages and losses")
+    loss_agg: str = knob("token-mean", "how the per-token losses become one number (docs/ops.md)",
+                         Choice(LOSS_AGG_MODES), group="advantages and losses")
+    loss_agg_norm: Optional[float] = knob(
+        None, "the constant of seq-mean-token-sum-norm; None = max_new_tokens", Num(0.0, lo_open=True),
+        group="advantages and losses", optional=True)
+
+    # -- bookkeeping
+    seed: int = knob(0, "seeds python, numpy, torch, the prompt order and the minibatch shuffles",
+                     Int(0, 2**63), group="bookkeeping")
+    save_every: int = knob(0, "write checkpoint/ every this many steps (0 = only at the end)", Int(0),
+                           group="bookkeeping")
+    log_samples: bool = knob(True, "write samples.jsonl (prompt, response, raw score per sample)", Bool(),
+                             group="bookkeeping")
+    max_consecutive_skips: int = knob(
+        3, "stop after this many updates in a row with a NaN/inf loss or gradient (each is skipped)",
+        Int(1), group="bookkeeping")
+
+    def __post_init__(self) -> None:
+        for name, k in config_knobs():
+            setattr(self, name, k.validate(name, getattr(self, name)))
+        if self.batch_size % self.mini_batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide batch_size ({self.batch_size})")
+        if self.micro_batch_size is not None and self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) must divide mini_batch_size ({self.mini_batch_size})")
+        if self.target_kl is not None and self.kl_coef == 0:
+            raise ValueError("kl_coef must be > 0 when target_kl is set (the adaptive update is multiplicative)")
+
+    # -- (de)serialisation
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "PPOConfig":
+        """Build from a mapping (e.g. a parsed TOML file); missing keys keep their defaults.
+
+        Raises:
+            ValueError: unknown keys (all of them named), or an invalid value (naming its key).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown config key(s): {', '.join(map(str, unknown))}")
+        return cls(**d)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- derived values
+    @property
+    def effective_micro_batch_size(self) -> int:
+        return self.micro_batch_size if self.micro_batch_size is not None else self.mini_batch_size
+
+    @property
+    def effective_cliprange_high(self) -> float:
+        return self.cliprange_high if self.cliprange_high is not None else self.cliprange
+
+    @property
+    def effective_value_lr(self) -> float:
+        return self.value_lr if self.value_lr is not None else self.lr
+
+    @property
+    def effective_loss_agg_norm(self) -> float:
+        return self.loss_agg_norm if self.loss_agg_norm is not None else float(self.max_new_tokens)
+
+
+def config_knobs() -> Iterator[tuple[str, Knob]]:
+    """``(field name, Knob)`` for every field of :class:`PPOConfig`, in declaration order."""
+    for f in dataclasses.fields(PPOConfig):
+        yield f.name, f.metadata["knob"]
+
+
+def resolve_device(device: str):
+    """``torch.device`` for a config ``device`` value (``auto`` = CUDA when available).
+
+    Raises:
+        ValueError: a CUDA device is asked for and none is available.
+    """
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is available (torch {torch.__version__})")
+    return dev
+
+
+def _default_text(value: Any) -> str:
+    return "None" if value is None else repr(value)
+
+
+def config_markdown() -> str:
+    """The key table of ``docs/trainer.md``, generated from the fields' metadata."""
+    defaults = {f.name: f.default for f in dataclasses.fields(PPOConfig)}
+    lines: list[str] = []
+    group = None
+    for name, k in config_knobs():
+        if k.group != group:
+            group = k.group
+            lines += ["", f"### {group}", "", "| key | default | values | meaning |", "|---|---|---|---|"]
+        lines.append(f"| `{name}` | `{_default_text(defaults[name])}` | {k.expected()} | {k.help} |")
+    return "\n".join(lines[1:]) + "\n"
+
+
+if __name__ == "__main__":  # python -m pyppo.config > table: regenerates the docs table
+    sys.stdout.write(config_markdown())

@@ -1,0 +1,160 @@
+"""Sampling responses: prompt encoding, the generation config, and the response mask.
+
+The log-probs PPO computes must be those of the distribution ``generate()`` really samples from.
+``transformers`` fills every generation field the caller leaves unset from the model's own
+``generation_config`` (a checkpoint's ``generation_config.json`` often carries ``top_k``,
+``top_p``, ``repetition_penalty``...), so :func:`generate` pins every sampling filter to its
+neutral value and hides the model's own config for the duration of the call. See
+``docs/trainer.md`` (rollout).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["NEUTRAL_SAMPLING", "encode_prompts", "generation_config", "generate", "response_mask_from_eos"]
+
+#: Every field of ``GenerationConfig`` that filters or reshapes the sampling distribution, at the
+#: value that leaves ``softmax(z / temperature)`` untouched. (Fields whose neutral value is None,
+#: e.g. ``min_p``, ``suppress_tokens``, ``bad_words_ids``, ``sequence_bias``, stay None; they cannot
+#: leak in from the model because :func:`generate` swaps the model's config for ours.)
+NEUTRAL_SAMPLING: Dict[str, Any] = {
+    "do_sample": True,
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_new_tokens": 0,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+}
+
+
+def generation_config(config, *, eos_token_id: int, pad_token_id: int):
+    """The ``GenerationConfig`` of the rollout: pure sampling at ``config.temperature`` (with
+    ``config.top_k`` / ``config.top_p``, neutral by default), up to ``config.max_new_tokens``."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        **NEUTRAL_SAMPLING,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        max_new_tokens=config.max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+
+
+@contextmanager
+def _only_this_generation_config(model: nn.Module, gen_config) -> Iterator[None]:
+    # generate() fills unset fields from model.generation_config; while it runs that config is
+    # ours, so nothing of the checkpoint's sampling defaults can reach the sampler.
+    saved = getattr(model, "generation_config", None)
+    model.generation_config = gen_config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@torch.no_grad()
+def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config,
+             **kwargs: Any) -> Any:
+    """``model.generate`` on left-padded prompts with exactly ``gen_config``.
+
+    Args:
+        model: a ``transformers`` causal LM.
+        query_ids: ``[B, P]`` int64, left-padded.
+        query_mask: ``[B, P]`` bool, 1 at real prompt tokens.
+        gen_config: from :func:`generation_config`.
+        kwargs: passed to ``generate`` (e.g. ``output_scores=True`` in tests).
+
+    Returns:
+        what ``generate`` returns: by default ``[B, P + T]`` int64 (prompt then response).
+    """
+    with _only_this_generation_config(model, gen_config):
+        return model.generate(input_ids=query_ids, attention_mask=query_mask.long(),
+                              generation_config=gen_config, **kwargs)
+
+
+def encode_prompts(tokenizer, prompts: List[str], *, use_chat_template: bool, max_prompt_length,
+                   device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Tokenise prompts, left-padded (through the chat template when the tokenizer has one).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer with ``padding_side == "left"``.
+        prompts: ``B`` strings.
+        use_chat_template: format each prompt as one user turn with the generation prompt.
+        max_prompt_length: keep at most this many tokens of each prompt, from the end (next to the
+            response); ``None`` = all.
+        device: where the tensors go.
+
+    Returns:
+        ``(query_ids [B, P] int64, query_mask [B, P] bool)``.
+
+    Raises:
+        ValueError: a prompt encodes to zero tokens.
+    """
+    use_template = use_chat_template and getattr(tokenizer, "chat_template", None)
+    if use_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+    else:
+        texts = list(prompts)
+    kwargs: Dict[str, Any] = {}
+    if max_prompt_length is not None:
+        kwargs.update(truncation=True, max_length=max_prompt_length)
+    old_side = getattr(tokenizer, "truncation_side", "right")
+    tokenizer.truncation_side = "left"
+    try:
+        # The chat template already holds the special tokens it wants.
+        enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=not use_template, **kwargs)
+    finally:
+        tokenizer.truncation_side = old_side
+    ids = enc["input_ids"].to(device)
+    mask = enc["attention_mask"].to(device).bool()
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError("prompts: a prompt encoded to zero tokens")
+    return ids, mask
+
+
+def response_mask_from_eos(
+    response_ids: torch.Tensor, eos_token_id: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mask of each response up to and including its first EOS.
+
+    Built from the position of the first EOS, never from ``token != pad``: the pad token may equal
+    EOS (it does for SmolLM2) and the real EOS must stay in. A response that is only EOS has one
+    valid position; a response without EOS (cut by the length limit) is valid everywhere.
+
+    Args:
+        response_ids: ``[B, T]`` int64, right-padded generated tokens, ``T >= 1``.
+        eos_token_id: the EOS id.
+
+    Returns:
+        ``(response_mask [B, T] bool, lengths [B] int64, has_eos [B] bool)``; every length >= 1.
+
+    Raises:
+        ValueError: ``response_ids`` not 2-D or with ``T == 0``.
+    """
+    if response_ids.dim() != 2 or response_ids.shape[1] == 0:
+        raise ValueError(f"response_ids must be [B, T] with T >= 1, got shape {tuple(response_ids.shape)}")
+    T = response_ids.shape[1]
+    is_eos = response_ids == eos_token_id
+    has_eos = is_eos.any(dim=1)
+    first = is_eos.to(torch.uint8).argmax(dim=1)  # argmax returns the first maximal index
+    lengths = torch.where(has_eos, first + 1, torch.full_like(first, T))
+    mask = torch.arange(T, device=response_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    return mask, lengths, has_eos

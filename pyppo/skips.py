@@ -1,0 +1,57 @@
+"""What happens to an update whose loss or gradient is NaN/inf: it is skipped, and too many in a
+row stop the run before anything bad is logged or checkpointed."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, Mapping
+
+__all__ = ["NonFiniteUpdateError", "SkipPolicy"]
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """``max_consecutive_skips`` updates in a row had a NaN/inf loss or gradient: training stopped."""
+
+
+class SkipPolicy:
+    """Counts non-finite updates: in a row (reset by a good update) and in all.
+
+    Args:
+        max_consecutive: this many skipped updates in a row raise :class:`NonFiniteUpdateError`.
+    """
+
+    def __init__(self, max_consecutive: int):
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.total = 0
+
+    def allows(self, values: Mapping[str, float], where: str) -> bool:
+        """Whether an update with these ``values`` (losses, gradient norms) may be applied.
+
+        A non-finite value skips it with a ``RuntimeWarning`` naming ``where`` and the values.
+
+        Raises:
+            NonFiniteUpdateError: the ``max_consecutive``-th skip in a row.
+        """
+        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+        if not bad:
+            self.consecutive = 0
+            return True
+        self.consecutive += 1
+        self.total += 1
+        what = ", ".join(f"{k}={v}" for k, v in bad.items())
+        warnings.warn(f"{where}: non-finite {what}; update skipped ({self.consecutive} in a row, "
+                      f"max_consecutive_skips={self.max_consecutive})", RuntimeWarning, stacklevel=3)
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteUpdateError(
+                f"training stopped at {where}: {self.consecutive} updates in a row had a non-finite loss or "
+                f"gradient (max_consecutive_skips={self.max_consecutive}; last: {what})")
+        return False
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"consecutive_skips": self.consecutive, "skipped_updates_total": self.total}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.consecutive = int(state.get("consecutive_skips", 0))
+        self.total = int(state.get("skipped_updates_total", 0))

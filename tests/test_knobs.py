@@ -1,0 +1,224 @@
+"""Every PPOConfig field changes what the trainer does: each has a check here, or a named test
+elsewhere, that fails when the trainer ignores it (and a meta-test keeps that list complete)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import test_faults
+import test_trainer
+from pyppo.config import PPOConfig
+from test_trainer import count_e, make_trainer, small_config
+
+
+def _optimizer_steps(tr):
+    counts = {"policy": 0, "value": 0}
+    for name, opt in (("policy", tr.policy_optimizer), ("value", tr.value_optimizer)):
+        opt.register_step_post_hook(lambda *a, name=name: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
+def _spy(monkeypatch, name):
+    import pyppo.trainer as trainer_mod
+
+    calls = []
+    real = getattr(trainer_mod, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, name, spy)
+    return calls
+
+
+# Each check builds a trainer with the knob set away from its default and asserts the effect.
+def check_steps(tmp_path, monkeypatch):
+    assert len(make_trainer(small_config(steps=3)).train(tmp_path, progress=False)) == 3
+
+
+def check_batch_size(tmp_path, monkeypatch):
+    assert len(make_trainer(small_config(batch_size=6, mini_batch_size=3, micro_batch_size=None)).step().batch) == 6
+
+
+def check_mini_batch_size_and_ppo_epochs(tmp_path, monkeypatch):
+    for mini, epochs in ((2, 1), (4, 3)):
+        tr = make_trainer(small_config(steps=1, mini_batch_size=mini, ppo_epochs=epochs, micro_batch_size=None))
+        counts = _optimizer_steps(tr)
+        tr.step()
+        assert counts == {"policy": epochs * 8 // mini, "value": epochs * 8 // mini}
+
+
+def check_micro_batch_size(tmp_path, monkeypatch):
+    tr = make_trainer(small_config(steps=1, ppo_epochs=1, mini_batch_size=4, micro_batch_size=1))
+    calls = []
+    real = tr.micro_step
+    tr.micro_step = lambda mu, *a: (calls.append(len(mu)), real(mu, *a))[1]
+    tr.step()
+    assert calls == [1] * 8
+
+
+def check_max_new_tokens(tmp_path, monkeypatch):
+    assert make_trainer(small_config(steps=1, max_new_tokens=3)).step().batch.response_length <= 3
+
+
+def check_max_prompt_length(tmp_path, monkeypatch):
+    assert make_trainer(small_config(steps=1, max_prompt_length=5)).step().batch.prompt_length == 5
+
+
+def check_temperature(tmp_path, monkeypatch):
+    tr = make_trainer(small_config(temperature=0.6))
+    assert tr.generation_config.temperature == tr.policy_logprobs.temperature == tr.ref_logprobs.temperature == 0.6
+
+
+def check_top_k_and_top_p(tmp_path, monkeypatch):
+    tr = make_trainer(small_config(top_k=5, top_p=0.9))
+    assert (tr.generation_config.top_k, tr.generation_config.top_p) == (5, 0.9)
+
+
+def check_use_chat_template(tmp_path, monkeypatch):
+    im_start = 3  # the chat template's first token (tiny_models.SPECIALS)
+    with_t = make_trainer(small_config(steps=1, use_chat_template=True)).step().batch
+    without = make_trainer(small_config(steps=1, use_chat_template=False)).step().batch
+    assert (with_t.query_ids == im_start).any(dim=1).all() and not (without.query_ids == im_start).any()
+
+
+def check_optimizer_knobs(tmp_path, monkeypatch):
+    tr = make_trainer(small_config(lr=3e-4, value_lr=7e-4, weight_decay=0.05, adam_eps=1e-6))
+    (p,), (v,) = tr.policy_optimizer.param_groups, tr.value_optimizer.param_groups
+    assert (p["lr"], v["lr"]) == (3e-4, 7e-4)
+    assert p["weight_decay"] == v["weight_decay"] == 0.05 and p["eps"] == v["eps"] == 1e-6
+
+
+def check_max_grad_norm(tmp_path, monkeypatch):
+    tr = make_trainer(small_config(steps=1, max_grad_norm=1e-3))
+    norms = []
+    tr.policy_optimizer.register_step_pre_hook(lambda opt, *a: norms.append(float(torch.nn.utils.get_total_norm(
+        [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]))))
+    m = tr.step().metrics
+    assert norms and max(norms) <= 1e-3 * (1 + 1e-4) and m["policy_grad_norm"] > 1e-3  # clipped
+
+
+def check_logprobs_from_hidden(tmp_path, monkeypatch):
+    assert not make_trainer(small_config(logprobs_from_hidden=False)).policy_logprobs.uses_hidden
+    assert make_trainer(small_config(logprobs_from_hidden=True)).policy_logprobs.uses_hidden
+
+
+def check_device(tmp_path, monkeypatch):
+    tr = make_trainer(small_config(device="cpu"))
+    assert tr.device == torch.device("cpu")
+    assert {p.device.type for m in (tr.policy, tr.ref_policy, tr.value_model) for p in m.parameters()} == {"cpu"}
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda'"):
+            make_trainer(small_config(device="cuda"))
+
+
+def check_policy_loss_knobs(tmp_path, monkeypatch):
+    calls = _spy(monkeypatch, "ppo_policy_loss")
+    cfg = small_config(steps=1, cliprange=0.15, cliprange_high=0.28, dual_clip=2.5,
+                       loss_agg="seq-mean-token-sum-norm", loss_agg_norm=5.0)
+    make_trainer(cfg).step()
+    assert calls and all((c["cliprange_low"], c["cliprange_high"], c["dual_clip"], c["loss_agg"], c["loss_agg_norm"])
+                         == (0.15, 0.28, 2.5, "seq-mean-token-sum-norm", 5.0) for c in calls)
+
+
+def check_cliprange_value(tmp_path, monkeypatch):
+    calls = _spy(monkeypatch, "ppo_value_loss")
+    make_trainer(small_config(steps=1, cliprange_value=0.07)).step()
+    assert calls and all(c["cliprange_value"] == 0.07 for c in calls)
+
+
+def check_vf_coef(tmp_path, monkeypatch):
+    tr = make_trainer(small_config(steps=1, vf_coef=0.0))
+    before = [p.detach().clone() for p in tr.value_model.parameters()]
+    tr.step()  # no value gradient: AdamW (no weight decay) leaves the value model as it was
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.value_model.parameters()))
+    tr = make_trainer(small_config(steps=1, vf_coef=0.5))
+    before = [p.detach().clone() for p in tr.value_model.parameters()]
+    tr.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.value_model.parameters()))
+
+
+def check_entropy_coef(tmp_path, monkeypatch):
+    def policy_after(coef):
+        tr = make_trainer(small_config(steps=1, ppo_epochs=1, entropy_coef=coef))
+        m = tr.step().metrics
+        return [p.detach().clone() for p in tr.policy.parameters()], m
+
+    a, _ = policy_after(0.0)
+    b, m = policy_after(0.5)
+    assert any(not torch.allclose(x, y) for x, y in zip(a, b)) and "entropy_loss" in m
+
+
+def check_seed(tmp_path, monkeypatch):
+    same = [make_trainer(small_config(seed=s)).sampler.sample(8) for s in (5, 5, 6)]
+    assert same[0] == same[1] != same[2]
+
+
+def check_save_every(tmp_path, monkeypatch):
+    for every, expected in ((1, [1, 2, 3]), (2, [2, 3]), (0, [3])):
+        tr = make_trainer(small_config(steps=3, save_every=every))
+        saved = []
+        tr.save_checkpoint = lambda d, tr=tr: saved.append(tr.step_count)
+        tr.train(tmp_path / f"e{every}", progress=False)
+        assert saved == expected, every
+
+
+def check_log_samples(tmp_path, monkeypatch):
+    make_trainer(small_config(steps=1, log_samples=False)).train(tmp_path / "off", progress=False)
+    make_trainer(small_config(steps=1, log_samples=True)).train(tmp_path / "on", progress=False)
+    assert not (tmp_path / "off" / "samples.jsonl").exists() and (tmp_path / "on" / "samples.jsonl").is_file()
+
+
+CHECKS = {
+    "steps": check_steps, "batch_size": check_batch_size, "mini_batch_size": check_mini_batch_size_and_ppo_epochs,
+    "ppo_epochs": check_mini_batch_size_and_ppo_epochs, "micro_batch_size": check_micro_batch_size,
+    "max_new_tokens": check_max_new_tokens, "max_prompt_length": check_max_prompt_length,
+    "temperature": check_temperature, "top_k": check_top_k_and_top_p, "top_p": check_top_k_and_top_p,
+    "use_chat_template": check_use_chat_template, "lr": check_optimizer_knobs, "value_lr": check_optimizer_knobs,
+    "weight_decay": check_optimizer_knobs, "adam_eps": check_optimizer_knobs, "max_grad_norm": check_max_grad_norm,
+    "logprobs_from_hidden": check_logprobs_from_hidden, "device": check_device,
+    "cliprange": check_policy_loss_knobs, "cliprange_high": check_policy_loss_knobs,
+    "dual_clip": check_policy_loss_knobs, "loss_agg": check_policy_loss_knobs,
+    "loss_agg_norm": check_policy_loss_knobs, "cliprange_value": check_cliprange_value,
+    "vf_coef": check_vf_coef, "entropy_coef": check_entropy_coef, "seed": check_seed,
+    "save_every": check_save_every, "log_samples": check_log_samples,
+}
+
+#: Knobs whose effect is asserted by a test elsewhere: field -> (module, test name).
+ELSEWHERE = {
+    "disable_dropout": (test_trainer, "test_disable_dropout"),
+    "kl_coef": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "kl_estimator": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "score_clip": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "missing_eos_penalty": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "gamma": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "lam": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "whiten_advantages": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "target_kl": (test_trainer, "test_adaptive_kl_controller_is_applied"),
+    "kl_horizon": (test_trainer, "test_adaptive_kl_controller_is_applied"),
+    "max_consecutive_skips": (test_faults, "test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint"),
+}
+
+
+def test_every_knob_has_a_check():
+    fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    assert set(CHECKS) | set(ELSEWHERE) == fields
+    assert not set(CHECKS) & set(ELSEWHERE)
+    for module, name in ELSEWHERE.values():
+        assert callable(getattr(module, name, None)), name
+
+
+@pytest.mark.parametrize("check", sorted(set(CHECKS.values()), key=lambda f: f.__name__), ids=lambda f: f.__name__)
+def test_knob(check, tmp_path, monkeypatch):
+    check(tmp_path, monkeypatch)
+
+
+def test_reward_sees_every_response():
+    seen = []
+    tr = make_trainer(small_config(steps=1), reward=lambda p, r: (seen.append((p, r)), count_e(p, r))[1])
+    b = tr.step().batch
+    assert seen == [(b.prompts, b.responses)]
