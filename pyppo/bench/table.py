@@ -97,7 +97,8 @@ def format_table(result: dict) -> str:
         rows = [r for r in result["rows"] if r["suite"] == name]
         lines += ["", f"suite {name}:"] + (_section(rows, name == "memory") if rows else ["  (no cases ran)"])
     lines += ["", "speed-up = eager / pyppo, x floor = pyppo / floor (medians of back-to-back ratios); "
-                  "extra = peak memory beyond the inputs (% of the inputs' bytes), extra ratio = pyppo's / eager's"]
+                  "extra = peak memory beyond the inputs (% of the inputs' bytes)"
+              + (", extra ratio = pyppo's / eager's" if "memory" in result["suites"] else "")]
     if any("pyppo_gbps" in r for r in result["rows"]):
         lines.append("GB/s = the bytes the op must move / its median time; % floor bw = that against the "
                      "floor's bandwidth, round by round")
