@@ -131,6 +131,10 @@ def test_cpu_and_cuda_files_are_named_alike():
     assert sorted(p.name for p in cpu_dir.glob("*.cpp")) == sorted(p.name for p in cpu_dir.glob("*_glue.cpp"))
     assert cuda_ops == {p.name[: -len("_glue.cpp")] for p in cpu_dir.glob("*_glue.cpp")}
     assert all(p.name.endswith("_kernel.cpp") for p in (cpu_dir / "kernels").glob("*.cpp") if p.name != "dispatch.cpp")
+    # The Meta kernels (what torch.compile traces) cover the same ops, and linear_logprobs,
+    # whose one device-generic implementation is csrc/linear_logprobs.cpp.
+    meta_ops = {p.name[: -len("_glue.cpp")] for p in (CSRC / "meta").glob("*_glue.cpp")}
+    assert meta_ops == cuda_ops | {"linear_logprobs"}
 
 
 @pytest.mark.parametrize("name", [p.name for p in CU_FILES])

@@ -178,6 +178,15 @@ void fill_gather_rows(Args& a, const GatherInputs& p, int64_t ignore_index, doub
   a.temperature = temperature;
 }
 
+// The backward's per-row inputs, into a cpu::GatherBwdArgs or a cuda::GatherBwdParams.
+template <typename Args>
+void fill_gather_saved(Args& a, const GatherBackwardInputs& b) {
+  a.grad_logprobs = b.grad_logprobs.const_data_ptr();
+  a.grad_entropy = b.grad_entropy.defined() ? b.grad_entropy.const_data_ptr() : nullptr;
+  a.lse = b.lse.const_data_ptr();
+  a.entropy = b.entropy.defined() ? b.entropy.const_data_ptr() : nullptr;
+}
+
 // The forward's outputs, as every device (and the Meta kernel) allocates them: logprobs and lse
 // of labels' shape, entropy too or [0] when it is not asked for; contiguous, so the kernels
 // write them as flat [N] arrays.

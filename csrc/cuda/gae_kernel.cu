@@ -28,6 +28,26 @@ namespace {
 constexpr int kRowThreads = 128;  // threads per block of the one-thread-per-row kernel
 constexpr int kThreads = 256;     // threads per block (= segments per row) of the block kernel
 
+// The recurrence over positions [t_begin, t_end) of one row (pointers at the row's start), right
+// to left from (next_value, next_adv) at the segment's right edge; both kernels run it.
+template <typename T>
+__device__ __forceinline__ void scan_segment(const T* rp, const T* vp, const bool* mp, T* ap, T* op, int64_t t_begin,
+                                             int64_t t_end, T g, T gl, T next_value, T next_adv) {
+  for (int64_t t = t_end - 1; t >= t_begin; --t) {
+    if (!mp[t]) {
+      ap[t] = T(0);
+      op[t] = T(0);
+      continue;
+    }
+    const T v = vp[t];
+    const T delta = rp[t] + g * next_value - v;
+    next_adv = delta + gl * next_adv;
+    next_value = v;
+    ap[t] = next_adv;
+    op[t] = next_adv + v;
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads) gae_rows_kernel(const GAEParams p) {
   const T* rp = static_cast<const T*>(p.rewards);
@@ -39,22 +59,8 @@ __global__ void __launch_bounds__(kRowThreads) gae_rows_kernel(const GAEParams p
   const T gl = static_cast<T>(p.gamma * p.lam);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < p.B; b += stride) {
-    T next_value = bp ? bp[b] : T(0);
-    T next_adv = T(0);
-    for (int64_t t = p.T - 1; t >= 0; --t) {
-      const int64_t i = b * p.T + t;
-      if (!p.mask[i]) {
-        ap[i] = T(0);
-        op[i] = T(0);
-        continue;
-      }
-      const T v = vp[i];
-      const T delta = rp[i] + g * next_value - v;
-      next_adv = delta + gl * next_adv;
-      next_value = v;
-      ap[i] = next_adv;
-      op[i] = next_adv + v;
-    }
+    const int64_t row = b * p.T;
+    scan_segment(rp + row, vp + row, p.mask + row, ap + row, op + row, 0, p.T, g, gl, bp ? bp[b] : T(0), T(0));
   }
 }
 
@@ -133,23 +139,7 @@ __global__ void __launch_bounds__(kThreads) gae_block_kernel(const GAEParams p) 
     const T a_edge = sh_b[tid];
 
     // Pass 3: the CPU loop over the segment, started from the right edge's state.
-    {
-      T next_value = v_next_edge;
-      T next_adv = a_edge;
-      for (int64_t t = t_end - 1; t >= t_begin; --t) {
-        if (!mp[t]) {
-          ap[t] = T(0);
-          op[t] = T(0);
-          continue;
-        }
-        const T v = vp[t];
-        const T delta = rp[t] + g * next_value - v;
-        next_adv = delta + gl * next_adv;
-        next_value = v;
-        ap[t] = next_adv;
-        op[t] = next_adv + v;
-      }
-    }
+    scan_segment(rp, vp, mp, ap, op, t_begin, t_end, g, gl, v_next_edge, a_edge);
     __syncthreads();  // shared arrays are rewritten by the next row
   }
 }

@@ -84,19 +84,32 @@ void for_each_vec(int64_t n, F&& f) {
   });
 }
 
+KLClamp clamp_of(const KLArgs& k) {
+  KLClamp c;
+  c.has_lo = k.has_lo, c.has_hi = k.has_hi, c.lo = k.lo, c.hi = k.hi;
+  return c;
+}
+
+// float64 takes the scalar definitions, element by element: o[i] = f(i, logprobs[i], ref[i]).
+template <typename F>
+void for_each_double(const KLArgs& k, F&& f) {
+  const double* a = static_cast<const double*>(k.logprobs);
+  const double* b = static_cast<const double*>(k.ref_logprobs);
+  double* o = static_cast<double*>(k.out);
+  at::parallel_for(0, k.n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = f(i, a[i], b[i]);
+  });
+}
+
 }  // namespace
 
 void kl_fwd(const KLArgs& k) {
   const auto est = static_cast<KLEstimator>(k.estimator);
-  KLClamp c;
-  c.has_lo = k.has_lo, c.has_hi = k.has_hi, c.lo = k.lo, c.hi = k.hi;
   if (k.dtype == c10::ScalarType::Double) {
-    const double* a = static_cast<const double*>(k.logprobs);
-    const double* b = static_cast<const double*>(k.ref_logprobs);
-    double* o = static_cast<double*>(k.out);
-    at::parallel_for(0, k.n, kGrain, [&](int64_t begin, int64_t end) {
+    const KLClamp c = clamp_of(k);
+    for_each_double(k, [&](int64_t, double a, double b) {
       bool sat;
-      for (int64_t i = begin; i < end; ++i) o[i] = kl_value<double>(est, a[i], b[i], c, &sat);
+      return kl_value<double>(est, a, b, c, &sat);
     });
     return;
   }
@@ -112,15 +125,11 @@ void kl_fwd(const KLArgs& k) {
 
 void kl_bwd(const KLArgs& k) {
   const auto est = static_cast<KLEstimator>(k.estimator);
-  KLClamp c;
-  c.has_lo = k.has_lo, c.has_hi = k.has_hi, c.lo = k.lo, c.hi = k.hi;
   if (k.dtype == c10::ScalarType::Double) {
+    const KLClamp c = clamp_of(k);
     const double* g = static_cast<const double*>(k.grad);
-    const double* a = static_cast<const double*>(k.logprobs);
-    const double* b = static_cast<const double*>(k.ref_logprobs);
-    double* o = static_cast<double*>(k.out);
-    at::parallel_for(0, k.n, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) o[i] = g[i] == 0.0 ? 0.0 : g[i] * kl_grad<double>(est, a[i], b[i], c);
+    for_each_double(k, [&](int64_t i, double a, double b) {
+      return g[i] == 0.0 ? 0.0 : g[i] * kl_grad<double>(est, a, b, c);
     });
     return;
   }
