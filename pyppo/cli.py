@@ -150,9 +150,7 @@ def _flag(name: str) -> str:
 
 
 def _flag_type(knob):
-    from pyppo.config import Int, Num
-
-    base = int if isinstance(knob.check, Int) else float if isinstance(knob.check, Num) else str
+    base = {"int": int, "float": float}.get(knob.check.kind, str)
 
     def parse(text: str):
         if knob.optional and text.lower() == "none":
@@ -163,16 +161,13 @@ def _flag_type(knob):
     return parse
 
 
-_METAVARS = {"Int": "N", "Num": "X", "Device": "DEVICE"}
-
-
 def add_config_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """Add a flag for every ``PPOConfig`` field, grouped as in ``docs/trainer.md``.
 
     ``defaults`` are the values shown in ``--help`` (the command's own preset over the field
     defaults). A flag not given leaves no attribute, so flags only override what they name.
     """
-    from pyppo.config import Bool, config_knobs
+    from pyppo.config import config_knobs
 
     groups: dict = {}
     for name, knob in config_knobs():
@@ -180,11 +175,10 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
             groups[knob.group] = parser.add_argument_group(f"PPO settings: {knob.group}")
         shown = "none" if defaults[name] is None else defaults[name]
         kwargs = dict(dest=name, default=argparse.SUPPRESS, help=f"{knob.help} (default: {shown})")
-        if isinstance(knob.check, Bool):
+        if knob.check.kind == "bool":
             groups[knob.group].add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            metavar = _METAVARS.get(type(knob.check).__name__) or "{" + ",".join(knob.check.options) + "}"
-            metavar += "|none" if knob.optional else ""
+            metavar = knob.check.metavar + ("|none" if knob.optional else "")
             groups[knob.group].add_argument(_flag(name), type=_flag_type(knob), metavar=metavar, **kwargs)
 
 

@@ -13,18 +13,18 @@ import dataclasses
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 
 from .ops.kl import KL_ESTIMATORS
 from .ops.losses import LOSS_AGG_MODES
 
-__all__ = ["PPOConfig", "Knob", "knob", "config_knobs", "config_markdown", "resolve_device"]
+__all__ = ["PPOConfig", "Check", "Knob", "knob", "config_knobs", "config_markdown", "resolve_device"]
 
 
 # ---------------------------------------------------------------------------------------------
-# checks: ok(value), normalize(value) and expected() for the error message and the docs
+# checks
 # ---------------------------------------------------------------------------------------------
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
@@ -35,85 +35,58 @@ def _is_num(v: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class Int:
-    lo: int
-    hi: Optional[int] = None  # exclusive
+class Check:
+    """A field's check: ``ok(value)``; ``expected`` completes "<key> must be ..."; ``kind`` (``int``,
+    ``float``, ``bool``, ``str``) is the type a valid value is normalised to and a flag parses."""
 
-    def ok(self, v: Any) -> bool:
-        return _is_int(v) and v >= self.lo and (self.hi is None or v < self.hi)
+    kind: str
+    ok: Callable[[Any], bool]
+    expected: str
+    metavar: str = ""
 
-    def normalize(self, v: Any) -> int:
-        return int(v)
-
-    def expected(self) -> str:
-        if self.hi is None:
-            return f"an int >= {self.lo}"
-        return f"an int in [{self.lo}, {'2**63' if self.hi == 2**63 else self.hi})"
+    def normalize(self, v: Any) -> Any:
+        return {"int": int, "float": float}.get(self.kind, lambda x: x)(v)
 
 
-@dataclass(frozen=True)
-class Num:
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def ok(self, v: Any) -> bool:
-        return _is_num(v) and (v > self.lo if self.lo_open else v >= self.lo) and (
-            v < self.hi if self.hi_open else v <= self.hi)
-
-    def normalize(self, v: Any) -> float:
-        return float(v)
-
-    def expected(self) -> str:
-        return f"a finite number in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+def integer(lo: int, hi: Optional[int] = None) -> Check:
+    """An int ``>= lo`` (and ``< hi``)."""
+    rng = f">= {lo}" if hi is None else f"in [{lo}, {'2**63' if hi == 2**63 else hi})"
+    return Check("int", lambda v: _is_int(v) and v >= lo and (hi is None or v < hi), f"an int {rng}", "N")
 
 
-@dataclass(frozen=True)
-class Bool:
-    def ok(self, v: Any) -> bool:
-        return isinstance(v, bool)
+def number(lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False) -> Check:
+    """A finite number in ``[lo, hi]``, each end open when asked."""
+    def ok(v: Any) -> bool:
+        return _is_num(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
 
-    def normalize(self, v: Any) -> bool:
-        return v
-
-    def expected(self) -> str:
-        return "a bool"
+    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    return Check("float", ok, f"a finite number in {interval}", "X")
 
 
-@dataclass(frozen=True)
-class Choice:
-    options: Sequence[str]
-
-    def ok(self, v: Any) -> bool:
-        return isinstance(v, str) and v in self.options
-
-    def normalize(self, v: Any) -> str:
-        return v
-
-    def expected(self) -> str:
-        return f"one of {tuple(self.options)}"
+def boolean() -> Check:
+    return Check("bool", lambda v: isinstance(v, bool), "a bool")
 
 
-@dataclass(frozen=True)
-class Device:
-    def ok(self, v: Any) -> bool:
-        import torch
+def one_of(options: Sequence[str]) -> Check:
+    return Check("str", lambda v: isinstance(v, str) and v in options, f"one of {tuple(options)}",
+                 "{" + ",".join(options) + "}")
 
-        if not isinstance(v, str) or not v:
-            return False
-        if v == "auto":
-            return True
-        try:
-            return torch.device(v).type in ("cpu", "cuda")
-        except (RuntimeError, ValueError):
-            return False
 
-    def normalize(self, v: Any) -> str:
-        return v
+def _is_device(v: Any) -> bool:
+    import torch
 
-    def expected(self) -> str:
-        return "'auto', 'cpu', 'cuda' or 'cuda:N'"
+    if not isinstance(v, str) or not v:
+        return False
+    if v == "auto":
+        return True
+    try:
+        return torch.device(v).type in ("cpu", "cuda")
+    except (RuntimeError, ValueError):
+        return False
+
+
+def device_name() -> Check:
+    return Check("str", _is_device, "'auto', 'cpu', 'cuda' or 'cuda:N'", "DEVICE")
 
 
 @dataclass(frozen=True)
@@ -121,7 +94,7 @@ class Knob:
     """What :func:`knob` stores in a field's metadata."""
 
     help: str
-    check: Any  # Int | Num | Bool | Choice | Device
+    check: Check
     group: str
     optional: bool  # None is allowed (and means what the help says)
 
@@ -133,7 +106,7 @@ class Knob:
         return self.check.normalize(value)
 
     def expected(self) -> str:
-        return self.check.expected() + (" or None" if self.optional else "")
+        return self.check.expected + (" or None" if self.optional else "")
 
 
 def knob(default: Any, help: str, check: Any, *, group: str, optional: bool = False) -> Any:
@@ -156,103 +129,103 @@ class PPOConfig:
     """
 
     # -- sizes (counts of sequences)
-    steps: int = knob(100, "PPO steps (rollout + update) to run", Int(1), group="sizes")
-    batch_size: int = knob(16, "prompts sampled per step", Int(1), group="sizes")
-    mini_batch_size: int = knob(8, "sequences per optimizer step; must divide batch_size", Int(1), group="sizes")
+    steps: int = knob(100, "PPO steps (rollout + update) to run", integer(1), group="sizes")
+    batch_size: int = knob(16, "prompts sampled per step", integer(1), group="sizes")
+    mini_batch_size: int = knob(8, "sequences per optimizer step; must divide batch_size", integer(1), group="sizes")
     micro_batch_size: Optional[int] = knob(
         None, "sequences per forward/backward (gradient accumulation; also the rollout forward size); "
-        "must divide mini_batch_size; None = mini_batch_size", Int(1), group="sizes", optional=True)
-    ppo_epochs: int = knob(4, "passes over the batch per step", Int(1), group="sizes")
+        "must divide mini_batch_size; None = mini_batch_size", integer(1), group="sizes", optional=True)
+    ppo_epochs: int = knob(4, "passes over the batch per step", integer(1), group="sizes")
 
     # -- sampling
-    max_new_tokens: int = knob(48, "response length limit, in tokens", Int(1), group="sampling")
+    max_new_tokens: int = knob(48, "response length limit, in tokens", integer(1), group="sampling")
     max_prompt_length: Optional[int] = knob(
-        None, "prompts longer than this many tokens are cut from the left; None = no cut", Int(1),
+        None, "prompts longer than this many tokens are cut from the left; None = no cut", integer(1),
         group="sampling", optional=True)
     temperature: float = knob(
         1.0, "sampling temperature; the ratio and KL use the same softmax(z / temperature)",
-        Num(0.0, lo_open=True), group="sampling")
+        number(0.0, lo_open=True), group="sampling")
     top_k: int = knob(
         0, "top-k filter of sampling (0 = off); anything else samples from a distribution the "
-        "log-probs do not describe (off-policy)", Int(0), group="sampling")
+        "log-probs do not describe (off-policy)", integer(0), group="sampling")
     top_p: float = knob(
         1.0, "nucleus filter of sampling (1.0 = off); below 1 is off-policy like top_k",
-        Num(0.0, 1.0, lo_open=True), group="sampling")
+        number(0.0, 1.0, lo_open=True), group="sampling")
     use_chat_template: bool = knob(
-        True, "format prompts with the tokenizer's chat template when it has one", Bool(), group="sampling")
+        True, "format prompts with the tokenizer's chat template when it has one", boolean(), group="sampling")
 
     # -- optimisation
-    lr: float = knob(1e-5, "AdamW learning rate of the policy", Num(0.0, lo_open=True), group="optimisation")
+    lr: float = knob(1e-5, "AdamW learning rate of the policy", number(0.0, lo_open=True), group="optimisation")
     value_lr: Optional[float] = knob(
-        None, "AdamW learning rate of the value model; None = lr", Num(0.0, lo_open=True),
+        None, "AdamW learning rate of the value model; None = lr", number(0.0, lo_open=True),
         group="optimisation", optional=True)
-    weight_decay: float = knob(0.0, "AdamW weight decay of both models", Num(0.0), group="optimisation")
-    adam_eps: float = knob(1e-8, "AdamW epsilon of both models", Num(0.0, lo_open=True), group="optimisation")
+    weight_decay: float = knob(0.0, "AdamW weight decay of both models", number(0.0), group="optimisation")
+    adam_eps: float = knob(1e-8, "AdamW epsilon of both models", number(0.0, lo_open=True), group="optimisation")
     max_grad_norm: Optional[float] = knob(
-        1.0, "clip each model's gradient norm to this; None = no clipping", Num(0.0, lo_open=True),
+        1.0, "clip each model's gradient norm to this; None = no clipping", number(0.0, lo_open=True),
         group="optimisation", optional=True)
     logprobs_from_hidden: bool = knob(
         True, "log-probs from the last hidden states with linear_logprobs (no [B, T, V] logits); "
-        "falls back to full logits when the model's head is not a plain linear map", Bool(),
+        "falls back to full logits when the model's head is not a plain linear map", boolean(),
         group="optimisation")
     disable_dropout: bool = knob(
         True, "set every dropout of the policy and the value model to 0, so training forwards "
-        "match the rollout's", Bool(), group="optimisation")
-    device: str = knob("auto", "where the models run: auto = CUDA when available, else CPU", Device(),
+        "match the rollout's", boolean(), group="optimisation")
+    device: str = knob("auto", "where the models run: auto = CUDA when available, else CPU", device_name(),
                        group="optimisation")
 
     # -- KL penalty
-    kl_coef: float = knob(0.05, "KL penalty coefficient beta (initial value with target_kl)", Num(0.0),
+    kl_coef: float = knob(0.05, "KL penalty coefficient beta (initial value with target_kl)", number(0.0),
                           group="KL penalty")
     target_kl: Optional[float] = knob(
         None, "target KL (nats per sequence) of the adaptive controller; None = fixed kl_coef",
-        Num(0.0, lo_open=True), group="KL penalty", optional=True)
-    kl_horizon: float = knob(10000.0, "adaptive controller horizon, in samples", Num(0.0, lo_open=True),
+        number(0.0, lo_open=True), group="KL penalty", optional=True)
+    kl_horizon: float = knob(10000.0, "adaptive controller horizon, in samples", number(0.0, lo_open=True),
                              group="KL penalty")
-    kl_estimator: str = knob("k1", "per-token KL estimator (Schulman 2020)", Choice(KL_ESTIMATORS),
+    kl_estimator: str = knob("k1", "per-token KL estimator (Schulman 2020)", one_of(KL_ESTIMATORS),
                              group="KL penalty")
     score_clip: Optional[float] = knob(
         None, "clip raw scores to [-score_clip, score_clip] (before missing_eos_penalty); None = no clip",
-        Num(0.0, lo_open=True), group="KL penalty", optional=True)
+        number(0.0, lo_open=True), group="KL penalty", optional=True)
     missing_eos_penalty: Optional[float] = knob(
         None, "subtracted from the (clipped) score of responses that hit max_new_tokens without EOS",
-        Num(0.0), group="KL penalty", optional=True)
+        number(0.0), group="KL penalty", optional=True)
 
     # -- advantages and losses
-    gamma: float = knob(1.0, "GAE discount", Num(0.0, 1.0), group="advantages and losses")
-    lam: float = knob(0.95, "GAE lambda", Num(0.0, 1.0), group="advantages and losses")
+    gamma: float = knob(1.0, "GAE discount", number(0.0, 1.0), group="advantages and losses")
+    lam: float = knob(0.95, "GAE lambda", number(0.0, 1.0), group="advantages and losses")
     whiten_advantages: bool = knob(
         True, "whiten advantages over the whole batch's valid tokens (skipped below 2 valid tokens)",
-        Bool(), group="advantages and losses")
+        boolean(), group="advantages and losses")
     cliprange: float = knob(0.2, "PPO clip epsilon (low side, and high side unless cliprange_high)",
-                            Num(0.0, 1.0, hi_open=True), group="advantages and losses")
+                            number(0.0, 1.0, hi_open=True), group="advantages and losses")
     cliprange_high: Optional[float] = knob(
-        None, "high-side clip epsilon (DAPO clip-higher); None = cliprange", Num(0.0, lo_open=True),
+        None, "high-side clip epsilon (DAPO clip-higher); None = cliprange", number(0.0, lo_open=True),
         group="advantages and losses", optional=True)
     dual_clip: Optional[float] = knob(
         None, "dual-clip constant c > 1 bounding the loss of negative advantages (Ye et al. 2020)",
-        Num(1.0, lo_open=True), group="advantages and losses", optional=True)
+        number(1.0, lo_open=True), group="advantages and losses", optional=True)
     cliprange_value: Optional[float] = knob(
-        0.2, "value clip epsilon around the rollout's values; None = unclipped", Num(0.0, lo_open=True),
+        0.2, "value clip epsilon around the rollout's values; None = unclipped", number(0.0, lo_open=True),
         group="advantages and losses", optional=True)
-    vf_coef: float = knob(0.1, "value-loss weight", Num(0.0), group="advantages and losses")
-    entropy_coef: float = knob(0.0, "entropy-bonus weight", Num(0.0), group="advantages and losses")
+    vf_coef: float = knob(0.1, "value-loss weight", number(0.0), group="advantages and losses")
+    entropy_coef: float = knob(0.0, "entropy-bonus weight", number(0.0), group="advantages and losses")
     loss_agg: str = knob("token-mean", "how the per-token losses become one number (docs/ops.md)",
-                         Choice(LOSS_AGG_MODES), group="advantages and losses")
+                         one_of(LOSS_AGG_MODES), group="advantages and losses")
     loss_agg_norm: Optional[float] = knob(
-        None, "the constant of seq-mean-token-sum-norm; None = max_new_tokens", Num(0.0, lo_open=True),
+        None, "the constant of seq-mean-token-sum-norm; None = max_new_tokens", number(0.0, lo_open=True),
         group="advantages and losses", optional=True)
 
     # -- bookkeeping
     seed: int = knob(0, "seeds python, numpy, torch, the prompt order and the minibatch shuffles",
-                     Int(0, 2**63), group="bookkeeping")
-    save_every: int = knob(0, "write checkpoint/ every this many steps (0 = only at the end)", Int(0),
+                     integer(0, 2**63), group="bookkeeping")
+    save_every: int = knob(0, "write checkpoint/ every this many steps (0 = only at the end)", integer(0),
                            group="bookkeeping")
-    log_samples: bool = knob(True, "write samples.jsonl (prompt, response, raw score per sample)", Bool(),
+    log_samples: bool = knob(True, "write samples.jsonl (prompt, response, raw score per sample)", boolean(),
                              group="bookkeeping")
     max_consecutive_skips: int = knob(
         3, "stop after this many updates in a row with a NaN/inf loss or gradient (each is skipped)",
-        Int(1), group="bookkeeping")
+        integer(1), group="bookkeeping")
 
     def __post_init__(self) -> None:
         for name, k in config_knobs():

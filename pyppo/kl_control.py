@@ -1,4 +1,4 @@
-"""KL-penalty coefficient controllers (DESIGN.md §2.7).
+"""KL-penalty coefficient controllers (``docs/trainer.md``, point 7 of a step).
 
 The shaped reward is ``score − β · KL(π ‖ π_ref)`` per token (InstructGPT eq. 2). ``β`` is either
 fixed or adapted so that the measured KL tracks a target (Ziegler et al. 2019, "Fine-Tuning Language

@@ -1,4 +1,4 @@
-"""Loading the policy, the reference and the value model (DESIGN.md §3).
+"""Loading the policy, the reference and the value model.
 
 Three sources are accepted wherever a model is named (``load_model_and_tokenizer``, ``pyppo train
 --model``):
@@ -205,7 +205,7 @@ def _prepare_tokenizer(tokenizer, source: str):
     """Left padding (generation appends on the right) and a pad token.
 
     A missing pad token falls back to EOS. The trainer builds the response mask from the first EOS,
-    never from ``token != pad`` (DESIGN.md §2.2), so pad == EOS is safe.
+    never from ``token != pad`` (``docs/trainer.md``), so pad == EOS is safe.
     """
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -419,7 +419,7 @@ class ValueModel(nn.Module):
 def make_reference(policy: nn.Module) -> nn.Module:
     """Frozen copy of ``policy``: a deep copy in eval mode with ``requires_grad=False`` everywhere.
 
-    It anchors the KL penalty (DESIGN.md §2), so it must not move when the policy is updated.
+    It anchors the KL penalty, so it must not move when the policy is updated.
     """
     ref = copy.deepcopy(policy)
     ref.requires_grad_(False)

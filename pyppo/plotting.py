@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
+
+from .jsonl import read_objects
 
 __all__ = ["PANELS", "plot_metrics", "read_metrics"]
 
@@ -25,20 +26,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         FileNotFoundError: no such file.
         ValueError: a line is not a JSON object (the message gives ``path:line``).
     """
-    path = Path(path)
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            rows.append(row)
-    return rows
+    return [row for _, row in read_objects(path)]
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

@@ -181,7 +181,7 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     ``trace.json`` to ``output_dir`` and return ``{"metrics": ..., **phase_table(...)}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench import _QuietStderr
+    from .bench import quiet_stderr
 
     for _ in range(warmup_steps):
         trainer.step()
@@ -189,14 +189,14 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     if trainer.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities, record_shapes=record_shapes, with_stack=with_stack)
-    with _QuietStderr():  # kineto prints profiler_start / profiler_stop lines on stderr
+    with quiet_stderr():  # kineto prints profiler_start / profiler_stop lines on stderr
         prof.start()
     try:
         metrics = trainer.step().metrics
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
     finally:
-        with _QuietStderr():
+        with quiet_stderr():
             prof.stop()
     output_dir.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(output_dir / "trace.json"))

@@ -7,12 +7,13 @@ cheerful, and PPO learns which one scores.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+
+from .jsonl import read_objects
 
 __all__ = ["DEFAULT_PROMPTS", "PromptSampler", "load_prompts"]
 
@@ -111,23 +112,13 @@ def load_prompts(path: str | os.PathLike) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
     prompts: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg}); expected {{\"prompt\": \"...\"}}") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object {{\"prompt\": \"...\"}}, got {type(obj).__name__}")
-            if "prompt" not in obj:
-                raise ValueError(f"{where}: missing key \"prompt\" (keys: {sorted(obj)})")
-            prompt = obj["prompt"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
-            prompts.append(prompt)
+    for where, obj in read_objects(path, expected='a JSON object {"prompt": "..."}'):
+        if "prompt" not in obj:
+            raise ValueError(f"{where}: missing key \"prompt\" (keys: {sorted(obj)})")
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"prompts file {str(path)!r} holds no prompt")
     return prompts

@@ -133,6 +133,13 @@ def test_missing_model_and_reward_fail_before_loading(tmp_path, capsys):
     assert "cannot import module 'nosuchmodule_xyz'" in _error_line(capsys)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
+    assert cli.main(["train", "--device", "cuda", "--output", str(tmp_path / "o")]) == 2
+    assert "device 'cuda': no CUDA device is available" in _error_line(capsys)
+    assert not (tmp_path / "o").exists()
+
+
 # ---------------------------------------------------------------- train end to end (tiny model)
 
 
@@ -174,8 +181,12 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
     # A resumed run keeps its model, reward and prompts: a different one is refused before
     # anything is loaded or written; naming the same one (any spelling of the path) is fine.
     config_before = (out / "config.toml").read_text()
-    assert cli.main(["train", "--resume", str(out), "--steps", "3", "--reward", "other:fn"]) == 2
-    assert "--reward" in _error_line(capsys) and (out / "config.toml").read_text() == config_before
+    other_prompts = tmp_path / "other.jsonl"
+    other_prompts.write_text(json.dumps({"prompt": "Something else."}) + "\n")
+    for flag, value in (("--reward", "other:fn"), ("--model", str(tmp_path / "other-model")),
+                        ("--prompts", str(other_prompts))):
+        assert cli.main(["train", "--resume", str(out), "--steps", "3", flag, value]) == 2
+        assert flag in _error_line(capsys) and (out / "config.toml").read_text() == config_before
 
     # Resume for one more step: same directory, metrics appended, config updated.
     assert cli.main(["train", "--resume", str(out), "--steps", "3", "--model", str(tiny_dir)]) == 0

@@ -59,14 +59,19 @@ LOG_RATIO_CLAMP = 20.0
 Stats = Dict[str, torch.Tensor]
 
 
+def _check_positive_or_none(name: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
 def _check_loss_agg(loss_agg: str, loss_agg_norm: Optional[float]) -> None:
     if loss_agg not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
-    if loss_agg_norm is not None:
-        if isinstance(loss_agg_norm, bool) or not isinstance(loss_agg_norm, (int, float)):
-            raise ValueError(f"loss_agg_norm must be a positive number or None, got {loss_agg_norm!r}")
-        if not (math.isfinite(loss_agg_norm) and loss_agg_norm > 0):
-            raise ValueError(f"loss_agg_norm must be a positive finite number, got {loss_agg_norm!r}")
+    _check_positive_or_none("loss_agg_norm", loss_agg_norm)
 
 
 def _as_bool_mask(mask: torch.Tensor, name: str) -> torch.Tensor:
@@ -174,11 +179,7 @@ def aggregate_loss(
         raise ValueError(f"mask shape {tuple(m.shape)} != loss_mat shape {tuple(loss_mat.shape)}")
     if m.device != loss_mat.device:
         raise ValueError(f"mask is on {m.device} but loss_mat is on {loss_mat.device}")
-    if normalizer is not None:
-        if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
-            raise ValueError(f"normalizer must be a positive number or None, got {normalizer!r}")
-        if not (math.isfinite(normalizer) and normalizer > 0):
-            raise ValueError(f"normalizer must be a positive finite number, got {normalizer!r}")
+    _check_positive_or_none("normalizer", normalizer)
 
     masked = torch.where(m, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if loss_agg == "token-mean":
