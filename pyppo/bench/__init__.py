@@ -42,9 +42,6 @@ from .memory import quiet_stderr
 
 __all__ = ["add_arguments", "run", "quiet_stderr"]
 
-# The name pyppo.profile imported before quiet_stderr was public; drop once it uses the new name.
-_QuietStderr = quiet_stderr
-
 SUITE_CHOICES = ("ops", "gpu", "memory", "all")
 
 
