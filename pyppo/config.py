@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
-
-import numpy as np
 
 from .ops.kl import KL_ESTIMATORS
 from .ops.losses import LOSS_AGG_MODES
@@ -27,11 +26,11 @@ __all__ = ["PPOConfig", "Check", "Knob", "knob", "config_knobs", "config_markdow
 # checks
 # ---------------------------------------------------------------------------------------------
 def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy ints too
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ def test_one_ppo_step_on_smollm2(smollm2):
         config, model, make_reference(model), ValueModel.from_causal_lm(model), tok,
         load_reward("sentiment"), DEFAULT_PROMPTS[:8],
     )
+    assert trainer.policy_logprobs.uses_hidden and trainer.ref_logprobs.uses_hidden  # SmolLM2's head is plain
     result = trainer.step()
     metrics = result.metrics
     print(json.dumps({k: round(v, 5) for k, v in metrics.items()}))
