@@ -169,25 +169,15 @@ class PPOTrainer:
         first_perm = batch.epoch_permutation(self.shuffle_generator)
         self.evaluate(batch, first_perm, timer)                                           # 4
         kl_coef = float(self.kl_ctl.value)
-        with timer.phase("advantages"), torch.no_grad():
-            batch.rewards, batch.kl = shape_rewards(                                     # 5
-                batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
-                kl_coef=kl_coef, estimator=c.kl_estimator)
-            batch.advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask,
-                                                  gamma=c.gamma, lam=c.lam)
-            # Whitening needs two valid tokens; with fewer the raw advantages are used.
-            if c.whiten_advantages and int(batch.response_mask.sum()) >= 2:
-                batch.advantages = masked_whiten(batch.advantages, batch.response_mask)
+        with timer.phase("advantages"):
+            self.advantages(batch, kl_coef)                                               # 5
         with timer.phase("update"):
             update_metrics = self.update(batch, first_perm)                              # 6
         kl_mean = float((batch.kl * batch.response_mask).sum(dim=1).mean())
         self.update_kl_coef(kl_mean)                                                     # 7
         self.step_count += 1
-        metrics = {"step": self.step_count, "score_mean": float(batch.raw_scores.mean()),   # 8
-                   "reward_mean": float(batch.rewards.sum(dim=1).mean()), "kl_mean": kl_mean, "kl_coef": kl_coef,
-                   "entropy_mean": float(masked_mean(batch.entropy, batch.response_mask)),
-                   "response_length_mean": float(batch.response_mask.sum(dim=1).float().mean()),
-                   "eos_fraction": float(batch.has_eos.float().mean()), **update_metrics, **timer.metrics()}
+        metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
+                   **rollout_metrics(batch), **update_metrics, **timer.metrics()}
         return StepResult(metrics, batch)
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
@@ -215,6 +205,18 @@ class PPOTrainer:
         if c.missing_eos_penalty is not None:
             scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
         return raw, scores
+
+    @torch.no_grad()
+    def advantages(self, batch: RolloutBuffer, kl_coef: float) -> None:
+        """Fill ``rewards``, ``kl``, ``advantages`` and ``returns`` (point 5). Whitening needs two
+        valid tokens; with fewer, the raw advantages are used."""
+        c = self.config
+        batch.rewards, batch.kl = shape_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs,
+                                                batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
+        batch.advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask,
+                                              gamma=c.gamma, lam=c.lam)
+        if c.whiten_advantages and int(batch.response_mask.sum()) >= 2:
+            batch.advantages = masked_whiten(batch.advantages, batch.response_mask)
 
     @torch.no_grad()
     def evaluate(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer) -> None:
@@ -252,37 +254,46 @@ class PPOTrainer:
             ``first_*``: the ratio statistics of the first minibatch, before any optimizer step.
         """
         c = self.config
-        stats, seen, first = RunningStats(), [], {}
-        skipped_before = self.skips.total
+        stats, seen, first, skipped_before = RunningStats(), [], {}, self.skips.total
         self.policy.train()
         self.value_model.train()
         for epoch in range(c.ppo_epochs):
             perm = first_perm if epoch == 0 else batch.epoch_permutation(self.shuffle_generator)
             for index, mb in enumerate(batch.minibatches(c.mini_batch_size, permutation=perm)):
-                self.policy_optimizer.zero_grad(set_to_none=True)
-                self.value_optimizer.zero_grad(set_to_none=True)
-                token_stats, losses = RunningStats(), RunningStats()
-                normalizer = loss_normalizer(mb.response_mask, c.loss_agg)
-                for mu in mb.micro_batches(c.effective_micro_batch_size):
-                    seen.append(self.micro_step(mu, normalizer, token_stats, losses))
-                if epoch == 0 and index == 0:
-                    first = ratio_stats(seen)
-                totals = {k: losses.total(k) for k in losses.means()}  # micro losses sum to the minibatch's
-                totals.update(policy_grad_norm=self.clip_grad_norm(self.policy),
-                              value_grad_norm=self.clip_grad_norm(self.value_model))
-                if self.skips.allows(totals, f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"):
-                    self.policy_optimizer.step()
-                    self.value_optimizer.step()
-                    stats.merge(token_stats)
-                    stats.add(totals)
+                where = f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"
+                seen_mb = self.minibatch_step(mb, stats, where)
+                first = first or ratio_stats(seen_mb)
+                seen += seen_mb
         self.policy.eval()
         self.value_model.eval()
         out = {k: math.nan for k in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "ratio_max")}
-        out.update(stats.means())
         values, returns, mask = (torch.cat(t) for t in zip(*[s[2:] for s in seen]))
-        out["explained_variance"] = float(explained_variance(values, returns, mask))
-        out["skipped_updates"] = self.skips.total - skipped_before
+        out.update(stats.means(), explained_variance=float(explained_variance(values, returns, mask)),
+                   skipped_updates=self.skips.total - skipped_before)
         return {**out, **{f"first_{k}": v for k, v in first.items()}}
+
+    def minibatch_step(self, mb: RolloutBuffer, stats: RunningStats, where: str) -> list:
+        """One optimizer step of both models on a minibatch, accumulated over its micro-batches;
+        skipped when a loss or gradient norm is not finite. Its statistics go into ``stats``
+        when applied. Returns the micro-batches' :meth:`micro_step` results."""
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        self.value_optimizer.zero_grad(set_to_none=True)
+        token_stats, losses = RunningStats(), RunningStats()
+        normalizer = loss_normalizer(mb.response_mask, self.config.loss_agg)
+        seen = [self.micro_step(mu, normalizer, token_stats, losses)
+                for mu in mb.micro_batches(self.config.effective_micro_batch_size)]
+        totals = {k: losses.total(k) for k in losses.means()}  # the micro losses sum to the minibatch's
+        totals.update(policy_grad_norm=self.clip_grad_norm(self.policy),
+                      value_grad_norm=self.clip_grad_norm(self.value_model))
+        if self.skips.allows(totals, where):
+            self.policy_optimizer.step()
+            self.value_optimizer.step()
+            stats.merge(token_stats)
+            stats.add(totals)
+        else:
+            self.policy_optimizer.zero_grad(set_to_none=True)
+            self.value_optimizer.zero_grad(set_to_none=True)
+        return seen
 
     def micro_step(self, mu: RolloutBuffer, normalizer: int, token_stats: RunningStats,
                    losses: RunningStats) -> tuple:
@@ -298,16 +309,12 @@ class PPOTrainer:
                                             dual_clip=c.dual_clip, **agg)
         vf_loss, vf_stats = ppo_value_loss(values, mu.values, mu.returns, mu.response_mask,
                                            cliprange_value=c.cliprange_value, **agg)
-        loss = pg_loss + c.vf_coef * vf_loss
+        terms = {"policy_loss": pg_loss, "value_loss": vf_loss}
         if c.entropy_coef > 0:
-            entropy_loss = aggregate_loss(entropy, mu.response_mask, **agg)
-            losses.add({"entropy_loss": float(entropy_loss.detach())})
-            loss = loss - c.entropy_coef * entropy_loss
-        loss.backward()
-        losses.add({"policy_loss": float(pg_loss.detach()), "value_loss": float(vf_loss.detach())})
-        token_stats.add({k: float(v) for k, v in {**pg_stats, **vf_stats}.items()
-                         if k not in ("ratio_max", "explained_variance")}, weight=int(mu.response_mask.sum()))
-        token_stats.add_max("ratio_max", float(pg_stats["ratio_max"]))
+            terms["entropy_loss"] = aggregate_loss(entropy, mu.response_mask, **agg)
+        (pg_loss + c.vf_coef * vf_loss - c.entropy_coef * terms.get("entropy_loss", 0.0)).backward()
+        losses.add({k: float(v.detach()) for k, v in terms.items()})
+        record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.response_mask.sum()))
         return logprobs.detach(), mu.old_logprobs, values.detach(), mu.returns, mu.response_mask
 
     def clip_grad_norm(self, model: nn.Module) -> float:
@@ -405,6 +412,22 @@ class PPOTrainer:
         self.skips.load_state_dict(st)
         self.step_count = int(st["step"])
         return d
+
+
+def rollout_metrics(batch: RolloutBuffer) -> Dict[str, float]:
+    """What the rollout alone says: scores, shaped reward, entropy, lengths."""
+    return {"score_mean": float(batch.raw_scores.mean()), "reward_mean": float(batch.rewards.sum(dim=1).mean()),
+            "entropy_mean": float(masked_mean(batch.entropy, batch.response_mask)),
+            "response_length_mean": float(batch.response_mask.sum(dim=1).float().mean()),
+            "eos_fraction": float(batch.has_eos.float().mean())}
+
+
+def record_token_stats(stats: RunningStats, op_stats: Dict[str, torch.Tensor], n_tokens: int) -> None:
+    """Add a micro-batch's loss statistics to ``stats``, weighted by its valid tokens (the
+    maximum as a maximum; explained variance is computed once over the whole update)."""
+    stats.add({k: float(v) for k, v in op_stats.items() if k not in ("ratio_max", "explained_variance")},
+              weight=n_tokens)
+    stats.add_max("ratio_max", float(op_stats["ratio_max"]))
 
 
 def ratio_stats(seen: list) -> Dict[str, float]:
