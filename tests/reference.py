@@ -1,4 +1,5 @@
-"""Float64 eager reference implementations of the pyppo ops, written from DESIGN.md §1.
+"""Float64 eager reference implementations of the pyppo ops, written from their definitions in
+docs/ops.md.
 
 These are deliberately naive and independent of the kernels: explicit loops where the
 definition is a loop (GAE, the last valid position of shape_rewards), plain float64 formulas
@@ -8,7 +9,8 @@ against the exact value of the op on the (already rounded) input it was given.
 The gather_logprobs, kl_penalty and masked_mean references are differentiable by autograd,
 which gives the gradient the kernels' hand-written backward formulas are checked against.
 
-Also here: small helpers shared by the op tests (random inputs, tolerances, masks).
+Also here: small helpers shared by the op tests (random inputs, tolerances, masks, running an
+op on a device or its Meta kernel, comparing errors and bits).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 F64 = torch.float64
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -68,6 +71,31 @@ def ref_gather_logprobs(
     entropy = -plogp.sum(-1)
     zero = torch.zeros((), dtype=F64)
     return torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero)
+
+
+def ref_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    logits_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ref_gather_logprobs of ``hidden @ weight.T + bias``, the logits computed in float64.
+
+    ``logits_dtype`` rounds the logits to that dtype first: the op's GEMM writes them in the
+    inputs' dtype (as the model's own lm_head would), so for bfloat16/float16 inputs the exact
+    value of the op is that of the rounded logits. Differentiable w.r.t. hidden, weight, bias.
+    """
+    logits = hidden.to(F64) @ weight.to(F64).T
+    if bias is not None:
+        logits = logits + bias.to(F64)
+    if logits_dtype is not None:
+        logits = logits.to(logits_dtype).to(F64)
+    return ref_gather_logprobs(logits, labels, mask, temperature=temperature, ignore_index=ignore_index)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,3 +423,44 @@ def ref_ppo_value_loss(
         rows.append(row)
     stats = dict(vf_clipfrac=clipped / n, explained_variance=ref_explained_variance(v.detach(), ret, mask))
     return ref_aggregate_loss(rows, mode, norm), stats
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaN payloads included)."""
+    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def grad_tol(dtype: torch.dtype) -> dict:
+    """Tolerances for a gradient returned in the input dtype (so rounded to it), against float64."""
+    return {
+        F64: dict(rtol=1e-10, atol=1e-12),
+        torch.float32: dict(rtol=1e-4, atol=1e-6),
+        torch.bfloat16: dict(rtol=1.6e-2, atol=1e-4),
+        torch.float16: dict(rtol=2e-3, atol=1e-5),
+    }[dtype]
+
+
+def call_on(path: str, fn, *args):
+    """fn(*args) with every tensor argument moved to ``path``: a device ("cpu", "cuda"), "meta"
+    (meta tensors: the op's Meta kernel) or "fake" (FakeTensorMode, as torch.compile traces)."""
+    if path == "fake":
+        with FakeTensorMode() as mode:
+            return fn(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    return fn(*(a.to(path) if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def error_of(fn, *args, path: str = "cpu"):
+    """(exception type, first line of its message) that fn(*args) raises on ``path``, or None."""
+    try:
+        call_on(path, fn, *args)
+    except Exception as e:  # noqa: BLE001 - the type is compared too
+        return type(e), str(e).split("\n")[0]
+    return None
+
+
+def assert_same_error(path: str, fn, *args) -> None:
+    """fn(*args) raises on ``path`` exactly what it raises on CPU: same type, same message."""
+    expected = error_of(fn, *args)
+    assert expected is not None, "the CPU kernel raised nothing"
+    assert error_of(fn, *args, path=path) == expected

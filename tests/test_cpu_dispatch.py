@@ -1,5 +1,6 @@
 """The per-ISA CPU kernels: every compiled instruction set the machine supports gives the
-float64 reference's results, and PYPPO_CPU_CAPABILITY picks (and caps) the set."""
+float64 reference's results, and PYPPO_CPU_CAPABILITY picks (and caps) the set. Also the
+import-time checks of the build against the running torch."""
 
 import json
 import os
@@ -70,3 +71,21 @@ def test_bad_capability_name_is_a_clear_error():
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "PYPPO_CPU_CAPABILITY" in proc.stderr and "sse9" in proc.stderr
+
+
+def test_torch_mismatch_is_an_import_error_naming_both_versions(monkeypatch):
+    import torch
+
+    import pyppo
+
+    pyppo._check_torch_abi()  # the build under test matches
+    monkeypatch.setattr(torch, "__version__", "9.9.9+cu999")
+    with pytest.raises(ImportError) as e:
+        pyppo._check_torch_abi()
+    msg = str(e.value)
+    assert f"built against torch {C.torch_version}" in msg and "torch 9.9.9+cu999 is installed" in msg
+    assert "pip install --no-build-isolation --force-reinstall --no-deps ." in msg
+    # the local tag alone (a CPU build under a CUDA torch) is a mismatch too
+    monkeypatch.setattr(torch, "__version__", C.torch_version.split("+")[0] + "+cu128")
+    with pytest.raises(ImportError, match=r"\+cu128"):
+        pyppo._check_torch_abi()

@@ -170,3 +170,23 @@ def test_kernels_include_only_cuda_headers(path):
         if path.name == "params.h" and name == '"kl_estimators.h"':
             continue  # plain C++ shared with the CPU kernels (PYPPO_HD)
         assert _ALLOWED_CU_INCLUDES.match(name), f"{path.name} includes {name}; kernels may include only CUDA headers and cuda/params.h"
+
+
+@pytest.mark.cuda
+def test_build_covers_this_gpu():
+    """The architectures pyppo was built for include this GPU's (a cubin for sm_XY runs on sm_XZ, Z >= Y)."""
+    import torch
+
+    from conftest import HAS_CUDA
+
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device and pyppo built with CUDA (pyppo._C.with_cuda)")
+    import pyppo
+
+    archs = pyppo._C.cuda_archs
+    assert archs, "pyppo._C.cuda_archs is empty in a CUDA build"
+    major, minor = torch.cuda.get_device_capability()
+    built = [tuple(int(v) for v in a.split("+")[0].rstrip("abf").split(".")) for a in archs.split(",")]
+    assert any(bmaj == major and bmin <= minor for bmaj, bmin in built), (
+        f"pyppo was built for {archs} but this GPU is sm_{major}{minor}; rebuild with TORCH_CUDA_ARCH_LIST"
+    )

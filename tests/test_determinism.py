@@ -1,5 +1,7 @@
 """Determinism (same bits whatever the thread count, call after call) and batch invariance (a row's
-result does not depend on the other rows); and torch.compile(fullgraph=True) over the ops."""
+result does not depend on the other rows); and torch.compile(fullgraph=True) over the ops.
+
+Tests taking ``device`` run on every device present (conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from pyppo.ops import gae, gather_logprobs, kl_penalty, masked_mean, masked_var, masked_whiten, shape_rewards
-from reference import F64, gen, random_mask, ref_gae, ref_gather_logprobs, tol
+from reference import F64, bits_equal, gen, random_mask, ref_gae, ref_gather_logprobs, tol
 
 
 @contextlib.contextmanager
@@ -212,6 +214,50 @@ def test_gae_batch_invariance():
     assert bitwise_equal(batch[0][6], alone[0][0]) and bitwise_equal(batch[1][6], alone[1][0])
     exp_adv, _ = ref_gae(r, v, m, gamma=0.99, lam=0.95)
     torch.testing.assert_close(alone[0].double(), exp_adv, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gather_logprobs_device_repeat_and_batch_invariance(device, dtype):
+    # V = 4099: rows of 4099 elements are not 16-byte aligned in turn, so the same row takes the
+    # vector path in one batch and the element-by-element path in another: same bits required.
+    g = gen(21)
+    logits = (torch.randn(20, 4099, generator=g, dtype=F64) * 3).to(dtype).to(device)
+    labels = torch.randint(0, 4099, (20,), generator=g).to(device)
+    mask = (torch.rand(20, generator=g) < 0.75).to(device)
+    kw = dict(temperature=0.8, return_entropy=True)
+    full = gather_logprobs(logits, labels, mask, **kw)
+    again = gather_logprobs(logits, labels, mask, **kw)
+    assert bits_equal(full[0], again[0]) and bits_equal(full[1], again[1])
+    shifted = gather_logprobs(logits[1:].contiguous(), labels[1:], mask[1:], **kw)
+    assert bits_equal(full[0][1:], shifted[0]) and bits_equal(full[1][1:], shifted[1])
+    for i in (0, 7, 19):
+        alone = gather_logprobs(logits[i : i + 1].clone(), labels[i : i + 1], mask[i : i + 1], **kw)
+        assert bits_equal(full[0][i : i + 1], alone[0]) and bits_equal(full[1][i : i + 1], alone[1])
+    # the log-probs do not depend on whether the entropy is asked for
+    assert bits_equal(gather_logprobs(logits, labels, mask, temperature=0.8), full[0])
+    up = torch.randn(20, generator=gen(22)).to(device)
+
+    def bwd():
+        x = logits.clone().requires_grad_()
+        lp, ent = gather_logprobs(x, labels, mask, **kw)
+        ((lp + 0.1 * ent) * up).sum().backward()
+        return x.grad
+
+    assert bits_equal(bwd(), bwd())
+
+
+@pytest.mark.parametrize("T", [64, 2048])
+def test_gae_device_repeat_and_batch_invariance(device, T):
+    # T = 2048 takes CUDA's block-per-row scan: its segments must not depend on the batch either.
+    g = gen(81)
+    B = 9
+    r, v = torch.randn(B, T, generator=g).to(device), torch.randn(B, T, generator=g).to(device)
+    m = (torch.rand(B, T, generator=g) < 0.75).to(device)
+    a1, r1 = gae(r, v, m, gamma=0.99, lam=0.95)
+    a2, r2 = gae(r, v, m, gamma=0.99, lam=0.95)
+    assert bits_equal(a1, a2) and bits_equal(r1, r2)
+    a3, r3 = gae(r[4:5].clone(), v[4:5].clone(), m[4:5].clone(), gamma=0.99, lam=0.95)
+    assert bits_equal(a1[4:5], a3) and bits_equal(r1[4:5], r3)
 
 
 # ------------------------------------------------------------------------------ torch.compile

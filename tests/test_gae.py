@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyppo.ops import gae
-from reference import FLOAT_DTYPES, F64, gen, out_dtype, random_mask, ref_gae, ref_gae_compact, tol
+from reference import FLOAT_DTYPES, F64, assert_same_error, gen, out_dtype, random_mask, ref_gae, ref_gae_compact, tol
 
 OP = torch.ops.pyppo.gae.default
 
@@ -221,3 +221,65 @@ def test_error_mask_not_zero_one():
     m[1, 2] = 3
     with pytest.raises(ValueError, match="response_mask"):
         gae(rewards, values, m.long())
+
+
+# ------------------------------------------------------------------------ on every device
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 64, 1023, 1024, 2500], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("bootstrap", [False, True])
+def test_device_values_match_reference(device, dtype, T, bootstrap):
+    # T = 1024 and above take CUDA's block-per-row scan, below its thread-per-row loop.
+    g = gen(71 + T)
+    B = 5
+    rewards = torch.randn(B, T, generator=g, dtype=F64).to(dtype)
+    values = torch.randn(B, T, generator=g, dtype=F64).to(dtype)
+    mask = torch.rand(B, T, generator=g) < 0.75
+    mask[:, 0] = True
+    if T > 3:
+        mask[1, T // 2 :] = False  # a long masked tail
+        mask[2, : T - 2] = False  # only the last two valid
+    last = torch.randn(B, generator=g, dtype=F64).to(dtype) if bootstrap else None
+    adv, ret = gae(
+        rewards.to(device), values.to(device), mask.to(device), gamma=0.99, lam=0.95,
+        last_values=None if last is None else last.to(device),
+    )
+    assert adv.dtype == out_dtype(dtype) and adv.device.type == device
+    adv_r, ret_r = ref_gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=last)
+    t = dict(rtol=1e-5, atol=2e-5) if dtype != F64 else dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(adv.cpu().to(F64), adv_r, **t)
+    torch.testing.assert_close(ret.cpu().to(F64), ret_r, **t)
+    assert (adv.cpu()[~mask] == 0).all() and (ret.cpu()[~mask] == 0).all()
+
+
+def _bad_cases():
+    rewards, values, mask, last = _ok()
+    call = lambda r, v, m, **kw: gae(r, v, m, **kw)  # noqa: E731
+    return {
+        "gamma": (lambda r, v, m: gae(r, v, m, gamma=1.5), rewards, values, mask),
+        "lam": (lambda r, v, m: gae(r, v, m, lam=-0.5), rewards, values, mask),
+        "values_shape": (call, rewards, values[:, :2], mask),
+        "mask_shape": (call, rewards, values, mask[:2]),
+        "not_2d": (call, rewards[0], values[0], mask[0]),
+        "dtype": (call, rewards.long(), values, mask),
+        "last_values_shape": (lambda r, v, m, b: gae(r, v, m, last_values=b), rewards, values, mask, last[:2]),
+        "last_values_dtype": (lambda r, v, m, b: gae(r, v, m, last_values=b), rewards, values, mask, last.long()),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+def test_errors_are_the_same_on_every_path(path, case):
+    fn, *args = _bad_cases()[case]
+    assert_same_error(path, fn, *args)
+
+
+def test_data_errors_are_the_same_on_every_device(device):
+    rewards, values, mask, _ = _ok()
+    assert_same_error(device, lambda r, v, m: gae(r, v, m), rewards, values, mask.float() * 0.5)
+
+
+def test_device_opcheck(device):
+    g = gen(72)
+    r, v = torch.randn(2, 3, generator=g).to(device), torch.randn(2, 3, generator=g).to(device)
+    torch.library.opcheck(OP, (r, v, random_mask(2, 3, g).to(device), 0.99, 0.95, None))

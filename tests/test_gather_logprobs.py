@@ -1,4 +1,7 @@
-"""pyppo.ops.gather_logprobs against the float64 reference: values, entropy, gradients, layouts, errors."""
+"""pyppo.ops.gather_logprobs against the float64 reference: values, entropy, gradients, layouts, errors.
+
+Most tests run on CPU; those taking ``device`` run on every device present (conftest.py), and
+those taking ``path`` also through the Meta kernel that torch.compile traces."""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ from pyppo.ops import gather_logprobs
 from reference import (
     FLOAT_DTYPES,
     F64,
+    assert_same_error,
+    bits_equal,
     gen,
+    grad_tol,
     out_dtype,
     random_mask,
     ref_gather_logprobs,
@@ -588,3 +594,190 @@ def test_second_derivative_is_an_error_not_silent_zeros():
     (g,) = torch.autograd.grad(gather_logprobs(z, y).sum(), z, create_graph=True)
     with pytest.raises(RuntimeError, match="first derivatives only"):
         g.sum().backward()
+
+
+# ------------------------------------------------------------------------ on every device
+
+# Tolerances of a device kernel against the float64 reference on the same rounded inputs: only
+# the float32 accumulation differs (in another order on CUDA).
+def device_tol(dtype):
+    return dict(rtol=1e-10, atol=1e-10) if dtype == F64 else dict(rtol=1e-5, atol=1e-4)
+
+
+def holes_inputs(B, T, V, dtype, seed, *, ignore=True):
+    """Logits, labels and a mask with holes in which every row keeps a valid position."""
+    g = gen(seed)
+    logits = (torch.randn(B, T, V, generator=g, dtype=F64) * 3).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.75
+    mask[:, 0] = True
+    if ignore:
+        labels[0, -1] = -100
+    return logits, labels, mask
+
+
+DEVICE_SHAPES = [(2, 3, 7), (3, 5, 4096), (2, 4, 4099), (1, 3, 32771)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", DEVICE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_device_values_match_reference(device, dtype, shape, temperature):
+    logits, labels, mask = holes_inputs(*shape, dtype, seed=sum(shape))
+    lp, ent = gather_logprobs(
+        logits.to(device), labels.to(device), mask.to(device), temperature=temperature, return_entropy=True
+    )
+    assert lp.device.type == device and lp.dtype == out_dtype(dtype) and ent.dtype == out_dtype(dtype)
+    lp_r, ent_r = ref_gather_logprobs(logits, labels, mask, temperature=temperature)
+    torch.testing.assert_close(lp.cpu().to(F64), lp_r, **device_tol(dtype))
+    torch.testing.assert_close(ent.cpu().to(F64), ent_r, **device_tol(dtype))
+    invalid = ~(mask & (labels != -100))
+    assert (lp.cpu()[invalid] == 0).all() and (ent.cpu()[invalid] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_device_non_contiguous_logits(device, dtype):
+    logits, labels, mask = holes_inputs(3, 4, 1000, dtype, seed=5)
+    big = torch.zeros(3, 4, 1003, dtype=dtype)
+    big[..., 1:1001] = logits
+    sliced = big.to(device)[..., 1:1001]  # unit stride along V, rows 1003 apart, misaligned start
+    transposed = logits.transpose(0, 1).contiguous().transpose(0, 1).to(device)
+    expect, _ = ref_gather_logprobs(logits, labels, mask)
+    for x in (sliced, transposed):
+        got = gather_logprobs(x, labels.to(device), mask.to(device))
+        torch.testing.assert_close(got.cpu().to(F64), expect, **device_tol(dtype))
+
+
+def test_device_int_mask_and_int32_labels(device):
+    logits, labels, mask = holes_inputs(2, 6, 300, torch.float32, seed=6)
+    x = logits.to(device)
+    a = gather_logprobs(x, labels.to(device), mask.to(device))
+    b = gather_logprobs(x, labels.int().to(device), mask.long().to(device))
+    assert bits_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_device_gradient_matches_reference(device, dtype, with_entropy):
+    B, T, V = 3, 4, 4099
+    logits, labels, mask = holes_inputs(B, T, V, dtype, seed=11)
+    g = gen(12)
+    up_lp = torch.randn(B, T, generator=g, dtype=F64)
+    up_ent = torch.randn(B, T, generator=g, dtype=F64)
+    x = logits.detach().clone().to(device).requires_grad_()
+    lp, ent = gather_logprobs(x, labels.to(device), mask.to(device), temperature=0.9, return_entropy=True)
+    loss = (lp.to(F64) * up_lp.to(device)).sum()
+    if with_entropy:
+        loss = loss + (ent.to(F64) * up_ent.to(device)).sum()
+    loss.backward()
+    assert x.grad.dtype == dtype and x.grad.shape == logits.shape
+    xr = logits.detach().to(F64).clone().requires_grad_()
+    lp_r, ent_r = ref_gather_logprobs(xr, labels, mask, temperature=0.9)
+    ((lp_r * up_lp).sum() + ((ent_r * up_ent).sum() if with_entropy else 0)).backward()
+    torch.testing.assert_close(x.grad.cpu().to(F64), xr.grad, **grad_tol(dtype))
+    invalid = ~(mask & (labels != -100))
+    assert (x.grad.cpu()[invalid] == 0).all()
+
+
+def test_device_nonfinite_rows_are_isolated(device):
+    logits, labels, mask = holes_inputs(1, 6, 700, torch.float32, seed=31, ignore=False)
+    mask[:] = True
+    logits[0, 1, 5] = float("nan")
+    logits[0, 2, 9] = float("inf")
+    logits[0, 3, :] = float("-inf")
+    logits[0, 4, :350] = float("-inf")  # half the row (several whole chunks) -inf
+    lp, ent = gather_logprobs(logits.to(device), labels.to(device), mask.to(device), return_entropy=True)
+    lp_r, ent_r = ref_gather_logprobs(logits, labels, mask)
+    # A NaN or +inf logit makes its row NaN (the reference would give -inf for +inf), and so does
+    # a row of -inf only (no distribution at all); other -inf logits are zero-probability tokens.
+    poisoned = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    for got, ref in ((lp.cpu().to(F64), lp_r), (ent.cpu().to(F64), ent_r)):
+        assert torch.equal(torch.isnan(got), poisoned | torch.isnan(ref))
+        finite = torch.isfinite(ref) & ~poisoned
+        torch.testing.assert_close(got[finite], ref[finite], rtol=1e-5, atol=1e-4)
+    assert torch.isfinite(lp[0, 0]) and torch.isfinite(lp[0, 5])
+
+
+def _error_inputs():
+    logits, labels, mask = holes_inputs(2, 3, 50, torch.float32, seed=41, ignore=False)
+    return logits, labels, mask
+
+
+def _bad_shape_and_argument_cases():
+    """Bad inputs that the checks catch from shapes, dtypes and arguments alone: every path,
+    the Meta kernel included, must raise the CPU kernel's error."""
+    logits, labels, mask = _error_inputs()
+    grads = torch.ones(2, 3)
+    bwd = torch.ops.pyppo.gather_logprobs_backward.default
+    return {
+        "temperature": (lambda z, y: gather_logprobs(z, y, temperature=0.0), logits, labels),
+        "labels_shape": (lambda z, y: gather_logprobs(z, y), logits, labels[:, :2]),
+        "labels_dtype": (lambda z, y: gather_logprobs(z, y), logits, labels.float()),
+        "logits_dtype": (lambda z, y: gather_logprobs(z, y), logits.long(), labels),
+        "mask_shape": (lambda z, y, m: gather_logprobs(z, y, m), logits, labels, mask[:, :2]),
+        "mask_dtype": (lambda z, y, m: gather_logprobs(z, y, m), logits, labels, mask.to(torch.complex64)),
+        "empty_vocab": (lambda z, y: gather_logprobs(z, y), logits[..., :0], labels),
+        "zero_dim": (lambda z, y: gather_logprobs(z, y), torch.tensor(1.0), torch.tensor(0)),
+        "bwd_grad_shape": (
+            lambda g, z, y, l: bwd(g, None, z, y, None, l, None, 1.0, -100), grads[:, :2], logits, labels, grads
+        ),
+        "bwd_entropy_missing": (
+            lambda g, z, y, l: bwd(g, g, z, y, None, l, None, 1.0, -100), grads, logits, labels, grads
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_shape_and_argument_cases()))
+def test_errors_are_the_same_on_every_path(path, case):
+    fn, *args = _bad_shape_and_argument_cases()[case]
+    assert_same_error(path, fn, *args)
+
+
+def test_data_errors_are_the_same_on_every_device(device):
+    logits, labels, mask = _error_inputs()
+    bad = labels.clone()
+    bad[1, 2] = 50
+    bad[0, 1] = -7
+    mask[0, 1] = False  # masked: -7 is fine there; [1, 2] = 50 is the first unmasked bad label
+    mask[1, 2] = True
+    assert_same_error(device, lambda z, y, m: gather_logprobs(z, y, m), logits, bad, mask)
+    assert_same_error(device, lambda z, y, m: gather_logprobs(z, y, m), logits, labels, mask.float() * 0.5)
+
+
+def test_device_mismatch_names_the_devices(device):
+    if device == "cpu":
+        pytest.skip("needs a second device")
+    logits, labels, _ = _error_inputs()
+    with pytest.raises(RuntimeError, match="device"):
+        gather_logprobs(logits.to(device), labels)
+
+
+def test_fake_output_shapes_match_the_kernel():
+    # The Meta kernel, not a Python fake, gives the traced shapes: 0-d labels, no entropy, bf16.
+    from reference import call_on
+
+    for logits, labels, want_ent in (
+        (torch.randn(11), torch.tensor(4), True),
+        (torch.randn(2, 3, 7).bfloat16(), torch.zeros(2, 3, dtype=torch.long), False),
+    ):
+        real = OP(logits, labels, None, 1.0, -100, want_ent)
+        fake = call_on("fake", lambda z, y: OP(z, y, None, 1.0, -100, want_ent), logits, labels)
+        for r, f in zip(real, fake):
+            assert (f.shape, f.dtype, f.stride()) == (r.shape, r.dtype, r.stride())
+
+
+def _device_opcheck_cases(device):
+    g = gen(101)
+    B, T, V = 2, 3, 37
+    logits = torch.randn(B, T, V, generator=g).to(device)
+    labels = torch.randint(0, V, (B, T), generator=g).to(device)
+    mask = random_mask(B, T, g).to(device)
+    return [
+        (logits.clone().requires_grad_(), labels, mask, 0.9, -100, True),
+        (logits, labels, None, 1.0, -100, False),
+    ]
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_device_opcheck(device, case):
+    torch.library.opcheck(OP, _device_opcheck_cases(device)[case])

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyppo.ops import KL_ESTIMATORS, kl_penalty
-from reference import FLOAT_DTYPES, F64, gen, out_dtype, ref_kl_penalty, tol
+from reference import FLOAT_DTYPES, F64, assert_same_error, gen, grad_tol, out_dtype, ref_kl_penalty, tol
 
 OP = torch.ops.pyppo.kl_penalty.default
 OP_BWD = torch.ops.pyppo.kl_penalty_backward.default
@@ -272,7 +272,7 @@ def test_error_unknown_estimator():
         with pytest.raises(ValueError, match="estimator"):
             kl_penalty(lp, ref, estimator=bad)
     with pytest.raises(ValueError, match="estimator"):
-        OP(lp, ref, "k5", None, None)  # the C++ check, not only the Python one
+        OP(lp, ref, "k5", None, None)  # the wrapper leaves the name to the op's own check
 
 
 def test_error_shape_mismatch():
@@ -297,3 +297,65 @@ def test_error_bad_clamp(clamp):
     lp, ref = make_lp((2, 3), torch.float32, 20)
     with pytest.raises(ValueError, match="clamp"):
         kl_penalty(lp, ref, estimator="k3", clamp=clamp)
+
+
+def test_second_derivative_is_an_error_not_silent_zeros():
+    lp, ref = make_lp((3, 4), F64, 21)
+    x = lp.clone().requires_grad_()
+    r = ref.clone().requires_grad_()
+    for wrt in (x, r):
+        (g,) = torch.autograd.grad(kl_penalty(x, r, estimator="k3").sum(), wrt, create_graph=True)
+        with pytest.raises(RuntimeError, match="first derivatives only"):
+            g.sum().backward()
+
+
+# ------------------------------------------------------------------------ on every device
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+@pytest.mark.parametrize("clamp", [None, (-0.5, 2.0)], ids=["noclamp", "clamp"])
+def test_device_values_and_gradient_match_reference(device, dtype, estimator, clamp):
+    g = gen(51)
+    lp = (torch.randn(6, 33, generator=g, dtype=F64) - 2).to(dtype)
+    ref = (torch.randn(6, 33, generator=g, dtype=F64) - 2).to(dtype)
+    lp[0, 0], ref[0, 0] = -1.0, 95.0  # k3's exponent past the bound
+    kl = kl_penalty(lp.to(device), ref.to(device), estimator=estimator, clamp=clamp)
+    assert kl.dtype == out_dtype(dtype) and kl.device.type == device
+    r = ref_kl_penalty(lp, ref, estimator=estimator, clamp=clamp)
+    fin = torch.isfinite(r)
+    fin[0, 0] = False  # k3 past its exp bound: the kernels give +inf (or the clamp) by design
+    torch.testing.assert_close(kl.cpu().to(F64)[fin], r[fin], **tol(dtype))
+    up = torch.randn(6, 33, generator=g, dtype=F64)
+    up[1, 1] = 0.0
+    x = lp.detach().clone().to(device).requires_grad_()
+    (kl_penalty(x, ref.to(device), estimator=estimator, clamp=clamp).to(F64) * up.to(device)).sum().backward()
+    xr = lp.detach().to(F64).clone().requires_grad_()
+    (ref_kl_penalty(xr, ref, estimator=estimator, clamp=clamp) * up).sum().backward()
+    assert x.grad.dtype == dtype and not torch.isnan(x.grad).any()
+    torch.testing.assert_close(x.grad.cpu().to(F64)[fin], xr.grad[fin], **grad_tol(dtype))
+
+
+def _bad_cases():
+    lp, ref = make_lp((3, 4), torch.float32, 22)
+    grad = torch.ones(3, 4)
+    return {
+        "estimator": (lambda a, b: kl_penalty(a, b, estimator="k9"), lp, ref),
+        "shape": (lambda a, b: kl_penalty(a, b), lp, ref[:, :3]),
+        "dtype": (lambda a, b: kl_penalty(a, b), lp.long(), ref),
+        "clamp_order": (lambda a, b: kl_penalty(a, b, clamp=(1.0, 0.0)), lp, ref),
+        "clamp_nan": (lambda a, b: kl_penalty(a, b, clamp=(float("nan"), 1.0)), lp, ref),
+        "bwd_grad_shape": (lambda gk, a, b: OP_BWD(gk, a, b, "k1", None, None), grad[:, :2], lp, ref),
+        "bwd_estimator": (lambda gk, a, b: OP_BWD(gk, a, b, "k0", None, None), grad, lp, ref),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+def test_errors_are_the_same_on_every_path(path, case):
+    fn, *args = _bad_cases()[case]
+    assert_same_error(path, fn, *args)
+
+
+def test_device_opcheck(device):
+    lp, ref = (t.to(device) for t in make_lp((2, 3), torch.float32, 23))
+    torch.library.opcheck(OP, (lp.clone().requires_grad_(), ref, "k3", -1.0, 5.0))

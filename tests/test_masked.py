@@ -11,6 +11,9 @@ from pyppo.ops import masked_mean, masked_var, masked_whiten
 from reference import (
     FLOAT_DTYPES,
     F64,
+    assert_same_error,
+    bits_equal,
+    call_on,
     gen,
     out_dtype,
     random_mask,
@@ -300,7 +303,121 @@ def test_error_mask_not_zero_one():
             fn(x, (m * 4).long())
 
 
-def test_error_bad_dim():
+@pytest.mark.parametrize("dim", [2, -3, 100])
+def test_error_bad_dim(dim):
     x, mask = make_inputs((3, 4), torch.float32, 57)
-    with pytest.raises((IndexError, ValueError, RuntimeError), match="dim|[Dd]imension"):
-        masked_mean(x, mask, dim=2)
+    with pytest.raises(ValueError, match=r"pyppo.masked_mean: dim must be in \[-2, 1\] for a 2-d x"):
+        masked_mean(x, mask, dim=dim)
+
+
+def test_second_derivative_is_an_error_not_silent_zeros():
+    x, _ = make_inputs((3, 4), F64, 58)
+    mask = random_mask(3, 4, gen(59))
+    mask[:, 0] = True
+    x.requires_grad_()
+    for dim in (None, 1):
+        (g,) = torch.autograd.grad(masked_mean(x, mask, dim=dim).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="first derivatives only"):
+            g.sum().backward()
+    # a Hessian-vector product through a nonlinear function of x reaches the mean's gradient too
+    (g,) = torch.autograd.grad(masked_mean(x * x, mask), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        g.sum().backward()
+
+
+# ------------------------------------------------------------------------ on every device
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(7,), (13, 37), (64, 4100)], ids=lambda s: "x".join(map(str, s)))
+def test_device_values_match_reference(device, dtype, shape):
+    x, mask = make_inputs(shape, dtype, 91 + len(shape), p_valid=0.7)
+    xd, md = x.to(device), mask.to(device)
+    for unbiased in (True, False):
+        got = masked_var(xd, md, unbiased)
+        assert got.device.type == device
+        torch.testing.assert_close(got.cpu().to(F64), ref_masked_var(x, mask, unbiased), **tol(dtype))
+    torch.testing.assert_close(masked_mean(xd, md).cpu().to(F64), ref_masked_mean(x, mask), **tol(dtype))
+    for shift in (True, False):
+        torch.testing.assert_close(
+            masked_whiten(xd, md, shift_mean=shift).cpu().to(F64),
+            ref_masked_whiten(x, mask, shift_mean=shift),
+            **tol(dtype, 5),
+        )
+    if len(shape) == 2:
+        mask[:, 0] = True
+        md = mask.to(device)
+        for d in (0, 1, -1):
+            torch.testing.assert_close(
+                masked_mean(xd, md, dim=d).cpu().to(F64), ref_masked_mean(x, mask, d), **tol(dtype)
+            )
+    # the same bits again
+    assert bits_equal(masked_whiten(xd, md), masked_whiten(xd, md))
+    assert bits_equal(masked_var(xd, md), masked_var(xd, md))
+
+
+def test_device_masked_mean_gradient(device):
+    g = gen(95)
+    x = torch.randn(4, 9, generator=g)
+    mask = random_mask(4, 9, g)
+    xd = x.clone().to(device).requires_grad_()
+    masked_mean(xd, mask.to(device)).backward()
+    xr = x.to(F64).clone().requires_grad_()
+    ref_masked_mean(xr, mask).backward()
+    torch.testing.assert_close(xd.grad.cpu().to(F64), xr.grad, **tol(torch.float32))
+
+
+def _bad_cases():
+    x, mask = make_inputs((3, 4), torch.float32, 60)
+    return {
+        "mean_dim_high": (lambda a, m: masked_mean(a, m, dim=2), x, mask),
+        "mean_dim_low": (lambda a, m: masked_mean(a, m, dim=-3), x, mask),
+        "mean_dim_0d": (lambda a, m: masked_mean(a, m, dim=0), x[0, 0], mask[0, 0]),
+        "mean_empty_dim": (lambda a, m: masked_mean(a, m, dim=1), x[:, :0], mask[:, :0]),
+        "mean_mask_shape": (lambda a, m: masked_mean(a, m), x, mask[:, :3]),
+        "var_dtype": (lambda a, m: masked_var(a, m), x.long(), mask),
+        "var_mask_dtype": (lambda a, m: masked_var(a, m), x, mask.to(torch.complex64)),
+        "whiten_eps": (lambda a, m: masked_whiten(a, m, eps=-1.0), x, mask),
+        "whiten_mask_shape": (lambda a, m: masked_whiten(a, m), x, mask.reshape(12)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+def test_errors_are_the_same_on_every_path(path, case):
+    fn, *args = _bad_cases()[case]
+    assert_same_error(path, fn, *args)
+
+
+def test_data_errors_are_the_same_on_every_device(device):
+    x = torch.randn(3, 4)
+    none = torch.zeros(3, 4, dtype=torch.bool)
+    one = none.clone()
+    one[1, 2] = True
+    const = torch.ones(3, 4)
+    full = torch.ones(3, 4, dtype=torch.bool)
+    for fn in (masked_mean, masked_var, masked_whiten):
+        assert_same_error(device, fn, x, none)
+        assert_same_error(device, fn, x, full * 0.5)
+    assert_same_error(device, masked_var, x, one)
+    assert_same_error(device, masked_whiten, x, one)
+    assert_same_error(device, lambda a, m: masked_whiten(a, m, eps=0.0), const, full)
+    assert_same_error(device, lambda a, m: masked_mean(a, m, dim=1), x, none)
+
+
+@pytest.mark.parametrize("path", ["meta", "fake"])
+def test_traced_masked_mean_shapes(path):
+    x, mask = make_inputs((3, 4, 5), torch.bfloat16, 61)
+    for dim, shape in ((None, ()), (0, (4, 5)), (1, (3, 5)), (-1, (3, 4)), (-3, (4, 5))):
+        out = call_on(path, lambda a, m: masked_mean(a, m, dim=dim), x, mask)
+        assert tuple(out.shape) == shape and out.dtype == torch.float32
+    assert call_on(path, masked_whiten, x.double(), mask).dtype == F64
+
+
+def test_device_opcheck(device):
+    g = gen(101)
+    lp = torch.randn(2, 3, generator=g).to(device)
+    mask = torch.ones(2, 3, dtype=torch.bool, device=device)
+    torch.library.opcheck(OP_MEAN, (lp.clone().requires_grad_(), mask, None))
+    torch.library.opcheck(OP_MEAN, (lp, mask, 1))
+    torch.library.opcheck(OP_VAR, (lp, mask, True))
+    torch.library.opcheck(OP_WHITEN, (lp, mask, True, True, 1e-8))

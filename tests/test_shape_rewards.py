@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyppo.ops import KL_ESTIMATORS, kl_penalty, shape_rewards
-from reference import FLOAT_DTYPES, F64, gen, out_dtype, ref_shape_rewards, tol
+from reference import FLOAT_DTYPES, F64, assert_same_error, gen, out_dtype, ref_shape_rewards, tol
 
 OP = torch.ops.pyppo.shape_rewards.default
 
@@ -227,3 +227,75 @@ def test_error_unknown_estimator():
         shape_rewards(scores, lp, ref, mask, kl_coef=0.1, estimator="k9")
     with pytest.raises(ValueError, match="estimator"):
         OP(scores, lp, ref, mask, 0.1, "k9", None)
+
+
+# ------------------------------------------------------------------------ on every device
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("score_clip", [None, 0.5])
+def test_device_values_match_reference(device, dtype, score_clip):
+    g = gen(61)
+    B, T = 7, 300
+    lp = (torch.randn(B, T, generator=g, dtype=F64) - 2).to(dtype)
+    ref = (torch.randn(B, T, generator=g, dtype=F64) - 2).to(dtype)
+    mask = torch.rand(B, T, generator=g) < 0.75
+    mask[:, 0] = True
+    mask[2, 1:] = False  # only the first position valid
+    mask[3, -1] = True
+    scores = torch.randn(B, generator=g, dtype=F64).to(dtype)
+    args = dict(kl_coef=0.05, estimator="k3", score_clip=score_clip)
+    rewards, kl = shape_rewards(scores.to(device), lp.to(device), ref.to(device), mask.to(device), **args)
+    assert rewards.dtype == out_dtype(dtype) and kl.dtype == out_dtype(dtype) and rewards.device.type == device
+    r_ref, kl_ref = ref_shape_rewards(scores, lp, ref, mask, **args)
+    torch.testing.assert_close(rewards.cpu().to(F64), r_ref, **tol(dtype))
+    torch.testing.assert_close(kl.cpu().to(F64), kl_ref, **tol(dtype))
+
+
+def _bad_cases():
+    g = gen(62)
+    lp, ref = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    scores = torch.randn(3, generator=g)
+
+    def call(**kw):
+        return lambda s, a, b, m: shape_rewards(s, a, b, m, **{"kl_coef": 0.1, **kw})
+
+    return {
+        "kl_coef": (call(kl_coef=-1.0), scores, lp, ref, mask),
+        "score_clip": (call(score_clip=0.0), scores, lp, ref, mask),
+        "estimator": (call(estimator="k7"), scores, lp, ref, mask),
+        "scores_shape": (call(), scores[:2], lp, ref, mask),
+        "mask_shape": (call(), scores, lp, ref, mask[:, :4]),
+        "not_2d": (call(), scores, lp[0], ref[0], mask[0]),
+        "ref_shape": (call(), scores, lp, ref[:, :2], mask),
+        "dtype": (call(), scores, lp.long(), ref, mask),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+def test_errors_are_the_same_on_every_path(path, case):
+    fn, *args = _bad_cases()[case]
+    assert_same_error(path, fn, *args)
+
+
+def test_data_errors_are_the_same_on_every_device(device):
+    g = gen(63)
+    lp, ref = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    scores = torch.randn(3, generator=g)
+    call = lambda s, a, b, m: shape_rewards(s, a, b, m, kl_coef=0.1)  # noqa: E731
+    empty_row = torch.ones(3, 5, dtype=torch.bool)
+    empty_row[1] = False
+    assert_same_error(device, call, scores, lp, ref, empty_row)
+    bad_scores = scores.clone()
+    bad_scores[2] = float("inf")
+    assert_same_error(device, call, bad_scores, lp, ref, torch.ones(3, 5, dtype=torch.bool))
+    assert_same_error(device, call, scores, lp, ref, torch.ones(3, 5) * 0.5)
+
+
+def test_device_opcheck(device):
+    g = gen(64)
+    lp, ref = torch.randn(2, 3, generator=g).to(device), torch.randn(2, 3, generator=g).to(device)
+    mask = torch.ones(2, 3, dtype=torch.bool, device=device)
+    scores = torch.randn(2, generator=g).to(device)
+    torch.library.opcheck(OP, (scores, lp, ref, mask, 0.1, "k1", None))

@@ -1,0 +1,38 @@
+"""Fixtures shared by the test files. The op tests run on every device present: ``device`` is
+``cpu`` always and ``cuda`` where there is a CUDA device and pyppo was built with CUDA (those
+cases carry the ``cuda`` mark, so ``pytest -m cuda`` selects them; elsewhere they skip)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _cuda_usable() -> bool:
+    try:
+        import pyppo
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and bool(getattr(pyppo._C, "with_cuda", False))
+
+
+HAS_CUDA = _cuda_usable()
+_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and pyppo built with CUDA (pyppo._C.with_cuda)"),
+    ],
+)
+
+
+@pytest.fixture(params=["cpu", _CUDA])
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=["cpu", _CUDA, "meta", "fake"])
+def path(request) -> str:
+    """Where an op runs: a device, or its Meta kernel (meta tensors, or FakeTensorMode as
+    torch.compile traces it). Error tests compare each path's exception with the CPU one's."""
+    return request.param
