@@ -122,15 +122,18 @@ def test_there_are_cuda_kernels():
 
 
 def test_cpu_and_cuda_files_are_named_alike():
-    """Each op is <op>_glue.cpp + <op>_kernel.cu on CUDA and <op>_glue.cpp on CPU, so a reader
-    finds one side from the other; a .cu not named *_kernel.cu would also escape the build glob."""
+    """Each op is <op>_glue.cpp + <op>_kernel.cu on CUDA and <op>_glue.cpp + kernels/<op>_kernel.cpp
+    on CPU, so a reader finds one side from the other; a file named otherwise would also escape
+    the build globs."""
     assert sorted(p.name for p in CUDA_DIR.glob("*.cu")) == [p.name for p in CU_FILES]
     cuda_ops = {p.name[: -len("_glue.cpp")] for p in GLUE_FILES}
     assert cuda_ops == {p.name[: -len("_kernel.cu")] for p in CU_FILES}
     cpu_dir = CSRC / "cpu"
     assert sorted(p.name for p in cpu_dir.glob("*.cpp")) == sorted(p.name for p in cpu_dir.glob("*_glue.cpp"))
     assert cuda_ops == {p.name[: -len("_glue.cpp")] for p in cpu_dir.glob("*_glue.cpp")}
-    assert all(p.name.endswith("_kernel.cpp") for p in (cpu_dir / "kernels").glob("*.cpp") if p.name != "dispatch.cpp")
+    cpu_kernels = {p.name for p in (cpu_dir / "kernels").glob("*.cpp")} - {"dispatch.cpp"}
+    assert {n[: -len("_kernel.cpp")] for n in cpu_kernels if n.endswith("_kernel.cpp")} == cuda_ops
+    assert all(n.endswith("_kernel.cpp") for n in cpu_kernels)
     # The Meta kernels (what torch.compile traces) cover the same ops, and linear_logprobs,
     # whose one device-generic implementation is csrc/linear_logprobs.cpp.
     meta_ops = {p.name[: -len("_glue.cpp")] for p in (CSRC / "meta").glob("*_glue.cpp")}

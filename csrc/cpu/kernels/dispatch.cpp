@@ -27,13 +27,19 @@ bool cpu_has_avx512() {
 #endif
 }
 
-const KernelTable kDefault{"DEFAULT", &DEFAULT::gather_fwd, &DEFAULT::gather_bwd, &DEFAULT::kl_fwd, &DEFAULT::kl_bwd};
+#define PYPPO_KERNEL_TABLE(ISA)                                                                            \
+  KernelTable {                                                                                            \
+    #ISA, &ISA::gather_fwd, &ISA::gather_bwd, &ISA::kl_fwd, &ISA::kl_bwd, &ISA::gae, &ISA::masked_sum,     \
+        &ISA::masked_sq_dev, &ISA::masked_whiten, &ISA::masked_mean_rows                                   \
+  }
+const KernelTable kDefault = PYPPO_KERNEL_TABLE(DEFAULT);
 #ifdef PYPPO_HAVE_AVX2
-const KernelTable kAvx2{"AVX2", &AVX2::gather_fwd, &AVX2::gather_bwd, &AVX2::kl_fwd, &AVX2::kl_bwd};
+const KernelTable kAvx2 = PYPPO_KERNEL_TABLE(AVX2);
 #endif
 #ifdef PYPPO_HAVE_AVX512
-const KernelTable kAvx512{"AVX512", &AVX512::gather_fwd, &AVX512::gather_bwd, &AVX512::kl_fwd, &AVX512::kl_bwd};
+const KernelTable kAvx512 = PYPPO_KERNEL_TABLE(AVX512);
 #endif
+#undef PYPPO_KERNEL_TABLE
 
 const KernelTable& choose() {
   const char* env = std::getenv("PYPPO_CPU_CAPABILITY");

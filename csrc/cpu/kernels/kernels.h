@@ -53,24 +53,63 @@ struct KLArgs {
   int64_t n;
 };
 
+// gae over [B, T] contiguous arrays of the accumulation dtype (float or double).
+struct GaeArgs {
+  c10::ScalarType dtype;
+  int64_t B, T;
+  const void* rewards;
+  const void* values;
+  const bool* mask;
+  const void* last_values;    // [B] or nullptr
+  double gamma, lam;
+  void* advantages;
+  void* returns;
+};
+
+// The masked statistics over n contiguous elements of the accumulation dtype.
+struct MaskedArgs {
+  c10::ScalarType dtype;
+  const void* x;
+  const bool* mask;
+  int64_t n;
+};
+
+struct MaskedMoments {
+  double sum = 0;
+  int64_t count = 0;
+};
+
 struct KernelTable {
   const char* name;
   void (*gather_fwd)(const GatherFwdArgs&);
   void (*gather_bwd)(const GatherBwdArgs&);
   void (*kl_fwd)(const KLArgs&);
   void (*kl_bwd)(const KLArgs&);
+  void (*gae)(const GaeArgs&);
+  MaskedMoments (*masked_sum)(const MaskedArgs&);
+  double (*masked_sq_dev)(const MaskedArgs&, double mean);  // sum of (x - mean)^2 over valid x
+  // out = valid ? (x - mean) * inv_std + add_back : 0
+  void (*masked_whiten)(const MaskedArgs&, double mean, double inv_std, double add_back, void* out);
+  // Means of the rows of x [n / L, L] into out; returns the first all-masked row (then nothing
+  // is written) or -1.
+  int64_t (*masked_mean_rows)(const MaskedArgs&, int64_t L, void* out);
 };
 
 // The table for this machine: the widest of AVX512 / AVX2 / DEFAULT that both the build and
 // the CPU support, or the one named by the environment variable PYPPO_CPU_CAPABILITY.
 const KernelTable& cpu_kernels();
 
-#define PYPPO_DECLARE_ISA(ISA)                    \
-  namespace ISA {                                 \
-  void gather_fwd(const GatherFwdArgs& a);        \
-  void gather_bwd(const GatherBwdArgs& a);        \
-  void kl_fwd(const KLArgs& a);                   \
-  void kl_bwd(const KLArgs& a);                   \
+#define PYPPO_DECLARE_ISA(ISA)                                                                  \
+  namespace ISA {                                                                               \
+  void gather_fwd(const GatherFwdArgs& a);                                                      \
+  void gather_bwd(const GatherBwdArgs& a);                                                      \
+  void kl_fwd(const KLArgs& a);                                                                 \
+  void kl_bwd(const KLArgs& a);                                                                 \
+  void gae(const GaeArgs& a);                                                                   \
+  MaskedMoments masked_sum(const MaskedArgs& a);                                                \
+  double masked_sq_dev(const MaskedArgs& a, double mean);                                       \
+  void masked_whiten(const MaskedArgs& a, double mean, double inv_std, double add_back, void* out); \
+  int64_t masked_mean_rows(const MaskedArgs& a, int64_t L, void* out);                          \
   }
 PYPPO_DECLARE_ISA(DEFAULT)
 PYPPO_DECLARE_ISA(AVX2)
