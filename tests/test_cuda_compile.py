@@ -158,11 +158,11 @@ def test_glue_syntax_checks_against_torch_headers(compiled, name):
 
 
 _ALLOWED_CU_INCLUDES = re.compile(
-    r'^(cuda[a-z_0-9]*\.h|cub/.*|cuda/std/.*|cstdint|cstddef|"cuda/params\.h")$'
+    r'^(cuda[a-z_0-9]*\.h|cub/.*|cuda/std/.*|cstdint|cstddef|"cuda/params\.h"|"cuda/launch\.h")$'
 )
 
 
-@pytest.mark.parametrize("path", [*CU_FILES, CUDA_DIR / "params.h"], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [*CU_FILES, CUDA_DIR / "params.h", CUDA_DIR / "launch.h"], ids=lambda p: p.name)
 def test_kernels_include_only_cuda_headers(path):
     """Kernel files and params.h never include torch (that is what keeps them compilable here)."""
     for line in path.read_text().splitlines():
@@ -172,7 +172,7 @@ def test_kernels_include_only_cuda_headers(path):
         name = m.group(2) if m.group(1) == "<" else f'"{m.group(2)}"'
         if path.name == "params.h" and name == '"kl_estimators.h"':
             continue  # plain C++ shared with the CPU kernels (PYPPO_HD)
-        assert _ALLOWED_CU_INCLUDES.match(name), f"{path.name} includes {name}; kernels may include only CUDA headers and cuda/params.h"
+        assert _ALLOWED_CU_INCLUDES.match(name), f"{path.name} includes {name}; kernels may include only CUDA headers, cuda/params.h and cuda/launch.h"
 
 
 @pytest.mark.cuda

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "cuda/launch.h"
 #include "cuda/params.h"
 
 namespace pyppo {
@@ -406,24 +407,21 @@ __global__ void __launch_bounds__(kThreads) gather_bwd_kernel(const GatherBwdPar
   }
 }
 
-int grid_for(int64_t rows) {
-  // Rows are independent, so any grid size gives the same bits; cap it and loop.
-  const int64_t cap = int64_t(1) << 20;
-  return static_cast<int>(rows < cap ? rows : cap);
-}
+// One block per row: rows are independent, so any grid size gives the same bits; cap it and loop.
+int grid_for_rows(int64_t rows) { return grid_for(rows, 1, int64_t(1) << 20); }
 
 template <typename E>
 cudaError_t fwd_typed(const GatherFwdParams& p) {
   if (p.entropy != nullptr)
-    gather_fwd_kernel<E, true><<<grid_for(p.N), kThreads, 0, p.stream>>>(p);
+    gather_fwd_kernel<E, true><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
   else
-    gather_fwd_kernel<E, false><<<grid_for(p.N), kThreads, 0, p.stream>>>(p);
+    gather_fwd_kernel<E, false><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename E>
 cudaError_t bwd_typed(const GatherBwdParams& p) {
-  gather_bwd_kernel<E><<<grid_for(p.N), kThreads, 0, p.stream>>>(p);
+  gather_bwd_kernel<E><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/launch.h"
 #include "cuda/params.h"
 
 namespace pyppo {
@@ -13,12 +14,6 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-int grid_for(int64_t n, int threads) {
-  const int64_t blocks = (n + threads - 1) / threads;
-  const int64_t cap = int64_t(1) << 16;  // grid-stride loops cover the rest
-  return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) kl_fwd_kernel(const KLParams p) {
@@ -104,32 +99,24 @@ __global__ void __launch_bounds__(kThreads) shape_rewards_kernel(const ShapeRewa
 
 cudaError_t launch_kl_penalty_fwd(const KLParams& p) {
   if (p.n <= 0) return cudaSuccess;
-  const int grid = grid_for(p.n, kThreads);
-  if (p.is_double)
-    kl_fwd_kernel<double><<<grid, kThreads, 0, p.stream>>>(p);
-  else
-    kl_fwd_kernel<float><<<grid, kThreads, 0, p.stream>>>(p);
-  return cudaGetLastError();
+  return launch_for_acc(p.is_double, [&](auto t) {
+    kl_fwd_kernel<decltype(t)><<<grid_for(p.n, kThreads), kThreads, 0, p.stream>>>(p);
+  });
 }
 
 cudaError_t launch_kl_penalty_bwd(const KLParams& p) {
   if (p.n <= 0) return cudaSuccess;
-  const int grid = grid_for(p.n, kThreads);
-  if (p.is_double)
-    kl_bwd_kernel<double><<<grid, kThreads, 0, p.stream>>>(p);
-  else
-    kl_bwd_kernel<float><<<grid, kThreads, 0, p.stream>>>(p);
-  return cudaGetLastError();
+  return launch_for_acc(p.is_double, [&](auto t) {
+    kl_bwd_kernel<decltype(t)><<<grid_for(p.n, kThreads), kThreads, 0, p.stream>>>(p);
+  });
 }
 
 cudaError_t launch_shape_rewards(const ShapeRewardsParams& p) {
   if (p.B <= 0 || p.T <= 0) return cudaSuccess;
-  const int grid = static_cast<int>(p.B < (int64_t(1) << 20) ? p.B : (int64_t(1) << 20));
-  if (p.is_double)
-    shape_rewards_kernel<double><<<grid, kThreads, 0, p.stream>>>(p);
-  else
-    shape_rewards_kernel<float><<<grid, kThreads, 0, p.stream>>>(p);
-  return cudaGetLastError();
+  // One block per row (capped; the kernel loops over rows).
+  return launch_for_acc(p.is_double, [&](auto t) {
+    shape_rewards_kernel<decltype(t)><<<grid_for(p.B, 1, int64_t(1) << 20), kThreads, 0, p.stream>>>(p);
+  });
 }
 
 }  // namespace cuda

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "cuda/launch.h"
 #include "cuda/params.h"
 
 namespace pyppo {
@@ -132,63 +133,46 @@ __global__ void __launch_bounds__(kThreads) mean_dim_kernel(const MaskedMeanDimP
   }
 }
 
-int grid_for(int64_t n, int64_t per_block) {
-  const int64_t blocks = (n + per_block - 1) / per_block;
-  const int64_t cap = int64_t(1) << 16;
-  return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
+// The per-chunk partial sums (of x, or of squared deviations when kVar), one block a chunk.
+template <bool kVar>
+cudaError_t launch_partials(const MaskedStatsParams& p) {
+  const int64_t P = masked_num_partials(p.n);
+  if (P > (int64_t(1) << 31) - 1) return cudaErrorInvalidValue;
+  return launch_for_acc(p.is_double, [&](auto t) {
+    partials_kernel<decltype(t), kVar><<<static_cast<unsigned>(P), kThreads, 0, p.stream>>>(p);
+  });
+}
+
+// The partials, then one block adding them in order. With no element the glue passes a zeroed
+// workspace, so the sums are 0, the count 0 and the mean NaN.
+template <bool kVar>
+cudaError_t launch_stats(const MaskedStatsParams& p) {
+  if (p.n > 0) {
+    const cudaError_t err = launch_partials<kVar>(p);
+    if (err != cudaSuccess) return err;
+  }
+  finish_kernel<kVar><<<1, kThreads, 0, p.stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_masked_sum_count(const MaskedStatsParams& p) {
-  if (p.n <= 0) {
-    // No element: the glue passes a zeroed workspace, so this gives sum 0, count 0, mean NaN.
-    finish_kernel<false><<<1, kThreads, 0, p.stream>>>(p);
-    return cudaGetLastError();
-  }
-  const int64_t P = masked_num_partials(p.n);
-  if (P > (int64_t(1) << 31) - 1) return cudaErrorInvalidValue;
-  if (p.is_double)
-    partials_kernel<double, false><<<static_cast<unsigned>(P), kThreads, 0, p.stream>>>(p);
-  else
-    partials_kernel<float, false><<<static_cast<unsigned>(P), kThreads, 0, p.stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  finish_kernel<false><<<1, kThreads, 0, p.stream>>>(p);
-  return cudaGetLastError();
-}
+cudaError_t launch_masked_sum_count(const MaskedStatsParams& p) { return launch_stats<false>(p); }
 
-cudaError_t launch_masked_variance(const MaskedStatsParams& p) {
-  if (p.n > 0) {
-    const int64_t P = masked_num_partials(p.n);
-    if (P > (int64_t(1) << 31) - 1) return cudaErrorInvalidValue;
-    if (p.is_double)
-      partials_kernel<double, true><<<static_cast<unsigned>(P), kThreads, 0, p.stream>>>(p);
-    else
-      partials_kernel<float, true><<<static_cast<unsigned>(P), kThreads, 0, p.stream>>>(p);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  finish_kernel<true><<<1, kThreads, 0, p.stream>>>(p);
-  return cudaGetLastError();
-}
+cudaError_t launch_masked_variance(const MaskedStatsParams& p) { return launch_stats<true>(p); }
 
 cudaError_t launch_masked_whiten(const MaskedWhitenParams& p) {
   if (p.n <= 0) return cudaSuccess;
-  if (p.is_double)
-    whiten_kernel<double><<<grid_for(p.n, kThreads), kThreads, 0, p.stream>>>(p);
-  else
-    whiten_kernel<float><<<grid_for(p.n, kThreads), kThreads, 0, p.stream>>>(p);
-  return cudaGetLastError();
+  return launch_for_acc(p.is_double, [&](auto t) {
+    whiten_kernel<decltype(t)><<<grid_for(p.n, kThreads), kThreads, 0, p.stream>>>(p);
+  });
 }
 
 cudaError_t launch_masked_mean_dim(const MaskedMeanDimParams& p) {
   if (p.R <= 0) return cudaSuccess;
-  if (p.is_double)
-    mean_dim_kernel<double><<<grid_for(p.R, kThreads / 32), kThreads, 0, p.stream>>>(p);
-  else
-    mean_dim_kernel<float><<<grid_for(p.R, kThreads / 32), kThreads, 0, p.stream>>>(p);
-  return cudaGetLastError();
+  return launch_for_acc(p.is_double, [&](auto t) {
+    mean_dim_kernel<decltype(t)><<<grid_for(p.R, kThreads / 32), kThreads, 0, p.stream>>>(p);
+  });
 }
 
 }  // namespace cuda

@@ -75,26 +75,26 @@ void bwd(const GatherBwdArgs& a) {
   });
 }
 
-}  // namespace
-
-void gather_fwd(const GatherFwdArgs& a) {
-  switch (a.dtype) {
-    case c10::ScalarType::Float: return fwd<float, float>(a);
-    case c10::ScalarType::Double: return fwd<double, double>(a);
-    case c10::ScalarType::BFloat16: return fwd<c10::BFloat16, float>(a);
-    case c10::ScalarType::Half: return fwd<c10::Half, float>(a);
-    default: TORCH_CHECK(false, "pyppo.gather_logprobs: unsupported dtype ", a.dtype);
+// f(scalar_t{}, acc_t{}) for the logits' dtype: float32 and the half types accumulate in float.
+template <typename F>
+void by_dtype(c10::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return f(float{}, float{});
+    case c10::ScalarType::Double: return f(double{}, double{});
+    case c10::ScalarType::BFloat16: return f(c10::BFloat16{}, float{});
+    case c10::ScalarType::Half: return f(c10::Half{}, float{});
+    default: TORCH_CHECK(false, "pyppo.", op, ": unsupported dtype ", dtype);
   }
 }
 
+}  // namespace
+
+void gather_fwd(const GatherFwdArgs& a) {
+  by_dtype(a.dtype, "gather_logprobs", [&](auto s, auto acc) { fwd<decltype(s), decltype(acc)>(a); });
+}
+
 void gather_bwd(const GatherBwdArgs& a) {
-  switch (a.dtype) {
-    case c10::ScalarType::Float: return bwd<float, float>(a);
-    case c10::ScalarType::Double: return bwd<double, double>(a);
-    case c10::ScalarType::BFloat16: return bwd<c10::BFloat16, float>(a);
-    case c10::ScalarType::Half: return bwd<c10::Half, float>(a);
-    default: TORCH_CHECK(false, "pyppo.gather_logprobs_backward: unsupported dtype ", a.dtype);
-  }
+  by_dtype(a.dtype, "gather_logprobs_backward", [&](auto s, auto acc) { bwd<decltype(s), decltype(acc)>(a); });
 }
 
 }  // namespace CPU_CAPABILITY
