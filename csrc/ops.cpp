@@ -1,5 +1,6 @@
-// Every pyppo operator schema, in one place. Kernels register per device in cpu/ and cuda/;
-// fake (meta) kernels and autograd formulas are registered from Python (pyppo/ops/).
+// Every pyppo operator schema, in one place. Kernels register per device in cpu/ and cuda/, the
+// shape functions torch.compile traces in meta/ (all three run the checks of args/<op>.h);
+// autograd formulas are registered from Python (pyppo/ops/). Semantics: docs/ops.md.
 #include <torch/library.h>
 
 TORCH_LIBRARY(pyppo, m) {

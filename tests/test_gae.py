@@ -253,6 +253,16 @@ def test_device_values_match_reference(device, dtype, T, bootstrap):
     assert (adv.cpu()[~mask] == 0).all() and (ret.cpu()[~mask] == 0).all()
 
 
+@pytest.mark.parametrize("T", [5, 1500])
+def test_device_all_masked_and_single_token_rows(device, T):
+    rewards, values, mask, last = make_inputs(6, T, torch.float32, 25 + T, with_last=True)
+    adv, ret = gae(rewards.to(device), values.to(device), mask.to(device), gamma=0.9, lam=0.8, last_values=last.to(device))
+    adv_r, ret_r = ref_gae(rewards, values, mask, gamma=0.9, lam=0.8, last_values=last)
+    torch.testing.assert_close(adv.cpu().to(F64), adv_r, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ret.cpu().to(F64), ret_r, rtol=1e-5, atol=2e-5)
+    assert torch.all(adv[1] == 0) and torch.all(ret[1] == 0)
+
+
 def _bad_cases():
     rewards, values, mask, last = _ok()
     call = lambda r, v, m, **kw: gae(r, v, m, **kw)  # noqa: E731

@@ -635,6 +635,17 @@ def test_device_values_match_reference(device, dtype, shape, temperature):
     assert (lp.cpu()[invalid] == 0).all() and (ent.cpu()[invalid] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_device_all_masked_and_single_token_rows(device, dtype):
+    logits, labels, _ = make_inputs(6, 9, 2049, dtype, 23)
+    mask = random_mask(6, 9, gen(24))  # a full row, an all-masked row, a single token, a hole
+    lp, ent = gather_logprobs(logits.to(device), labels.to(device), mask.to(device), return_entropy=True)
+    lp_r, ent_r = ref_gather_logprobs(logits, labels, mask)
+    torch.testing.assert_close(lp.cpu().to(F64), lp_r, **device_tol(dtype))
+    torch.testing.assert_close(ent.cpu().to(F64), ent_r, **device_tol(dtype))
+    assert torch.all(lp[1] == 0) and torch.all(ent[1] == 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_device_non_contiguous_logits(device, dtype):
     logits, labels, mask = holes_inputs(3, 4, 1000, dtype, seed=5)

@@ -5,7 +5,7 @@
 // and sm_90, even where torch is a CPU build).
 //
 // Conventions shared by every launcher:
-//  * The glue has already checked shapes, dtypes and devices with the CPU kernels' messages,
+//  * The glue has already checked shapes, dtypes and devices (args/<op>.h, as on CPU),
 //    converted inputs as the CPU kernels do (`.to(acc).contiguous()` except for the logits),
 //    made the tensor's device current (CUDAGuard) and passed its current stream.
 //  * "acc" is float, or double for float64 inputs; every output but the logits gradient is
