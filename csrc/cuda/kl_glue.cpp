@@ -9,7 +9,6 @@
 
 #include <torch/library.h>
 
-
 namespace pyppo {
 namespace {
 
