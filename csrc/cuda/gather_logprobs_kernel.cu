@@ -36,12 +36,17 @@ constexpr int kUnroll = 4;  // 16-byte loads in flight per thread in the aligned
 
 // ---- element types: storage in memory, accumulation type, 16-byte unpack/pack ----
 
-struct F32 {
-  using storage = float;
-  using acc = float;
-  static constexpr int kVec = 4;
+// float and double accumulate in their own type: storage and accumulation are the same.
+template <typename T, int kVecT>
+struct NativeBase {
+  using storage = T;
+  using acc = T;
+  static constexpr int kVec = kVecT;
   static __device__ __forceinline__ acc to_acc(storage v) { return v; }
   static __device__ __forceinline__ storage from_acc(acc v) { return v; }
+};
+
+struct F32 : NativeBase<float, 4> {
   static __device__ __forceinline__ void unpack(const uint4& u, acc (&x)[kVec]) {
     x[0] = __uint_as_float(u.x);
     x[1] = __uint_as_float(u.y);
@@ -92,12 +97,7 @@ struct BF16 : Half16Base<BF16> {
   }
 };
 
-struct F64 {
-  using storage = double;
-  using acc = double;
-  static constexpr int kVec = 2;
-  static __device__ __forceinline__ acc to_acc(storage v) { return v; }
-  static __device__ __forceinline__ storage from_acc(acc v) { return v; }
+struct F64 : NativeBase<double, 2> {
   static __device__ __forceinline__ void unpack(const uint4& u, acc (&x)[kVec]) {
     x[0] = __hiloint2double(static_cast<int>(u.y), static_cast<int>(u.x));
     x[1] = __hiloint2double(static_cast<int>(u.w), static_cast<int>(u.z));
@@ -425,28 +425,28 @@ cudaError_t bwd_typed(const GatherBwdParams& p) {
   return cudaGetLastError();
 }
 
-}  // namespace
-
-cudaError_t launch_gather_logprobs_fwd(const GatherFwdParams& p) {
-  if (p.N <= 0) return cudaSuccess;
-  switch (p.dtype) {
-    case DType::Float32: return fwd_typed<F32>(p);
-    case DType::Float16: return fwd_typed<F16>(p);
-    case DType::BFloat16: return fwd_typed<BF16>(p);
-    case DType::Float64: return fwd_typed<F64>(p);
+// f(E{}) with E the element type of the logits' dtype.
+template <typename F>
+cudaError_t for_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::Float32: return f(F32{});
+    case DType::Float16: return f(F16{});
+    case DType::BFloat16: return f(BF16{});
+    case DType::Float64: return f(F64{});
   }
   return cudaErrorInvalidValue;
 }
 
+}  // namespace
+
+cudaError_t launch_gather_logprobs_fwd(const GatherFwdParams& p) {
+  if (p.N <= 0) return cudaSuccess;
+  return for_dtype(p.dtype, [&](auto e) { return fwd_typed<decltype(e)>(p); });
+}
+
 cudaError_t launch_gather_logprobs_bwd(const GatherBwdParams& p) {
   if (p.N <= 0) return cudaSuccess;
-  switch (p.dtype) {
-    case DType::Float32: return bwd_typed<F32>(p);
-    case DType::Float16: return bwd_typed<F16>(p);
-    case DType::BFloat16: return bwd_typed<BF16>(p);
-    case DType::Float64: return bwd_typed<F64>(p);
-  }
-  return cudaErrorInvalidValue;
+  return for_dtype(p.dtype, [&](auto e) { return bwd_typed<decltype(e)>(p); });
 }
 
 }  // namespace cuda
