@@ -1,5 +1,5 @@
 // masked_mean, masked_var and masked_whiten: argument checks and messages, and masked_mean's
-// reduced dim and output shape. See docs/ops.md#masked_mean.
+// reduced dim and output shape. See docs/ops.md#masked_whiten, which covers all three.
 #pragma once
 
 #include "args/common.h"

@@ -1,4 +1,4 @@
-"""Generalized Advantage Estimation over the valid positions of each row."""
+"""Generalized Advantage Estimation over the valid positions of each row (docs/ops.md#gae)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Log-probabilities (and entropy) of chosen tokens, gathered from logits in one pass."""
+"""Log-probabilities (and entropy) of chosen tokens, gathered from logits in one pass
+(docs/ops.md#gather_logprobs)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-token KL estimators and KL-shaped rewards."""
+"""Per-token KL estimators and KL-shaped rewards (docs/ops.md#kl_penalty, docs/ops.md#shape_rewards)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Log-probabilities straight from hidden states, never holding the [tokens, vocab] logits."""
+"""Log-probabilities straight from hidden states, never holding the [tokens, vocab] logits
+(docs/ops.md#linear_logprobs)."""
 
 from __future__ import annotations
 

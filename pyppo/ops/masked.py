@@ -1,4 +1,4 @@
-"""Statistics over the masked-in elements of a tensor."""
+"""Statistics over the masked-in elements of a tensor (docs/ops.md#masked_whiten covers all three)."""
 
 from __future__ import annotations
 
