@@ -73,6 +73,13 @@ class CLIError(Exception):
     """A user error: printed as one line, no traceback."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one ``pyppo: error: ...`` line (with where to look), not a usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
 # --------------------------------------------------------------------------------------------
 # pyppo info
 
@@ -322,7 +329,16 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     reward_path = Path(run["reward"]).expanduser()
     if reward_path.is_dir():
         run["reward"] = str(reward_path.resolve())
+    elif ".py:" in run["reward"]:  # file.py:function: the file, found from any directory later
+        file, _, function = run["reward"].rpartition(":")
+        if Path(file).expanduser().is_file():
+            run["reward"] = f"{Path(file).expanduser().resolve()}:{function}"
     ppo_config = make_config(merged)
+    if resume_dir is not None:
+        done = checkpoint.saved_step(checkpoint.find(resume_dir / "checkpoint"))
+        if done >= ppo_config.steps:
+            raise CLIError(f"--resume {args.resume!r}: its checkpoint is at step {done}, so steps = "
+                           f"{ppo_config.steps} leaves nothing to do; pass --steps N with N > {done}")
 
     if args.output is not None:
         output = Path(args.output).expanduser()
@@ -358,6 +374,7 @@ def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from pyppo import checkpoint
     from pyppo.builder import build_trainer
     from pyppo.plotting import plot_metrics
     from pyppo.skips import NonFiniteUpdateError
@@ -366,24 +383,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
     trainer = build_trainer(config, **run,
                             before_loading=lambda: print(f"pyppo: loading {run['model']} ...", file=sys.stderr))
+    created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     write_resolved_config(output / "config.toml", run, config)
     if resume_dir is not None:
         trainer.load_checkpoint(resume_dir / "checkpoint")
     try:
         trainer.train(output)
-    except KeyboardInterrupt:
-        if (output / "metrics.jsonl").is_file():
-            plot_metrics(output / "metrics.jsonl", output / "curves.png")
-        hint = (f"continue from the last checkpoint with: pyppo train --resume {output}"
-                if (output / "checkpoint").is_dir() else "no checkpoint was written yet (see save_every)")
-        print(f"\npyppo: interrupted; outputs so far are in {output}; {hint}", file=sys.stderr)
-        return 130
-    except NonFiniteUpdateError as exc:
-        if os.environ.get("PYPPO_DEBUG"):
-            raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+    except BaseException as exc:
+        if resume_dir is None and not any((output / n).exists() for n in ("metrics.jsonl", "checkpoint")):
+            # Stopped before its first step was logged: leave no directory that --output would
+            # refuse and --resume could not use.
+            (output / "config.toml").unlink(missing_ok=True)
+            if created and not any(output.iterdir()):
+                output.rmdir()
+        if isinstance(exc, KeyboardInterrupt):
+            if (output / "metrics.jsonl").is_file():
+                plot_metrics(output / "metrics.jsonl", output / "curves.png")
+            last = checkpoint.find(output / "checkpoint")
+            hint = (f"continue from its last checkpoint (step {checkpoint.saved_step(last)}) with: "
+                    f"pyppo train --resume {output}" if last else "no checkpoint was written yet (see save_every)")
+            print(f"\npyppo: interrupted; outputs so far are in {output}; {hint}", file=sys.stderr)
+            return 130
+        if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 1
+        raise
 
     if (output / "metrics.jsonl").is_file():
         plot_metrics(output / "metrics.jsonl", output / "curves.png")
@@ -452,17 +477,19 @@ def _raise(exc: Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="PPO for language models, with compiled ops.",
         epilog="Run `pyppo train` with no arguments for the embedded default (SmolLM2-135M, sentiment reward).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     p_train = sub.add_parser("train", help="train a policy with PPO",
                              description="Train a causal LM with PPO. Flags override --config, which overrides "
-                                         "--resume's config. Every setting is explained in docs/trainer.md.")
+                                         "--resume's config. Every setting is explained in docs/trainer.md. "
+                                         "--batch-size alone (no --mini-batch-size) trains on the whole batch "
+                                         "at once when the preset mini-batch size does not divide it.")
     _add_train_arguments(p_train)
     p_train.set_defaults(func=cmd_train)
 

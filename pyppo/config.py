@@ -58,8 +58,11 @@ def number(lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False
     def ok(v: Any) -> bool:
         return _is_num(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
 
-    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-    return Check("float", ok, f"a finite number in {interval}", "X")
+    if hi == math.inf:
+        where = f"{'>' if lo_open else '>='} {lo}"
+    else:
+        where = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    return Check("float", ok, f"a finite number {where}", "X")
 
 
 def boolean() -> Check:

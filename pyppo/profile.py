@@ -216,9 +216,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_source_flags(parser, required_defaults=True)
     prof = parser.add_argument_group("profiler")
-    prof.add_argument("--warmup-steps", type=int, default=1,
+    prof.add_argument("--warmup-steps", type=int, default=1, metavar="N",
                       help="unprofiled steps first, so one-time costs stay out (default 1)")
-    prof.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first")
+    prof.add_argument("--threads", type=int, default=None, metavar="N",
+                      help="torch.set_num_threads(N) first (default: torch's choice)")
     prof.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
     prof.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
     prof.add_argument("--output", metavar="DIR", default=".",

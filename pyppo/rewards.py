@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import math
 import numbers
 import os
@@ -227,6 +228,11 @@ class SequenceClassifierReward:
         path = Path(path).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"reward model {str(path)!r}: not a directory with a config.json")
+        # A causal LM loads as a classifier with a freshly initialised score head: random scores.
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+        if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ValueError(f"reward model {str(path)!r} is not a sequence-classification model "
+                             f"(architectures: {', '.join(architectures)}); its score head would be random")
         self.name = str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)

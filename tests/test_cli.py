@@ -118,11 +118,17 @@ def test_bad_toml_and_bad_types(tmp_path, capsys):
     assert "unknown table [ppo]" in _error_line(capsys)
 
 
-def test_bad_flag_type_is_an_argparse_error(capsys):
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--steps", "many"], "--steps: invalid int value: 'many'"),
+    (["train", "--max-grad-norm", "null"], "--max-grad-norm: invalid float value: 'null'"),
+    (["train", "--steps"], "--steps: expected one argument"),
+    (["train", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+])
+def test_bad_flag_is_one_line(argv, expected, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "--steps", "many"])
+        cli.main(argv)
     assert exc.value.code == 2
-    assert "--steps: invalid int value: 'many'" in capsys.readouterr().err
+    assert expected in _error_line(capsys)
 
 
 def test_missing_model_and_reward_fail_before_loading(tmp_path, capsys):
@@ -131,6 +137,13 @@ def test_missing_model_and_reward_fail_before_loading(tmp_path, capsys):
     assert "does not exist" in _error_line(capsys)
     assert cli.main(["train", "--reward", "nosuchmodule_xyz:fn", "--output", str(out)]) == 2
     assert "cannot import module 'nosuchmodule_xyz'" in _error_line(capsys)
+
+
+def test_reward_file_is_stored_absolute(tmp_path, monkeypatch):
+    (tmp_path / "myreward.py").write_text("def ok(prompts, responses):\n    return [0.0] * len(responses)\n")
+    monkeypatch.chdir(tmp_path)
+    run, _, _, _ = _resolve(["--reward", "myreward.py:ok", "--output", str(tmp_path / "o")])
+    assert run["reward"] == f"{tmp_path / 'myreward.py'}:ok"  # --resume works from any directory
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
@@ -188,6 +201,10 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
         assert cli.main(["train", "--resume", str(out), "--steps", "3", flag, value]) == 2
         assert flag in _error_line(capsys) and (out / "config.toml").read_text() == config_before
 
+    # A resume with nothing left to do says so (before anything is loaded or written).
+    assert cli.main(["train", "--resume", str(out), "--steps", "2"]) == 2
+    assert "checkpoint is at step 2" in _error_line(capsys) and (out / "config.toml").read_text() == config_before
+
     # Resume for one more step: same directory, metrics appended, config updated.
     assert cli.main(["train", "--resume", str(out), "--steps", "3", "--model", str(tiny_dir)]) == 0
     capsys.readouterr()
@@ -204,3 +221,24 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
     rows3 = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     untimed = lambda r: {k: v for k, v in r.items() if "time" not in k and "seconds" not in k}  # noqa: E731
     assert untimed(rows3[2]) == untimed(rows[2])
+
+
+def test_ctrl_c_points_at_the_last_checkpoint(tiny_dir, tmp_path, capsys, monkeypatch):
+    from pyppo.trainer import PPOTrainer
+
+    real_step = PPOTrainer.step
+
+    def step(self):
+        if self.step_count == 1:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(PPOTrainer, "step", step)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_dir), "--output", str(out), *TINY_FLAGS, "--save-every", "1"]
+    assert cli.main(argv) == 130
+    assert f"continue from its last checkpoint (step 1) with: pyppo train --resume {out}" in capsys.readouterr().err
+    # Interrupted before the first step: no checkpoint, and no run directory left behind.
+    monkeypatch.setattr(PPOTrainer, "step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert cli.main(["train", "--model", str(tiny_dir), "--output", str(tmp_path / "early"), *TINY_FLAGS]) == 130
+    assert "no checkpoint was written yet" in capsys.readouterr().err and not (tmp_path / "early").exists()

@@ -360,7 +360,7 @@ def test_cli_reward_returning_nan_is_one_line(tiny_dir, prompts_file, tmp_path, 
     errors = [line for line in err.splitlines() if line.startswith("pyppo: error: ")]
     assert len(errors) == 1 and errors[0].startswith("pyppo: error: reward ")
     assert "returned a non-finite score at index 0: nan (step 1; prompt 0:" in errors[0]
-    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+    assert not (tmp_path / "o").exists()  # nothing half-written: no run directory to trip over
 
 
 # ----------------------------------------------------------------------------- configuration first

@@ -136,3 +136,11 @@ def test_classifier_reward_ambiguous_classes(tmp_path):
     path = save_tiny_classifier(tmp_path / "rm3", num_labels=3, id2label={0: "a", 1: "b", 2: "c"})
     with pytest.raises(ValueError, match="none is named positive"):
         SequenceClassifierReward(path)
+
+
+def test_a_causal_lm_is_not_a_reward_model(tmp_path):
+    from tiny_models import save_tiny_causal_lm
+
+    path = save_tiny_causal_lm(tmp_path / "lm")
+    with pytest.raises(ValueError, match="not a sequence-classification model.*LlamaForCausalLM"):
+        load_reward(str(path))
