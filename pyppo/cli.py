@@ -198,13 +198,9 @@ def config_flag_values(args: argparse.Namespace) -> dict:
 
 def field_defaults(preset: dict) -> dict:
     """Every field's default, with ``preset`` over it."""
-    return {f.name: f.default for f in dataclasses.fields(_ppo_config_class())} | preset
-
-
-def _ppo_config_class():
     from pyppo.config import PPOConfig
 
-    return PPOConfig
+    return {f.name: f.default for f in dataclasses.fields(PPOConfig)} | preset
 
 
 def _read_toml(path: Path, what: str) -> dict:
@@ -254,15 +250,15 @@ def _check_keys(table: dict, where: str) -> dict:
 
 
 def make_config(settings: dict):
-    """``PPOConfig(**settings)``, a TOML integer accepted where a float is expected.
+    """``PPOConfig(**settings)`` (its checks take a TOML integer where a float is expected).
 
     Raises:
         CLIError: an invalid value (the config's message, naming the key).
     """
-    defaults = field_defaults({})
-    kwargs = {k: float(v) if isinstance(defaults.get(k), float) and type(v) is int else v for k, v in settings.items()}
+    from pyppo.config import PPOConfig
+
     try:
-        return _ppo_config_class()(**kwargs)
+        return PPOConfig(**settings)
     except (TypeError, ValueError) as exc:
         raise CLIError(f"invalid configuration: {exc}") from None
 

@@ -240,8 +240,9 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    settings = {**PROFILE_DEFAULTS, **config_flag_values(args), "steps": args.warmup_steps + 1}
-    if "batch_size" in settings and "mini_batch_size" not in config_flag_values(args):
+    flags = config_flag_values(args)
+    settings = {**PROFILE_DEFAULTS, **flags, "steps": args.warmup_steps + 1}
+    if "mini_batch_size" not in flags:  # one minibatch: the whole profiled batch
         settings["mini_batch_size"] = settings["batch_size"]
     config = make_config(settings)
     output = Path(args.output).expanduser()
