@@ -29,7 +29,8 @@ def check_sources(model: str, reward: str, prompts: Optional[str], device: str):
 
 
 def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, reward: str = "sentiment",
-                  prompts: Optional[str] = None, before_loading: Optional[Callable[[], None]] = None) -> PPOTrainer:
+                  prompts: Optional[str] = None, eval_prompts: Optional[str] = None,
+                  before_loading: Optional[Callable[[], None]] = None) -> PPOTrainer:
     """Load everything a run needs and build its trainer.
 
     Args:
@@ -38,13 +39,18 @@ def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, rewar
             also the reference (a frozen copy) and the value model's backbone (a trainable copy).
         reward: a :func:`pyppo.rewards.load_reward` spec.
         prompts: a ``.jsonl`` file of ``{"prompt": ...}`` lines; ``None`` = the built-in prompts.
+        eval_prompts: held-out prompts in the same format, for ``eval_every``; ``None`` = none.
         before_loading: called after the cheap checks, before the model loads (e.g. to say so).
 
     Raises:
         as :func:`check_sources` and :func:`pyppo.models.load_model_and_tokenizer`.
     """
     reward_fn, prompt_list = check_sources(model, reward, prompts, config.device)
+    eval_list = prompt_sets.load_prompts(eval_prompts) if eval_prompts else None
     if before_loading is not None:
         before_loading()
-    policy, tokenizer = models.load_model_and_tokenizer(model, device=resolve_device(config.device))
-    return PPOTrainer(config, policy, None, None, tokenizer, reward_fn, prompt_list)
+    # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).
+    policy, tokenizer = models.load_model_and_tokenizer(model)
+    trainer = PPOTrainer(config, policy, None, None, tokenizer, reward_fn, prompt_list, eval_prompts=eval_list)
+    trainer.base_model_source = model  # an exported adapter names it as its base
+    return trainer

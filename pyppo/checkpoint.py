@@ -29,7 +29,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_FILES", "save", "find", "load", "saved_step", "truncate_log", "capture_rng", "restore_rng"]
+__all__ = ["CHECKPOINT_FILES", "save", "find", "load", "saved_step", "truncate_log", "capture_rng", "restore_rng",
+           "training_state", "restore_training_state"]
 
 CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
 
@@ -202,3 +203,62 @@ def restore_rng(state: Dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     py = state["rng_python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# what a checkpoint holds of a model: its trained weights and its optimizer's state
+# ---------------------------------------------------------------------------------------------
+def _trained_names(module: torch.nn.Module) -> List[str]:
+    return [name for name, p in module.named_parameters() if p.requires_grad]
+
+
+def training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, prefix: str = "") -> tuple[dict, dict]:
+    """``(weights, optimizer state)`` of what trains in ``module`` (a plain, DDP- or
+    FSDP2-wrapped module): every parameter with ``requires_grad`` (all of a full fine-tune, only
+    the adapters and heads with LoRA; frozen weights are rebuilt from the initial model). Weight
+    names lose ``prefix`` (``"model."`` of a :class:`~pyppo.forward.LogprobHead`), so they are the
+    model's own. Under FSDP2 this is a collective and only rank 0 gets the full tensors."""
+    from . import distributed
+
+    inner = distributed.unwrap(module)
+    names = _trained_names(inner)
+    if distributed.is_sharded(inner):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(inner, options=options)
+        return ({n[len(prefix):]: full[n] for n in names if n in full},
+                get_optimizer_state_dict(inner, optimizer, options=options))
+    params = dict(inner.named_parameters())
+    return {n[len(prefix):]: params[n].detach() for n in names}, optimizer.state_dict()
+
+
+def restore_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict,
+                           optimizer_state: dict, *, prefix: str = "", what: str = "model") -> None:
+    """Undo :func:`training_state` (a checkpoint of the previous format, with every weight, loads
+    too). Both are checked before anything is changed.
+
+    Raises:
+        ValueError: ``weights`` lacks a trained weight or has one ``module`` does not know (a LoRA
+            checkpoint into a full fine-tune, or the reverse), naming a few of them.
+    """
+    from . import distributed
+
+    inner = distributed.unwrap(module)
+    known = {k[len(prefix):] for k in inner.state_dict() if k.startswith(prefix)}
+    missing = sorted(set(n[len(prefix):] for n in _trained_names(inner)) - set(weights))
+    unknown = sorted(set(weights) - known)
+    if missing or unknown:
+        detail = "; ".join(f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                           for label, names in (("lacks", missing), ("has unknown", unknown)) if names)
+        raise ValueError(f"the checkpoint's {what} weights do not match this run's trained weights: {detail} "
+                         "(was it written with other lora_rank / value_lora settings?)")
+    weights = {prefix + k: v for k, v in weights.items()}
+    if distributed.is_sharded(inner):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(inner, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_optimizer_state_dict(inner, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+        return
+    inner.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(optimizer_state)

@@ -38,7 +38,7 @@ __all__ = ["build_parser", "main", "resolve_train_config"]
 PROG = "pyppo"
 
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
-RUN_KEYS = ("model", "reward", "prompts")
+RUN_KEYS = ("model", "reward", "prompts", "eval_prompts")
 
 #: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
 #: default (SmolLM2-135M, sentiment reward) shows its mean score rising within about 10
@@ -65,7 +65,9 @@ _OUTPUT_FILES = {
     "metrics.jsonl": "per-step metrics",
     "samples.jsonl": "prompts, responses and scores",
     "curves.png": "score, KL and losses over steps",
-    "checkpoint": "policy, value model, optimizer, RNG and KL controller state (for --resume)",
+    "eval_samples.jsonl": "held-out prompts' responses, scores and KL (with --eval-prompts)",
+    "policy": "the trained policy as a Hugging Face model directory (from_pretrained, --model)",
+    "checkpoint": "trained weights, optimizer, RNG and KL controller state (for --resume)",
 }
 
 
@@ -277,7 +279,8 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     from pyppo import checkpoint
     from pyppo.models import DEFAULT_MODEL
 
-    merged: dict = {"model": DEFAULT_MODEL, "reward": "sentiment", "prompts": None, **TRAIN_DEFAULTS}
+    merged: dict = {"model": DEFAULT_MODEL, "reward": "sentiment", "prompts": None, "eval_prompts": None,
+                    **TRAIN_DEFAULTS}
     resume_dir, resumed = None, {}
     if args.resume is not None:
         resume_dir = Path(args.resume).expanduser()
@@ -314,11 +317,12 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         if run[key] is not None and not isinstance(run[key], str):
             raise CLIError(f"{key!r} must be a string, got {run[key]!r}")
     # Paths are stored absolute in the resolved config, so `--resume` works from any directory.
-    if run["prompts"]:
-        prompts = Path(run["prompts"]).expanduser()
-        if not prompts.is_file():
-            raise CLIError(f"--prompts {run['prompts']!r}: no such file")
-        run["prompts"] = str(prompts.resolve())
+    for key in ("prompts", "eval_prompts"):
+        if run[key]:
+            path = Path(run[key]).expanduser()
+            if not path.is_file():
+                raise CLIError(f"{_flag(key)} {run[key]!r}: no such file")
+            run[key] = str(path.resolve())
     model_path = Path(run["model"]).expanduser()
     if model_path.exists():
         run["model"] = str(model_path.resolve())
@@ -330,6 +334,8 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         if Path(file).expanduser().is_file():
             run["reward"] = f"{Path(file).expanduser().resolve()}:{function}"
     ppo_config = make_config(merged)
+    if ppo_config.eval_every and not run["eval_prompts"]:
+        raise CLIError(f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts)")
     if resume_dir is not None:
         done = checkpoint.saved_step(checkpoint.find(resume_dir / "checkpoint"))
         if done >= ppo_config.steps:
@@ -370,57 +376,87 @@ def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return _relaunch_with_torchrun(args.nproc)
     from pyppo import checkpoint
     from pyppo.builder import build_trainer
     from pyppo.plotting import plot_metrics
     from pyppo.skips import NonFiniteUpdateError
 
     run, config, output, resume_dir = resolve_train_config(args)
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
+    say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
-    trainer = build_trainer(config, **run,
-                            before_loading=lambda: print(f"pyppo: loading {run['model']} ...", file=sys.stderr))
+    trainer = build_trainer(config, **run, before_loading=lambda: say(f"pyppo: loading {run['model']} ..."))
     created = not output.exists()
-    output.mkdir(parents=True, exist_ok=True)
-    write_resolved_config(output / "config.toml", run, config)
+    if main_rank:
+        output.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(output / "config.toml", run, config)
     if resume_dir is not None:
         trainer.load_checkpoint(resume_dir / "checkpoint")
     try:
         trainer.train(output)
     except BaseException as exc:
-        if resume_dir is None and not any((output / n).exists() for n in ("metrics.jsonl", "checkpoint")):
+        if main_rank and resume_dir is None and not any((output / n).exists() for n in ("metrics.jsonl", "checkpoint")):
             # Stopped before its first step was logged: leave no directory that --output would
             # refuse and --resume could not use.
             (output / "config.toml").unlink(missing_ok=True)
-            if created and not any(output.iterdir()):
+            if created and output.is_dir() and not any(output.iterdir()):
                 output.rmdir()
         if isinstance(exc, KeyboardInterrupt):
-            if (output / "metrics.jsonl").is_file():
+            if main_rank and (output / "metrics.jsonl").is_file():
                 plot_metrics(output / "metrics.jsonl", output / "curves.png")
             last = checkpoint.find(output / "checkpoint")
             hint = (f"continue from its last checkpoint (step {checkpoint.saved_step(last)}) with: "
                     f"pyppo train --resume {output}" if last else "no checkpoint was written yet (see save_every)")
-            print(f"\npyppo: interrupted; outputs so far are in {output}; {hint}", file=sys.stderr)
+            say(f"\npyppo: interrupted; outputs so far are in {output}; {hint}")
             return 130
         if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            say(f"{PROG}: error: {exc}")
             return 1
         raise
 
+    if not main_rank:
+        return 0
     if (output / "metrics.jsonl").is_file():
         plot_metrics(output / "metrics.jsonl", output / "curves.png")
     print(f"pyppo: run written to {output}")
     for name, what in _OUTPUT_FILES.items():
         if (output / name).exists():
-            print(f"  {name:<14} {what}")
+            print(f"  {name:<18} {what}")
     return 0
+
+
+def _relaunch_with_torchrun(nproc: int) -> int:
+    """``pyppo train --nproc N ...`` is ``torchrun --nproc-per-node N -m pyppo train ...``: the same
+    words without ``--nproc``, run by torchrun (which stays in charge of the processes)."""
+    import subprocess
+
+    if nproc < 1:
+        raise CLIError(f"--nproc must be >= 1, got {nproc}")
+    if "RANK" in os.environ:
+        raise CLIError("--nproc inside torchrun: launch either with torchrun or with --nproc, not both")
+    words, skip = [], False
+    for word in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif word == "--nproc":
+            skip = True
+        elif not word.startswith("--nproc="):
+            words.append(word)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pyppo", *words]
+    print(f"pyppo: running {' '.join(command[2:])}", file=sys.stderr)
+    return subprocess.call(command)
 
 
 # --------------------------------------------------------------------------------------------
 # Parser and entry point
 
 
-def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = False) -> None:
-    """``--model``, ``--reward`` and ``--prompts`` (what to train), shared with ``pyppo profile``."""
+def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = False,
+                     eval_prompts: bool = True) -> None:
+    """``--model``, ``--reward``, ``--prompts`` (what to train; shared with ``pyppo profile``) and,
+    with ``eval_prompts``, ``--eval-prompts``."""
     from pyppo.models import DEFAULT_MODEL
 
     src = p.add_argument_group("what to train")
@@ -431,6 +467,9 @@ def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = Fa
                           "'file.py:function', or a local HF sequence-classification model dir")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help='prompts, one {"prompt": ...} per line (default: the built-in set)')
+    if eval_prompts:
+        src.add_argument("--eval-prompts", metavar="FILE.jsonl",
+                         help="held-out prompts (same format), evaluated every --eval-every steps and after the last")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -439,6 +478,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--config", metavar="FILE.toml", help="settings file (flat keys, as the flags; flags override it)")
     io.add_argument("--output", metavar="DIR", help="run directory (default: runs/<timestamp>, or the --resume dir)")
     io.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint/ and config.toml")
+    io.add_argument("--nproc", metavar="N", type=int,
+                    help="run N processes: shorthand for torchrun --nproc-per-node N -m pyppo train ...")
     add_config_flags(p, field_defaults(TRAIN_DEFAULTS))
 
 

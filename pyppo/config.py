@@ -19,6 +19,9 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 from .ops.kl import KL_ESTIMATORS
 from .ops.losses import LOSS_AGG_MODES
 
+#: ``PPOConfig.dtype`` values.
+DTYPES = ("float32", "bfloat16")
+
 __all__ = ["PPOConfig", "Check", "Knob", "knob", "config_knobs", "config_markdown", "resolve_device"]
 
 
@@ -89,6 +92,18 @@ def _is_device(v: Any) -> bool:
 
 def device_name() -> Check:
     return Check("str", _is_device, "'auto', 'cpu', 'cuda' or 'cuda:N'", "DEVICE")
+
+
+def _is_module_list(v: Any) -> bool:
+    if not isinstance(v, str) or not v.strip():
+        return False
+    return v == "all-linear" or all(name.strip().replace("_", "").replace(".", "").isalnum()
+                                    for name in v.split(","))
+
+
+def module_names() -> Check:
+    return Check("str", _is_module_list, "'all-linear' or comma-separated module names (e.g. 'q_proj,v_proj')",
+                 "NAMES")
 
 
 @dataclass(frozen=True)
@@ -173,8 +188,35 @@ class PPOConfig:
     disable_dropout: bool = knob(
         True, "set every dropout of the policy and the value model to 0, so training forwards "
         "match the rollout's", boolean(), group="optimisation")
+
+    # -- devices, precision and memory
     device: str = knob("auto", "where the models run: auto = CUDA when available, else CPU", device_name(),
-                       group="optimisation")
+                       group="devices and precision")
+    dtype: str = knob(
+        "float32", "compute dtype of the model forwards: bfloat16 runs them under autocast, with float32 "
+        "master weights and optimizer state (docs/trainer.md)", one_of(DTYPES), group="devices and precision")
+    gradient_checkpointing: bool = knob(
+        False, "recompute the policy's and the value model's activations in the backward instead of "
+        "keeping them", boolean(), group="devices and precision")
+    fsdp: bool = knob(
+        False, "with several processes, shard the policy and the value model with FSDP2 instead of "
+        "replicating them with DDP", boolean(), group="devices and precision")
+
+    # -- LoRA
+    lora_rank: int = knob(
+        0, "train LoRA adapters of this rank instead of every weight (0 = full fine-tuning); the "
+        "reference is then the policy with its adapters disabled", integer(0), group="LoRA")
+    lora_alpha: float = knob(32.0, "LoRA scaling numerator: the adapter's update is scaled by "
+                             "lora_alpha / lora_rank", number(0.0, lo_open=True), group="LoRA")
+    lora_target_modules: str = knob(
+        "all-linear", "modules that get adapters: 'all-linear' = every linear layer of the blocks "
+        "(not the LM head)", module_names(), group="LoRA")
+    value_lora: bool = knob(
+        False, "with lora_rank > 0: the value model trains LoRA adapters (same rank, alpha, targets) on "
+        "its backbone copy, plus its head, instead of every weight", boolean(), group="LoRA")
+    merge_lora: bool = knob(
+        True, "with lora_rank > 0: policy/ holds the merged model; false = the adapter only",
+        boolean(), group="LoRA")
 
     # -- KL penalty
     kl_coef: float = knob(0.05, "KL penalty coefficient beta (initial value with target_kl)", number(0.0),
@@ -221,10 +263,14 @@ class PPOConfig:
     # -- bookkeeping
     seed: int = knob(0, "seeds python, numpy, torch, the prompt order and the minibatch shuffles",
                      integer(0, 2**63), group="bookkeeping")
-    save_every: int = knob(0, "write checkpoint/ every this many steps (0 = only at the end)", integer(0),
+    save_every: int = knob(0, "write checkpoint/ and policy/ every this many steps (0 = only at the end)", integer(0),
                            group="bookkeeping")
     log_samples: bool = knob(True, "write samples.jsonl (prompt, response, raw score per sample)", boolean(),
                              group="bookkeeping")
+    eval_every: int = knob(
+        0, "evaluate on the eval prompts (pyppo train --eval-prompts) every this many steps; with "
+        "eval prompts they are also evaluated after the last step",
+        integer(0), group="bookkeeping")
     max_consecutive_skips: int = knob(
         3, "stop after this many updates in a row with a NaN/inf loss or gradient (each is skipped)",
         integer(1), group="bookkeeping")
@@ -237,6 +283,8 @@ class PPOConfig:
         if self.micro_batch_size is not None and self.mini_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"micro_batch_size ({self.micro_batch_size}) must divide mini_batch_size ({self.mini_batch_size})")
+        if self.value_lora and self.lora_rank == 0:
+            raise ValueError("value_lora needs lora_rank > 0 (the value model's adapters use the policy's rank)")
         if self.target_kl is not None and self.kl_coef == 0:
             raise ValueError("kl_coef must be > 0 when target_kl is set (the adaptive update is multiplicative)")
 
@@ -274,6 +322,31 @@ class PPOConfig:
     @property
     def effective_loss_agg_norm(self) -> float:
         return self.loss_agg_norm if self.loss_agg_norm is not None else float(self.max_new_tokens)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def check_world_size(self, world_size: int) -> None:
+        """The rules of a run over ``world_size`` processes: ``batch_size`` and ``mini_batch_size``
+        count sequences over all of them, ``micro_batch_size`` is per process.
+
+        Raises:
+            ValueError: a size that does not divide, naming it.
+        """
+        n = world_size
+        if n == 1:
+            return
+        for key in ("batch_size", "mini_batch_size"):
+            if getattr(self, key) % n:
+                raise ValueError(f"{key} ({getattr(self, key)}) must be divisible by the number of processes ({n}); "
+                                 f"each process takes {key} / {n} sequences")
+        local_mini = self.mini_batch_size // n
+        if self.micro_batch_size is not None and local_mini % self.micro_batch_size:
+            raise ValueError(f"micro_batch_size ({self.micro_batch_size}, per process) must divide each process's "
+                             f"share of mini_batch_size ({self.mini_batch_size} / {n} = {local_mini})")
 
 
 def config_knobs() -> Iterator[tuple[str, Knob]]:

@@ -22,7 +22,7 @@ from torch import nn
 from .buffer import RolloutBuffer
 from .ops import gather_logprobs, linear_logprobs
 
-__all__ = ["LogprobHead", "response_values"]
+__all__ = ["LogprobHead", "AdaptersDisabled", "response_values", "autocast"]
 
 # The head path is kept when it reproduces model(...).logits to float32 rounding (relative to the
 # logits' scale); a transform after the head (scale, soft-cap) is far outside this.
@@ -46,17 +46,30 @@ def _linear_head_candidate(model: nn.Module) -> Optional[Tuple[nn.Module, nn.Lin
     return backbone, head
 
 
+def autocast(device: torch.device, dtype: torch.dtype):
+    """The precision context of every model forward: ``torch.autocast`` to ``dtype`` (bfloat16),
+    or nothing for float32. Parameters stay float32 either way (the master weights)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
 @torch.no_grad()
-def _head_matches_logits(model: nn.Module, backbone: nn.Module, head: nn.Linear) -> bool:
+def _head_matches_logits(model: nn.Module, backbone: nn.Module, head: nn.Linear, dtype: torch.dtype) -> bool:
     device = head.weight.device
     V = head.weight.shape[0]
     ids = (torch.arange(8, device=device) * 7919 % V).unsqueeze(0)
     was_training = model.training
     model.eval()
     try:
-        hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
-        via_head = head(hidden).float()
-        logits = model(input_ids=ids, use_cache=False).logits.float()
+        with autocast(device, dtype):  # the same precision as the rollout and training passes
+            hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state
+            via_head = head(hidden).float()
+            logits = model(input_ids=ids, use_cache=False).logits.float()
     finally:
         model.train(was_training)
     if via_head.shape != logits.shape:
@@ -65,30 +78,55 @@ def _head_matches_logits(model: nn.Module, backbone: nn.Module, head: nn.Linear)
     return bool((via_head - logits).abs().max() <= _HEAD_RTOL * scale)
 
 
-class LogprobHead:
+class LogprobHead(nn.Module):
     """Response log-probs of one causal LM, from hidden states when that is exact.
 
+    A module, so that DDP or FSDP2 can wrap it: the whole computation, the op included, is then
+    one ``forward`` of the wrapped module.
+
     Args:
-        model: a ``transformers`` causal LM.
+        model: a ``transformers`` causal LM, or a ``peft`` model wrapping one.
         temperature: ``τ``; log-probs are of ``softmax(logits / τ)``, the sampling distribution.
         from_hidden: try the hidden-state path (``PPOConfig.logprobs_from_hidden``); it is used
             only when one probe forward shows ``head(backbone(x)) == model(x).logits``.
+        dtype: the compute dtype the probe runs under (``torch.float32`` or ``torch.bfloat16``).
 
     Attributes:
         uses_hidden: whether the hidden-state path was chosen.
     """
 
-    def __init__(self, model: nn.Module, *, temperature: float, from_hidden: bool = True):
+    def __init__(self, model: nn.Module, *, temperature: float, from_hidden: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
         self.model = model
         self.temperature = temperature
-        self._head = _linear_head_candidate(model) if from_hidden else None
-        if self._head is not None and not _head_matches_logits(model, *self._head):
-            self._head = None
-        self.uses_hidden = self._head is not None
+        head = _linear_head_candidate(model) if from_hidden else None
+        if head is not None and not _head_matches_logits(model, *head, dtype):
+            head = None
+        self.uses_hidden = head is not None
+        self._head = head  # a tuple: not registered again as submodules (the model owns them)
 
-    def __call__(self, mb: RolloutBuffer, *, return_entropy: bool = False
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(logprobs [b, T], entropy [b, T] or None)`` float32, 0 at masked positions."""
+    def forward(self, mb: Optional[RolloutBuffer], return_entropy: bool = False, reference: bool = False, *,
+                sample: Optional[tuple] = None):
+        """``(logprobs [b, T], entropy [b, T] or None)`` float32, 0 at masked positions.
+
+        ``reference=True`` runs a ``peft`` model with its adapters disabled: the frozen base, which
+        is the reference policy of a LoRA run. ``sample=(query_ids, query_mask, generation_config,
+        kwargs)`` instead returns :func:`pyppo.rollout.generate`'s sequences: sampling also goes
+        through this ``forward``, so that FSDP2 gathers the weights it owns (embeddings, head)
+        for it as it does for the training passes.
+        """
+        if sample is not None:
+            from .rollout import generate
+
+            query_ids, query_mask, gen_config, kwargs = sample
+            return generate(self.model, query_ids, query_mask, gen_config, **kwargs)
+        if reference:
+            with self.model.disable_adapter():
+                return self._logprobs(mb, return_entropy)
+        return self._logprobs(mb, return_entropy)
+
+    def _logprobs(self, mb: RolloutBuffer, return_entropy: bool):
         T = mb.response_length
         inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                       use_cache=False)
@@ -96,12 +134,32 @@ class LogprobHead:
         if self._head is not None:
             backbone, head = self._head
             hidden = backbone(**inputs).last_hidden_state[:, -(T + 1):-1]
-            out = linear_logprobs(hidden, head.weight, mb.response_ids, mb.response_mask, bias=head.bias, **kwargs)
+            weight, bias = head.weight, head.bias
+            low = _autocast_dtype(hidden.device)
+            if low is not None:
+                # The head's GEMM in the autocast dtype, as the sampler's lm_head call; the op
+                # accumulates in float32 and keeps the logits unrounded.
+                hidden, weight = hidden.to(low), weight.to(low)
+                bias = None if bias is None else bias.to(low)
+            out = linear_logprobs(hidden, weight, mb.response_ids, mb.response_mask, bias=bias, **kwargs)
         else:
             # Slicing from the end works whether or not the model honours logits_to_keep.
             logits = self.model(**inputs, logits_to_keep=T + 1).logits[:, -(T + 1):-1]
             out = gather_logprobs(logits, mb.response_ids, mb.response_mask, **kwargs)
         return out if return_entropy else (out, None)
+
+
+class AdaptersDisabled:
+    """The reference policy of a LoRA run: the (possibly DDP- or FSDP-wrapped) ``module``, a
+    :class:`LogprobHead` over a ``peft`` model, called with its adapters disabled. No second copy
+    of the model exists."""
+
+    def __init__(self, module: nn.Module, head: LogprobHead):
+        self.module = module
+        self.uses_hidden, self.temperature = head.uses_hidden, head.temperature
+
+    def __call__(self, mb: RolloutBuffer, return_entropy: bool = False):
+        return self.module(mb, return_entropy, True)
 
 
 def response_values(value_model: nn.Module, mb: RolloutBuffer) -> torch.Tensor:

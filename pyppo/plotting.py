@@ -12,8 +12,8 @@ __all__ = ["PANELS", "plot_metrics", "read_metrics"]
 
 #: One panel per entry: (title, metric keys drawn on it).
 PANELS: list[tuple[str, tuple[str, ...]]] = [
-    ("score", ("score_mean", "reward_mean")),
-    ("KL to reference", ("kl_mean",)),
+    ("score", ("score_mean", "reward_mean", "eval/score_mean")),
+    ("KL to reference", ("kl_mean", "eval/kl_mean")),
     ("policy loss", ("policy_loss",)),
     ("value loss", ("value_loss",)),
 ]
@@ -41,7 +41,8 @@ def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 
 def plot_metrics(metrics_path: str | os.PathLike, out_path: str | os.PathLike) -> Path:
-    """Draw score, KL, policy loss and value loss over steps into ``out_path`` (PNG).
+    """Draw score, KL, policy loss and value loss over steps into ``out_path`` (PNG); the
+    held-out evaluation (``eval/*``, logged every ``eval_every`` steps) beside the training score and KL.
 
     A key the trainer did not log leaves its panel empty with a note rather than failing, so the
     plot still comes out for a run with a different metric set.

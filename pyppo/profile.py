@@ -214,7 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``PPOConfig`` field (as ``pyppo train``), and the profiler's own options."""
     from pyppo.cli import add_config_flags, add_source_flags, field_defaults
 
-    add_source_flags(parser, required_defaults=True)
+    add_source_flags(parser, required_defaults=True, eval_prompts=False)
     prof = parser.add_argument_group("profiler")
     prof.add_argument("--warmup-steps", type=int, default=1, metavar="N",
                       help="unprofiled steps first, so one-time costs stay out (default 1)")

@@ -14,10 +14,17 @@
 The first PPO ratio is exactly 1: the first epoch's row order is drawn before step 4, and step 4
 runs on exactly the micro-batches (same rows, order and padding) that the first epoch trains on,
 so the first training forward repeats a computation bit for bit, batch-invariant model or not.
+That holds in bfloat16 too (every forward runs under the same autocast) and with LoRA (the
+reference is the policy with its adapters disabled, and the adapters start at 0).
+
+Under ``torchrun`` each of the N processes samples ``batch_size / N`` prompts of one global order
+and trains on its share of each minibatch; :mod:`pyppo.distributed` makes the whitening, the loss
+normaliser, the KL controller's input and the metrics global, and DDP or FSDP2 the gradients.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -31,16 +38,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .buffer import RolloutBuffer
-from .config import PPOConfig, resolve_device
-from .forward import LogprobHead, response_values
+from .config import PPOConfig
+from .forward import AdaptersDisabled, LogprobHead, autocast, response_values
 from .kl_control import AdaptiveKLController, FixedKLController
-from .ops import gae, masked_mean, masked_whiten, shape_rewards
-from .ops.losses import LOG_RATIO_CLAMP, aggregate_loss, explained_variance, loss_normalizer, ppo_policy_loss, ppo_value_loss
+from .lora import add_lora
+from .ops import gae, kl_penalty, masked_mean, shape_rewards
+from .ops.losses import LOG_RATIO_CLAMP, aggregate_loss, loss_normalizer, ppo_policy_loss, ppo_value_loss
 from .prompts import PromptSampler
 from .rewards import score_responses
-from .rollout import encode_prompts, generate, generation_config, response_mask_from_eos
+from .rollout import encode_prompts, generation_config, response_mask_from_eos
 from .skips import NonFiniteUpdateError, SkipPolicy
 from .stats import PHASES, PhaseTimer, RunningStats
 
@@ -68,6 +76,21 @@ class StepResult:
         return iter((self.metrics, self.batch))
 
 
+def enable_gradient_checkpointing(model: nn.Module, what: str) -> None:
+    """Recompute ``model``'s block activations in the backward (transformers' own checkpointing,
+    non-reentrant, so frozen inputs and LoRA need nothing more).
+
+    Raises:
+        ValueError: ``model`` is not a ``transformers`` model that supports it.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: the {what} ({type(model).__name__}) does not support it")
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def disable_dropout(model: nn.Module) -> None:
     """Set every dropout probability in ``model`` to 0 (modules and HF attention attributes)."""
     for module in model.modules():
@@ -93,13 +116,21 @@ class PPOTrainer:
             ``"left"``; a missing pad token is taken to be EOS.
         reward_fn: ``(prompts, responses) -> scores``, one finite float per pair.
         prompts: the prompt strings to sample from.
+        eval_prompts: held-out prompts for :meth:`evaluate_prompts`; :meth:`train` evaluates them
+            every ``eval_every`` steps and after the last.
+
+    With ``lora_rank > 0`` the policy is wrapped in ``peft`` LoRA adapters here (``policy`` then
+    holds the ``PeftModel``) and ``ref_policy`` must be ``None``. Under ``torchrun`` every rank
+    builds the trainer with the same arguments.
 
     Raises:
-        ValueError: a bad argument (naming it), or ``config.device`` names a missing device.
+        ValueError: a bad argument (naming it), ``config.device`` names a missing device, or a
+            batch size does not divide by the number of processes.
     """
 
     def __init__(self, config: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module],
-                 value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[str]):
+                 value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[str],
+                 *, eval_prompts: Optional[Sequence[str]] = None):
         from .models import ValueModel, make_reference
 
         if not isinstance(config, PPOConfig):
@@ -108,22 +139,64 @@ class PPOTrainer:
             raise ValueError("reward_fn must be callable (prompts, responses) -> scores")
         if getattr(tokenizer, "eos_token_id", None) is None:
             raise ValueError("tokenizer must have an eos_token_id")
+        if config.lora_rank and ref_policy is not None:
+            raise ValueError("ref_policy must be None with lora_rank > 0: the reference is the policy with its "
+                             "adapters disabled")
+        if config.eval_every and not eval_prompts:
+            raise ValueError(f"eval_every = {config.eval_every} needs eval_prompts (a non-empty list of prompts)")
+        if eval_prompts is not None and not all(isinstance(p, str) for p in eval_prompts):
+            raise ValueError("eval_prompts must be a list of strings")
         self.config = c = config
-        self.device = resolve_device(c.device)
+        self.world = distributed.join(c.device)
+        c.check_world_size(self.world.size)
+        self.device, self.dtype = self.world.device, c.torch_dtype
+        # Every rank seeds alike, so the models are built identically everywhere; sampling is
+        # reseeded per rank below.
         random.seed(c.seed)
         np.random.seed(c.seed % 2**32)
         torch.manual_seed(c.seed)
 
-        self.policy = policy.to(self.device)
-        self.ref_policy = (ref_policy if ref_policy is not None else make_reference(policy)).to(self.device)
-        self.ref_policy.requires_grad_(False).eval()
-        self.value_model = (value_model if value_model is not None else ValueModel.from_causal_lm(policy))
+        policy = policy.to(self.device)
+        if c.lora_rank:
+            self.ref_policy = None
+        else:
+            self.ref_policy = (ref_policy if ref_policy is not None else make_reference(policy)).to(self.device)
+            self.ref_policy.requires_grad_(False).eval()
+        # The value backbone is copied before any adapter is added to the policy.
+        self.value_model = value_model if value_model is not None else ValueModel.from_causal_lm(policy)
         self.value_model.to(self.device)
+        if c.lora_rank:
+            policy = add_lora(policy, rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_target_modules)
+        if c.value_lora:
+            if not isinstance(getattr(self.value_model, "backbone", None), nn.Module):
+                raise ValueError("value_lora needs a value model with a .backbone module (a pyppo ValueModel)")
+            self.value_model.backbone = add_lora(self.value_model.backbone, rank=c.lora_rank, alpha=c.lora_alpha,
+                                                 targets=c.lora_target_modules)
+        self.policy = policy
         if c.disable_dropout:
             disable_dropout(self.policy)
             disable_dropout(self.value_model)
-        self.policy_logprobs = LogprobHead(self.policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden)
-        self.ref_logprobs = LogprobHead(self.ref_policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden)
+        if c.gradient_checkpointing:
+            enable_gradient_checkpointing(self.policy, "policy")
+            enable_gradient_checkpointing(getattr(self.value_model, "backbone", self.value_model), "value model")
+
+        head = LogprobHead(self.policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden,
+                           dtype=self.dtype)
+        # FSDP2 shards the policy in place; rank 0 keeps its structure (no weights) to export into.
+        self._export_replica = None
+        if c.fsdp and self.world.active and self.world.is_main:
+            self._export_replica = copy.deepcopy(self.policy).to("meta")
+        self.policy_module = distributed.wrap(head, self.world, fsdp=c.fsdp)
+        self.value_module = distributed.wrap(self.value_model, self.world, fsdp=c.fsdp)
+        self.policy_logprobs = head
+        if c.lora_rank:
+            self.ref_logprobs = AdaptersDisabled(self.policy_module, head)
+        else:
+            self.ref_logprobs = LogprobHead(self.ref_policy, temperature=c.temperature,
+                                            from_hidden=c.logprobs_from_hidden, dtype=self.dtype)
+        n = self.world.size
+        self.local_batch_size, self.local_mini_batch_size = c.batch_size // n, c.mini_batch_size // n
+        self.micro_batch_size = c.micro_batch_size or self.local_mini_batch_size
 
         tokenizer.padding_side = "left"
         if tokenizer.pad_token_id is None:
@@ -134,6 +207,7 @@ class PPOTrainer:
         self.generation_config = generation_config(c, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
         self.reward_fn = reward_fn
         self.sampler = PromptSampler(prompts, c.seed)
+        self.eval_prompts = list(eval_prompts or [])
 
         adamw = dict(eps=c.adam_eps, weight_decay=c.weight_decay)
         self.policy_optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad],
@@ -146,6 +220,8 @@ class PPOTrainer:
         self.shuffle_generator = torch.Generator().manual_seed(c.seed + 1)
         self.skips = SkipPolicy(c.max_consecutive_skips)
         self.step_count = 0
+        if self.world.active:
+            torch.manual_seed(c.seed + 1_000_003 * self.world.rank)  # each rank samples its own responses
 
     # ------------------------------------------------------------------------------ one step
     def step(self) -> StepResult:
@@ -163,7 +239,7 @@ class PPOTrainer:
         """
         c, timer = self.config, PhaseTimer()
         with timer.phase("generate"):
-            batch = self.rollout(self.sampler.sample(c.batch_size))                      # 1, 2
+            batch = self.rollout(self.local_share(self.sampler.sample(c.batch_size)))    # 1, 2
         with timer.phase("score"):
             batch.raw_scores, batch.scores = self.score(batch)                           # 3
         first_perm = batch.epoch_permutation(self.shuffle_generator)
@@ -173,12 +249,18 @@ class PPOTrainer:
             self.advantages(batch, kl_coef)                                               # 5
         with timer.phase("update"):
             update_metrics = self.update(batch, first_perm)                              # 6
-        kl_mean = float((batch.kl * batch.response_mask).sum(dim=1).mean())
+        kl_sum = float((batch.kl * batch.response_mask).sum())
+        kl_mean = distributed.all_sum([kl_sum], self.world)[0] / c.batch_size
         self.update_kl_coef(kl_mean)                                                     # 7
         self.step_count += 1
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
                    **rollout_metrics(batch), **update_metrics, **timer.metrics()}
-        return StepResult(metrics, batch)
+        return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
+
+    def local_share(self, prompts: List[str]) -> List[str]:
+        """This rank's contiguous share of the global batch's prompts (all of them with one process)."""
+        b, r = self.local_batch_size, self.world.rank
+        return prompts[r * b:(r + 1) * b]
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
         """Sample one response per prompt and cut it after its first EOS (points 1 and 2)."""
@@ -186,7 +268,12 @@ class PPOTrainer:
         query_ids, query_mask = encode_prompts(self.tokenizer, prompts, use_chat_template=c.use_chat_template,
                                                max_prompt_length=c.max_prompt_length, device=self.device)
         self.policy.eval()
-        response_ids = generate(self.policy, query_ids, query_mask, self.generation_config)[:, query_ids.shape[1]:]
+        # FSDP2: every decode step all-gathers, so synced_gpus keeps each rank stepping until all
+        # are done.
+        extra = {"synced_gpus": True} if distributed.is_sharded(self.policy_module) else {}
+        with autocast(self.device, self.dtype):
+            sequences = self.policy_module(None, sample=(query_ids, query_mask, self.generation_config, extra))
+        response_ids = sequences[:, query_ids.shape[1]:]
         response_mask, lengths, has_eos = response_mask_from_eos(response_ids, self.eos_token_id)
         response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_token_id))
         responses = self.tokenizer.batch_decode(
@@ -215,25 +302,27 @@ class PPOTrainer:
                                                 batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
         batch.advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask,
                                               gamma=c.gamma, lam=c.lam)
-        if c.whiten_advantages and int(batch.response_mask.sum()) >= 2:
-            batch.advantages = masked_whiten(batch.advantages, batch.response_mask)
+        valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
+        if c.whiten_advantages and valid >= 2:
+            batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
 
     @torch.no_grad()
     def evaluate(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer) -> None:
         """Fill ``old_logprobs``, ``entropy``, ``ref_logprobs`` and ``values`` (point 4), on the
         micro-batches of the first epoch's layout."""
-        B, T, micro = len(batch), batch.response_length, self.config.effective_micro_batch_size
+        B, T = len(batch), batch.response_length
         for name in ("old_logprobs", "entropy", "ref_logprobs", "values"):
             setattr(batch, name, torch.zeros(B, T, device=self.device))
         self.value_model.eval()
-        for idx in first_perm.split(micro):
+        for idx in first_perm.split(self.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(self.device)
-            with timer.phase("policy_forward"):
-                batch.old_logprobs[ix], batch.entropy[ix] = self.policy_logprobs(mb, return_entropy=True)
-            with timer.phase("ref_forward"):
-                batch.ref_logprobs[ix] = self.ref_logprobs(mb)[0]
-            with timer.phase("value_forward"):
-                batch.values[ix] = response_values(self.value_model, mb)
+            with autocast(self.device, self.dtype):
+                with timer.phase("policy_forward"):
+                    batch.old_logprobs[ix], batch.entropy[ix] = self.policy_module(mb, return_entropy=True)
+                with timer.phase("ref_forward"):
+                    batch.ref_logprobs[ix] = self.ref_logprobs(mb)[0]
+                with timer.phase("value_forward"):
+                    batch.values[ix] = response_values(self.value_module, mb)
 
     def update_kl_coef(self, kl_mean: float) -> None:
         """Feed this step's KL (nats per sequence) to the controller (point 7)."""
@@ -259,7 +348,7 @@ class PPOTrainer:
         self.value_model.train()
         for epoch in range(c.ppo_epochs):
             perm = first_perm if epoch == 0 else batch.epoch_permutation(self.shuffle_generator)
-            for index, mb in enumerate(batch.minibatches(c.mini_batch_size, permutation=perm)):
+            for index, mb in enumerate(batch.minibatches(self.local_mini_batch_size, permutation=perm)):
                 where = f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"
                 seen_mb = self.minibatch_step(mb, stats, where)
                 first = first or ratio_stats(seen_mb)
@@ -268,7 +357,7 @@ class PPOTrainer:
         self.value_model.eval()
         out = {k: math.nan for k in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "ratio_max")}
         values, returns, mask = (torch.cat(t) for t in zip(*[s[2:] for s in seen]))
-        out.update(stats.means(), explained_variance=float(explained_variance(values, returns, mask)),
+        out.update(stats.means(), explained_variance=distributed.explained_variance(values, returns, mask, self.world),
                    skipped_updates=self.skips.total - skipped_before)
         return {**out, **{f"first_{k}": v for k, v in first.items()}}
 
@@ -279,10 +368,18 @@ class PPOTrainer:
         self.policy_optimizer.zero_grad(set_to_none=True)
         self.value_optimizer.zero_grad(set_to_none=True)
         token_stats, losses = RunningStats(), RunningStats()
-        normalizer = loss_normalizer(mb.response_mask, self.config.loss_agg)
-        seen = [self.micro_step(mu, normalizer, token_stats, losses)
-                for mu in mb.micro_batches(self.config.effective_micro_batch_size)]
-        totals = {k: losses.total(k) for k in losses.means()}  # the micro losses sum to the minibatch's
+        # The whole minibatch's count over all ranks, divided by N because DDP and FSDP average
+        # the ranks' gradients: each rank's loss is then its share of the global minibatch's sum.
+        count = distributed.all_sum([loss_normalizer(mb.response_mask, self.config.loss_agg)], self.world)[0]
+        normalizer = count / self.world.size
+        micros = list(mb.micro_batches(self.micro_batch_size))
+        seen = []
+        for i, mu in enumerate(micros):
+            sync = i == len(micros) - 1  # gradients are reduced once, after the last micro-batch
+            with distributed.gradient_sync(self.policy_module, sync), distributed.gradient_sync(self.value_module, sync):
+                seen.append(self.micro_step(mu, normalizer, token_stats, losses))
+        # The micro losses sum to this rank's share; the ranks' shares average to the minibatch's.
+        totals = distributed.reduce_metrics({k: losses.total(k) for k in losses.means()}, self.world)
         totals.update(policy_grad_norm=self.clip_grad_norm(self.policy),
                       value_grad_norm=self.clip_grad_norm(self.value_model))
         if self.skips.allows(totals, where):
@@ -295,15 +392,16 @@ class PPOTrainer:
             self.value_optimizer.zero_grad(set_to_none=True)
         return seen
 
-    def micro_step(self, mu: RolloutBuffer, normalizer: int, token_stats: RunningStats,
+    def micro_step(self, mu: RolloutBuffer, normalizer: float, token_stats: RunningStats,
                    losses: RunningStats) -> tuple:
         """Forward and backward of one micro-batch. The losses are divided by the minibatch's
         ``normalizer``, so the accumulated gradient (and the sum of the micro-batch losses) is the
         minibatch's. Returns the detached ``(logprobs, old_logprobs, values, returns, mask)``."""
         c = self.config
         agg = dict(loss_agg=c.loss_agg, loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer)
-        logprobs, entropy = self.policy_logprobs(mu, return_entropy=c.entropy_coef > 0)
-        values = response_values(self.value_model, mu)
+        with autocast(self.device, self.dtype):
+            logprobs, entropy = self.policy_module(mu, return_entropy=c.entropy_coef > 0)
+            values = response_values(self.value_module, mu)
         pg_loss, pg_stats = ppo_policy_loss(logprobs, mu.old_logprobs, mu.advantages, mu.response_mask,
                                             cliprange_low=c.cliprange, cliprange_high=c.effective_cliprange_high,
                                             dual_clip=c.dual_clip, **agg)
@@ -323,17 +421,22 @@ class PPOTrainer:
         if not params:
             return 0.0
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
 
     # ------------------------------------------------------------------------------ the run
     def train(self, output_dir: str | os.PathLike, *, progress: bool = True) -> List[Dict[str, float]]:
         """Run steps ``step_count + 1 … config.steps``, logging to ``output_dir``.
 
         Appends one JSON object per step to ``metrics.jsonl`` and, with ``log_samples``, one per
-        sample (``step``, ``prompt``, ``response``, raw ``score``) to ``samples.jsonl``; writes
-        ``checkpoint/`` every ``save_every`` steps and after the last step. Rows logged after the
-        checkpoint being resumed (a run killed before it checkpointed them) and a torn last line
-        are dropped first, with a warning. To resume, call :meth:`load_checkpoint` first.
+        sample (``step``, ``prompt``, ``response``, raw ``score``) to ``samples.jsonl``; with
+        ``eval_every``, evaluates on the eval prompts (:meth:`evaluate_prompts`), adds ``eval/*`` to
+        that step's row and appends the samples to ``eval_samples.jsonl``. Every ``save_every``
+        steps and after the last step it writes ``checkpoint/`` and the policy as a Hugging Face
+        directory, ``policy/``. Rows logged after the checkpoint being resumed (a run killed before
+        it checkpointed them) and a torn last line are dropped first, with a warning. To resume,
+        call :meth:`load_checkpoint` first. With several processes every rank calls this; rank 0
+        writes.
 
         Returns:
             the metrics of the steps run now.
@@ -344,12 +447,14 @@ class PPOTrainer:
         """
         from tqdm.auto import tqdm
 
-        out, c = Path(output_dir), self.config
-        out.mkdir(parents=True, exist_ok=True)
-        for log in ("metrics.jsonl", "samples.jsonl"):
-            checkpoint.truncate_log(out / log, self.step_count)
+        out, c, main = Path(output_dir), self.config, self.world.is_main
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            for log in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+                checkpoint.truncate_log(out / log, self.step_count)
         history: List[Dict[str, float]] = []
-        with tqdm(total=c.steps, initial=self.step_count, desc="ppo", disable=not progress, dynamic_ncols=True) as bar:
+        with tqdm(total=c.steps, initial=self.step_count, desc="ppo", disable=not (progress and main),
+                  dynamic_ncols=True) as bar:
             while self.step_count < c.steps:
                 try:
                     result = self.step()
@@ -358,57 +463,164 @@ class PPOTrainer:
                     where = ("no checkpoint was written" if last is None else
                              f"the last good checkpoint is {str(last)!r} (step {checkpoint.saved_step(last)})")
                     raise NonFiniteUpdateError(f"{exc}; {where}") from exc
+                last_step = self.step_count == c.steps
+                eval_rows: List[dict] = []
+                if self.eval_prompts and (last_step or (c.eval_every and self.step_count % c.eval_every == 0)):
+                    eval_metrics, eval_rows = self.evaluate_prompts()
+                    result.metrics.update(eval_metrics)
                 history.append(result.metrics)
-                self._log(out, result)
+                self._log(out, result, eval_rows)
                 bar.update(1)
                 bar.set_postfix(score=f"{result.metrics['score_mean']:.3f}", kl=f"{result.metrics['kl_mean']:.3f}")
-                if self.step_count == c.steps or (c.save_every and self.step_count % c.save_every == 0):
+                if last_step or (c.save_every and self.step_count % c.save_every == 0):
                     self.save_checkpoint(out / "checkpoint")
+                    self.export_policy(out / "policy")
         return history
 
-    def _log(self, out: Path, result: StepResult) -> None:
+    def _log(self, out: Path, result: StepResult, eval_rows: List[dict]) -> None:
+        b = result.batch
+        samples = [{"step": self.step_count, "prompt": p, "response": r, "score": s}
+                   for p, r, s in zip(b.prompts, b.responses, b.raw_scores.tolist())] if self.config.log_samples else []
+        samples = [row for rank_rows in distributed.gather_objects(samples, self.world) for row in rank_rows]
+        if not self.world.is_main:
+            return
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(result.metrics) + "\n")
-        if self.config.log_samples:
-            b = result.batch
-            with open(out / "samples.jsonl", "a") as f:
-                for p, r, s in zip(b.prompts, b.responses, b.raw_scores.tolist()):
-                    f.write(json.dumps({"step": self.step_count, "prompt": p, "response": r, "score": s}) + "\n")
+        for name, rows in (("samples.jsonl", samples), ("eval_samples.jsonl", eval_rows)):
+            if rows:
+                with open(out / name, "a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in rows)
 
-    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
+    @torch.no_grad()
+    def evaluate_prompts(self, prompts: Optional[Sequence[str]] = None) -> tuple[Dict[str, float], List[dict]]:
+        """Sample one response to each held-out prompt (``eval_prompts`` by default) as a rollout
+        does, score it with the training reward and measure its KL to the reference.
+
+        Returns:
+            ``(metrics, rows)``: ``eval/score_mean`` (raw scores), ``eval/kl_mean`` (the
+            ``kl_estimator`` summed over each response's tokens, averaged over responses, nats),
+            ``eval/response_length_mean`` and ``eval/eos_fraction``; and one row per prompt
+            (``step``, ``prompt``, ``response``, ``score``, ``kl``). The same on every rank.
+
+        Raises:
+            ValueError: no prompts. RewardError: as :meth:`step`.
+        """
+        prompts = list(self.eval_prompts if prompts is None else prompts)
+        if not prompts:
+            raise ValueError("evaluate_prompts: no prompts (pass eval_prompts to the trainer)")
+        n, b = self.world.size, self.local_batch_size
+        # Every rank runs the same number of batches (FSDP's collectives need it): its share is
+        # padded with its last prompt, and the padding's results are dropped.
+        mine = prompts[self.world.rank::n]
+        per_rank = -(-len(prompts) // n)
+        padded = mine + [mine[-1] if mine else prompts[-1]] * (per_rank - len(mine))
+        rows: List[dict] = []
+        for start in range(0, per_rank, b):
+            chunk = padded[start:start + b]
+            batch = self.rollout(chunk)
+            scores = score_responses(self.reward_fn, batch.prompts, batch.responses,
+                                     where=f"evaluation after step {self.step_count}")
+            logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=self.device)
+            for idx in torch.arange(len(batch)).split(self.micro_batch_size):
+                mb, ix = batch.select(idx), idx.to(self.device)
+                with autocast(self.device, self.dtype):
+                    logprobs[ix] = self.policy_module(mb)[0]
+                    ref[ix] = self.ref_logprobs(mb)[0]
+            kl = kl_penalty(logprobs, ref, estimator=self.config.kl_estimator)
+            kl = torch.where(batch.response_mask, kl, torch.zeros_like(kl)).sum(dim=1)
+            lengths = batch.response_mask.sum(dim=1)
+            for i in range(len(batch)):
+                if start + i < len(mine):
+                    rows.append({"step": self.step_count, "prompt": batch.prompts[i], "response": batch.responses[i],
+                                 "score": float(scores[i]), "kl": float(kl[i]), "length": int(lengths[i]),
+                                 "eos": bool(batch.has_eos[i])})
+        # Back in the prompts' order: rank r evaluated prompts r, r + n, r + 2n, ...
+        by_rank = distributed.gather_objects(rows, self.world)
+        ordered = [by_rank[i % n][i // n] for i in range(len(prompts))]
+        mean = lambda key: sum(float(r[key]) for r in ordered) / len(ordered)  # noqa: E731
+        metrics = {"eval/score_mean": mean("score"), "eval/kl_mean": mean("kl"),
+                   "eval/response_length_mean": mean("length"), "eval/eos_fraction": mean("eos")}
+        return metrics, [{k: r[k] for k in ("step", "prompt", "response", "score", "kl")} for r in ordered]
+
+    def export_policy(self, directory: str | os.PathLike) -> Optional[Path]:
+        """Write the policy as a Hugging Face model directory (``save_pretrained`` and the
+        tokenizer; with LoRA the merged model, or the adapter when ``merge_lora`` is false),
+        swapped in atomically (:func:`pyppo.export.save_policy`). Every rank calls it (FSDP2
+        gathers the weights onto rank 0's CPU copy of the model's structure); rank 0 writes and
+        gets the directory, the others ``None``."""
+        from .export import save_policy
+
+        model = self.policy
+        if distributed.is_sharded(self.policy_module):
+            state = distributed.full_state_dict(self.policy_module, prefix="model.")  # every rank
+            if not self.world.is_main:
+                return None
+            model = self._export_replica
+            model.load_state_dict(state, assign=True)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            base.tie_weights()  # assign=True gave the tied head its own tensor
+        elif not self.world.is_main:
+            return None
+        try:
+            return save_policy(model, self.tokenizer, directory, merge_lora=self.config.merge_lora,
+                               base_model=getattr(self, "base_model_source", None))
+        finally:
+            if self._export_replica is not None:
+                self._export_replica.to("meta")  # drop the gathered weights
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> Optional[Path]:
         """Write everything needed to resume exactly, swapped in atomically (SIGKILL-safe; see
-        :mod:`pyppo.checkpoint`): both models, both AdamW states, and the trainer state (step,
-        KL controller, prompt position, shuffle generator, every RNG, skip counters, config).
-        The learning rates are constant, so there is no scheduler to save. Returns the directory."""
-        state = {"format": 1, "step": self.step_count, "kl_ctl": self.kl_ctl.state_dict(),
-                 "sampler": self.sampler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
-                 **checkpoint.capture_rng(), **self.skips.state_dict(), "config": self.config.to_dict()}
-        return checkpoint.save(directory, {
-            "policy.pt": self.policy.state_dict(), "value_model.pt": self.value_model.state_dict(),
-            "optimizers.pt": {"policy": self.policy_optimizer.state_dict(), "value": self.value_optimizer.state_dict()},
-            "trainer_state.pt": state})
+        :mod:`pyppo.checkpoint`): the trained weights of both models (every weight, or only the
+        LoRA adapters and the value head), both AdamW states, and the trainer state (step, KL
+        controller, prompt position, shuffle generator, every rank's RNGs, skip counters, config).
+        The learning rates are constant, so there is no scheduler to save. Every rank calls it;
+        rank 0 writes and gets the directory, the others ``None``."""
+        policy_state, policy_optim = checkpoint.training_state(self.policy_module, self.policy_optimizer,
+                                                               prefix="model.")
+        value_state, value_optim = checkpoint.training_state(self.value_module, self.value_optimizer)
+        rngs = distributed.gather_objects(checkpoint.capture_rng(), self.world)
+        saved = None
+        if self.world.is_main:
+            state = {"format": 2, "step": self.step_count, "kl_ctl": self.kl_ctl.state_dict(),
+                     "sampler": self.sampler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
+                     **rngs[0], "world_size": self.world.size, "rank_rng": rngs, **self.skips.state_dict(),
+                     "config": self.config.to_dict()}
+            saved = checkpoint.save(directory, {
+                "policy.pt": policy_state, "value_model.pt": value_state,
+                "optimizers.pt": {"policy": policy_optim, "value": value_optim}, "trainer_state.pt": state})
+        distributed.barrier(self.world)
+        return saved
 
     def load_checkpoint(self, directory: str | os.PathLike) -> Path:
         """Restore a checkpoint written by :meth:`save_checkpoint`, so that the next step is the
         one the saving run would have taken. A checkpoint left half-swapped by a killed save is
         recovered from ``<directory>.old``, with a warning. Every file is read before anything is
-        restored. The reference is not in the checkpoint: build the trainer from the same initial
-        policy. Returns the directory actually loaded.
+        restored. The reference and the frozen base weights are not in the checkpoint: build the
+        trainer from the same initial policy. Every rank calls it.
+
+        Returns:
+            the directory actually loaded.
 
         Raises:
             FileNotFoundError: no complete checkpoint (naming the missing files).
-            ValueError: a corrupt file, or a different KL controller type or prompt count.
+            ValueError: a corrupt file; a different KL controller type or prompt count; weights that
+                do not match the trained ones (e.g. a LoRA checkpoint into a full fine-tune); or a
+                checkpoint of another number of processes.
         """
         d, files = checkpoint.load(directory, self.device)
         st = files["trainer_state.pt"]
-        self.policy.load_state_dict(files["policy.pt"])
-        self.value_model.load_state_dict(files["value_model.pt"])
-        self.policy_optimizer.load_state_dict(files["optimizers.pt"]["policy"])
-        self.value_optimizer.load_state_dict(files["optimizers.pt"]["value"])
+        saved_n = int(st.get("world_size", 1))
+        if saved_n != self.world.size:
+            raise ValueError(f"checkpoint {str(d)!r} was written by {saved_n} process(es), this run has "
+                             f"{self.world.size}; resume with torchrun --nproc-per-node {saved_n}")
+        checkpoint.restore_training_state(self.policy_module, self.policy_optimizer, files["policy.pt"],
+                                          files["optimizers.pt"]["policy"], prefix="model.", what="policy")
+        checkpoint.restore_training_state(self.value_module, self.value_optimizer, files["value_model.pt"],
+                                          files["optimizers.pt"]["value"], what="value model")
         self.kl_ctl.load_state_dict(st["kl_ctl"])
         self.sampler.load_state_dict(st["sampler"])
         self.shuffle_generator.set_state(st["shuffle_generator"])
-        checkpoint.restore_rng(st)
+        checkpoint.restore_rng(st["rank_rng"][self.world.rank] if "rank_rng" in st else st)
         self.skips.load_state_dict(st)
         self.step_count = int(st["step"])
         return d

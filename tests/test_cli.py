@@ -78,7 +78,7 @@ def test_flags_override_config_file(tmp_path):
     cfg.write_text('steps = 7\nbatch_size = 4\nmini_batch_size = 2\nlr = 1\nreward = "sentiment"\n')
     run, config, output, resume = _resolve(["--config", str(cfg), "--steps", "3", "--output", str(tmp_path / "o")])
     assert (config.steps, config.batch_size, config.lr) == (3, 4, 1.0)
-    assert run == {"model": "smollm2-135m-instruct", "reward": "sentiment", "prompts": None}
+    assert run == {"model": "smollm2-135m-instruct", "reward": "sentiment", "prompts": None, "eval_prompts": None}
     assert output == tmp_path / "o" and resume is None
 
 

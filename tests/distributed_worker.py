@@ -1,0 +1,53 @@
+"""Run by tests/test_distributed.py under ``torchrun``: from one fixed rollout (a saved batch),
+each rank takes its share, computes the advantages and one minibatch update, and rank 0 saves
+what it got. Not a test module itself."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_trainer import make_trainer, small_config  # noqa: E402
+
+from pyppo import checkpoint  # noqa: E402
+from pyppo.stats import RunningStats  # noqa: E402
+
+
+def update_config(fsdp: bool, batch_size: int):
+    return small_config(steps=1, batch_size=batch_size, mini_batch_size=batch_size, micro_batch_size=None,
+                        ppo_epochs=1, device="cpu", fsdp=fsdp)
+
+
+def one_update(trainer, batch, kl_coef: float) -> dict:
+    """Advantages then one minibatch step on ``batch``; the trained weights and the advantages."""
+    trainer.advantages(batch, kl_coef)
+    stats = RunningStats()
+    trainer.minibatch_step(batch, stats, "test")
+    policy, _ = checkpoint.training_state(trainer.policy_module, trainer.policy_optimizer, prefix="model.")
+    value, _ = checkpoint.training_state(trainer.value_module, trainer.value_optimizer)
+    return {"policy": policy, "value": value, "advantages": batch.advantages, "returns": batch.returns,
+            "stats": stats.means()}
+
+
+def main(batch_path: str, out_path: str, fsdp: str) -> None:
+    saved = torch.load(batch_path, weights_only=False)
+    batch = saved["batch"]
+    trainer = make_trainer(update_config(fsdp == "fsdp", len(batch)))
+    n, r = trainer.world.size, trainer.world.rank
+    share = len(batch) // n
+    result = one_update(trainer, batch.select(torch.arange(r * share, (r + 1) * share)), saved["kl_coef"])
+    shares = [None] * n
+    torch.distributed.all_gather_object(shares, {"advantages": result["advantages"], "returns": result["returns"]})
+    if r == 0:
+        result["advantages"] = torch.cat([s["advantages"] for s in shares])
+        result["returns"] = torch.cat([s["returns"] for s in shares])
+        torch.save(result, out_path)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,149 @@
+"""Several processes (gloo on CPU): N ranks compute what one process computes on the same global
+batch, up to the order of the reductions; a 2-process ``pyppo train`` resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed_worker import one_update, update_config
+from pyppo.stats import PhaseTimer
+from test_trainer import PROMPTS, count_e, make_trainer
+from tiny_models import save_tiny_causal_lm
+
+HERE = Path(__file__).parent
+# Only the reduction order differs (one process sums 4 rows' gradients, two ranks sum 2 each and
+# average): float32 rounding, amplified at most a little by one AdamW step.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                          "--standalone", *args], capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=HERE)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return res
+
+
+@pytest.fixture(scope="module")
+def fixed_rollout(tmp_path_factory):
+    """One rollout of 4 sequences with its old log-probs, reference log-probs, values and scores."""
+    trainer = make_trainer(update_config(False, 4))
+    batch = trainer.rollout(PROMPTS[:4])
+    batch.raw_scores, batch.scores = trainer.score(batch)
+    trainer.evaluate(batch, torch.arange(4), PhaseTimer())
+    path = tmp_path_factory.mktemp("rollout") / "batch.pt"
+    torch.save({"batch": batch, "kl_coef": 0.05}, path)
+    return path, batch
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_update_like_one_process(fixed_rollout, tmp_path, mode):
+    path, batch = fixed_rollout
+    one = one_update(make_trainer(update_config(False, 4)), batch.select(torch.arange(4)), 0.05)
+    torchrun(2, str(HERE / "distributed_worker.py"), str(path), str(tmp_path / "two.pt"), mode)
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    # Advantage whitening used the global batch: each rank's rows are the single process's rows.
+    torch.testing.assert_close(two["advantages"], one["advantages"], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(two["returns"], one["returns"], rtol=RTOL, atol=ATOL)
+    for model in ("policy", "value"):
+        assert two[model].keys() == one[model].keys()
+        moved = 0
+        for name, weight in one[model].items():
+            torch.testing.assert_close(two[model][name], weight, rtol=RTOL, atol=ATOL, msg=f"{model} {name}")
+        initial = make_trainer(update_config(False, 4))
+        start = dict(initial.policy.named_parameters()) if model == "policy" else dict(
+            initial.value_model.named_parameters())
+        moved = sum(not torch.equal(start[n], w) for n, w in one[model].items())
+        assert moved > len(one[model]) // 2  # the update moved the weights being compared
+
+
+def test_world_size_must_divide_the_batch():
+    from pyppo.config import PPOConfig
+
+    cfg = PPOConfig(batch_size=6, mini_batch_size=3)
+    cfg.check_world_size(3)
+    with pytest.raises(ValueError, match=r"mini_batch_size \(3\) must be divisible by the number of processes \(2\)"):
+        cfg.check_world_size(2)
+    with pytest.raises(ValueError, match=r"batch_size \(6\) must be divisible .* \(4\)"):
+        cfg.check_world_size(4)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        PPOConfig(batch_size=8, mini_batch_size=8, micro_batch_size=3).check_world_size(2)
+
+
+def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
+    model = save_tiny_causal_lm(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:10]) + "\n")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def count_e(prompts, responses):\n"
+                      "    return [float(r.count('e')) - 0.1 * len(r) for r in responses]\n")
+    flags = ["--model", str(model), "--reward", f"{reward}:count_e", "--prompts", str(prompts), "--device", "cpu",
+             "--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1", "--max-new-tokens", "6",
+             "--lr", "1e-3", "--seed", "3", "--save-every", "1"]
+    torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "2", "--output", str(tmp_path / "run"))
+    torchrun(2, "-m", "pyppo", "train", "--resume", str(tmp_path / "run"), "--steps", "3")
+    torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "3", "--output", str(tmp_path / "straight"))
+
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    untimed = lambda r: {k: v for k, v in r.items() if "time" not in k and "seconds" not in k}  # noqa: E731
+    resumed, straight = rows("run"), rows("straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in straight]
+    samples = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 3 * 4  # both ranks' samples, rank 0 writes them
+    a = torch.load(tmp_path / "run" / "checkpoint" / "policy.pt", weights_only=True)
+    b = torch.load(tmp_path / "straight" / "checkpoint" / "policy.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rank_rng"]) == 2
+    assert not torch.equal(state["rank_rng"][0]["rng_torch"], state["rank_rng"][1]["rng_torch"])
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy") is not None
+
+    # The checkpoint is of 2 processes: one process refuses it, naming both counts.
+    from pyppo import cli
+
+    os.environ.pop("WORLD_SIZE", None)
+    with pytest.raises(ValueError, match=r"written by 2 process\(es\), this run has 1"):
+        os.environ["PYPPO_DEBUG"] = "1"
+        try:
+            cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "4"])
+        finally:
+            del os.environ["PYPPO_DEBUG"]
+
+
+def test_two_process_fsdp_lora_train_exports_and_resumes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = save_tiny_causal_lm(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:10]) + "\n")
+    flags = ["--model", str(model), "--reward", "tests.test_trainer:count_e", "--prompts", str(prompts),
+             "--device", "cpu", "--batch-size", "4", "--mini-batch-size", "4", "--ppo-epochs", "1",
+             "--max-new-tokens", "6", "--lr", "1e-2", "--seed", "3", "--fsdp", "--lora-rank", "4",
+             "--save-every", "1", "--eval-prompts", str(prompts), "--eval-every", "1"]
+    torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "1", "--output", str(tmp_path / "run"))
+    torchrun(2, "-m", "pyppo", "train", "--resume", str(tmp_path / "run"), "--steps", "2")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("eval/score_mean" in r for r in rows)
+    assert rows[0]["first_max_abs_logratio"] == 0.0 and rows[0]["kl_mean"] == 0.0
+    assert len((tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()) == 2 * 10
+    weights = torch.load(tmp_path / "run" / "checkpoint" / "policy.pt", weights_only=True)
+    assert weights and all("lora_" in k for k in weights)  # only what trains
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")
+    base = AutoModelForCausalLM.from_pretrained(model)
+    changed = [n for n, p in exported.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert changed and all("proj" in n for n in changed)  # the merged adapters moved the adapted layers only

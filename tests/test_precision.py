@@ -1,0 +1,92 @@
+"""Precision and memory knobs on tiny models: bfloat16 autocast with float32 master weights, the
+exact first ratio and step-1 KL in every mode, and gradient checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyppo.buffer import RolloutBuffer
+from pyppo.forward import LogprobHead, autocast
+from test_trainer import make_trainer, small_config
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_first_ratio_is_exactly_one_and_first_kl_exactly_zero(dtype, lora_rank):
+    tr = make_trainer(small_config(steps=1, dtype=dtype, lora_rank=lora_rank))
+    metrics, batch = tr.step()
+    # The rollout pass and the first training pass ran the same computation, bit for bit.
+    assert metrics["first_max_abs_logratio"] == 0.0 and metrics["first_ratio_max"] == 1.0
+    # The reference is the initial policy (a copy, or the adapters disabled while B = 0).
+    assert torch.equal(batch.old_logprobs, batch.ref_logprobs)
+    assert metrics["kl_mean"] == 0.0
+    assert metrics["policy_loss"] == metrics["policy_loss"]  # finite, not nan
+
+
+def test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters():
+    tr = make_trainer(small_config(steps=1, dtype="bfloat16"))
+    seen = set()
+    layer = tr.policy.model.layers[0].mlp.down_proj
+    layer.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+    value_layer = tr.value_model.backbone.layers[0].mlp.down_proj
+    value_layer.register_forward_hook(lambda m, i, o: seen.add(("value", o.dtype)))
+    metrics, batch = tr.step()
+    assert seen == {torch.bfloat16, ("value", torch.bfloat16)}
+    params = [p for m in (tr.policy, tr.value_model) for p in m.parameters()]
+    assert {p.dtype for p in params} == {torch.float32}
+    states = [s for opt in (tr.policy_optimizer, tr.value_optimizer) for s in opt.state.values()]
+    assert states and {s["exp_avg"].dtype for s in states} == {torch.float32}
+    # The per-token tensors the ops produce are float32 whatever the compute dtype.
+    for name in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns", "rewards"):
+        assert getattr(batch, name).dtype == torch.float32, name
+
+
+def test_bfloat16_logprobs_are_close_to_float32_but_not_equal():
+    fp32, bf16 = (make_trainer(small_config(steps=1, dtype=d)) for d in ("float32", "bfloat16"))
+    batch = fp32.rollout(["say something nice", "about 3"])
+    mb = batch.select(torch.arange(2))
+    with torch.no_grad():
+        a = fp32.policy_module(mb)[0]
+        with autocast(bf16.device, bf16.dtype):
+            b = bf16.policy_module(mb)[0]
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(b, a, atol=0.05, rtol=0)
+
+
+def test_bfloat16_hidden_path_matches_the_sampled_logits_to_bfloat16_rounding():
+    tr = make_trainer(small_config(steps=1, dtype="bfloat16"))
+    mb = tr.rollout(["say something nice", "why"]).select(torch.arange(2))
+    full = LogprobHead(tr.policy, temperature=1.0, from_hidden=False, dtype=torch.bfloat16)
+    assert tr.policy_logprobs.uses_hidden and not full.uses_hidden
+    with torch.no_grad(), autocast(tr.device, torch.bfloat16):
+        hidden_path = tr.policy_logprobs(mb)[0]
+        logits_path = full(mb)[0]  # log-softmax of the bf16 logits generate() samples from
+    # The hidden-state path keeps the head's float32-accumulated logits unrounded.
+    torch.testing.assert_close(hidden_path, logits_path, atol=2e-2, rtol=0)
+
+
+def test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update():
+    calls, trainers = {"plain": 0, "ckpt": 0}, {}
+    for name in ("plain", "ckpt"):  # one after the other: each trainer seeds the global RNG
+        trainers[name] = tr = make_trainer(small_config(steps=1, ppo_epochs=1, gradient_checkpointing=name == "ckpt"))
+        # Inside the checkpointed block: runs again when the backward recomputes it (module hooks
+        # do not fire during the recompute, so the forward itself is counted).
+        mlp = tr.policy.model.layers[0].mlp
+        mlp.forward = lambda *a, name=name, f=mlp.forward, **k: (calls.__setitem__(name, calls[name] + 1), f(*a, **k))[1]
+        tr.step()
+    plain, ckpt = trainers["plain"], trainers["ckpt"]
+    for model in (ckpt.policy.model, ckpt.value_model.backbone):
+        assert all(layer.gradient_checkpointing for layer in model.layers)
+    # 8 sampling forwards (prefill + 7 decode steps), 4 no-grad rollout forwards (micro-batches
+    # of 2 of 8 rows) and 4 training forwards; the checkpointed run recomputes the 4 training ones.
+    assert calls == {"plain": 16, "ckpt": 20}
+    for (name, a), (_, b) in zip(plain.policy.named_parameters(), ckpt.policy.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_refused():
+    from pyppo.trainer import enable_gradient_checkpointing
+
+    with pytest.raises(ValueError, match=r"gradient_checkpointing: the policy \(Linear\) does not support it"):
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2), "policy")
