@@ -8,7 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+import test_distributed
+import test_eval
 import test_faults
+import test_lora
+import test_precision
 import test_trainer
 from pyppo.config import PPOConfig
 from test_trainer import count_e, make_trainer, small_config
@@ -201,6 +205,15 @@ ELSEWHERE = {
     "target_kl": (test_trainer, "test_adaptive_kl_controller_is_applied"),
     "kl_horizon": (test_trainer, "test_adaptive_kl_controller_is_applied"),
     "max_consecutive_skips": (test_faults, "test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint"),
+    "dtype": (test_precision, "test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters"),
+    "gradient_checkpointing": (test_precision, "test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update"),
+    "fsdp": (test_distributed, "test_two_ranks_update_like_one_process"),
+    "lora_rank": (test_lora, "test_only_the_adapters_train_and_there_is_no_reference_copy"),
+    "lora_alpha": (test_lora, "test_target_modules_and_alpha"),
+    "lora_target_modules": (test_lora, "test_target_modules_and_alpha"),
+    "value_lora": (test_lora, "test_value_lora_trains_the_value_adapters_and_head_only"),
+    "merge_lora": (test_lora, "test_policy_export_merges_or_keeps_the_adapter"),
+    "eval_every": (test_eval, "test_eval_every_logs_scores_kl_and_samples"),
 }
 
 
