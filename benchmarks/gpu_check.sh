@@ -1,57 +1,527 @@
 #!/usr/bin/env bash
-# GPU check of pyppo's CUDA kernels, in one go, on a fresh CUDA machine with no network whose
-# image has torch (with CUDA), nvcc, cmake, ninja, pybind11 and scikit-build-core:
-#   1. build pyppo in place with the CUDA kernels (PYPPO_CUDA=on: a CPU-only build is an error);
-#   2. run the CUDA tests (pytest -m cuda);
-#   3. run the GPU suite of the benchmark harness (pyppo bench --suite gpu --quick), whose
-#      table is printed last.
-# Finishes in well under 8 minutes on an H100/H200-class machine. Exit status: the tests',
-# else the benchmark's (1 = an op disagreed with its eager reference, 3 = a target missed).
+# GPU check of pyppo, in one go, on a fresh CUDA machine with no network whose image has torch
+# (with CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core, transformers, peft and accelerate.
+# No downloaded model is needed: the training steps use a tiny random Llama (tests/tiny_models.py)
+# written to a temporary directory. Steps, each with a timeout, in this order:
+#   build   build pyppo in place with the CUDA kernels (PYPPO_CUDA=on: a CPU-only build is an
+#           error), for TORCH_CUDA_ARCH_LIST (default 9.0, the H100/H200's sm_90);
+#   tests   the CUDA tests (pytest -m cuda);
+#   bench   the GPU suite of the benchmark harness (pyppo bench --suite gpu --quick --check-targets);
+#   train   pyppo train --device cuda --dtype bfloat16 --steps 3 on the tiny Llama, through a small
+#           wrapper that calls pyppo.cli.main and then checks the run: 3 rows in metrics.jsonl,
+#           first_max_abs_logratio == 0 and kl_mean == 0 at step 1 (the first ratio is exactly 1),
+#           finite score_mean / policy_loss everywhere, policy/ loads with
+#           AutoModelForCausalLM.from_pretrained and gives finite logits; reports the median
+#           step_seconds and the peak memory (torch.cuda.max_memory_allocated);
+#   lora    the same with --lora-rank 8;
+#   fsdp    FSDP2 smoke test, two parts:
+#           (a) torchrun -m pyppo train --fsdp --lora-rank 8 --steps 2 (same checks), with 2
+#               processes when the machine has >= 2 GPUs, else 1. With ONE process the trainer does
+#               not shard (pyppo.distributed.wrap is the identity when the world size is 1), so
+#               this part then only checks that the --fsdp run works under torchrun;
+#           (b) a one-process torchrun script that does shard: a 1-rank NCCL group, fully_shard on
+#               every decoder block and then on the LogprobHead root (the two steps of
+#               pyppo.distributed.wrap), sampling through the sharded head (synced_gpus), one
+#               bf16-autocast forward (log-probs vs the unsharded twin) / backward of the PPO
+#               policy loss on a RolloutBuffer, an AdamW step, and
+#               pyppo.checkpoint.training_state's full-state-dict gather; all finite.
+#           Not covered on one GPU: anything that needs several ranks (reduce-scatter of real
+#           shards, the cross-rank whitening / metrics). Those run on CPU with gloo in
+#           tests/test_distributed.py, and here in part (a) when there are >= 2 GPUs.
+# The whole script stops within GPU_CHECK_BUDGET seconds (default 470, under 8 minutes): every
+# step's timeout is capped by the time left, and a step with under 20 s left is reported as
+# TIMEOUT. Step timeouts: build 420, tests 240, bench 180, train 120, lora 120, fsdp 150 + 90.
+# A training table (mode, s/step, peak memory, status) and then a summary of every step (status,
+# seconds) are printed last.
 #
-#   bash benchmarks/gpu_check.sh            # TORCH_CUDA_ARCH_LIST defaults to 8.0;9.0
-# Results: $OUT/gpu_bench.json when OUT is set (else a dated JSON in benchmarks/results/), and
-# the log on stdout.
+# Exit status: 1 = the environment check, the build or the import of the built pyppo failed;
+# else the tests' (pytest's status, 124 = timed out); else the benchmark's (1 = an op disagreed
+# with its eager reference, 3 = a target missed); else 4 = a training or FSDP step failed or ran
+# out of time; 64 = a bad GPU_CHECK_* setting; 0 = everything selected passed.
+#
+#   bash benchmarks/gpu_check.sh                 # TORCH_CUDA_ARCH_LIST defaults to 9.0
+# Settings (environment):
+#   OUT                   results go there: gpu_bench.json, gpu_check_summary.tsv, and each
+#                         training run's metrics.jsonl as train_<step>_metrics.jsonl
+#                         (else the bench JSON is dated in benchmarks/results/)
+#   PYTHON                the interpreter (default python)
+#   GPU_CHECK_STEPS       comma list of steps to run (default build,tests,bench,train,lora,fsdp)
+#   GPU_CHECK_SKIP_BUILD  1 = no build step: use the pyppo already installed
+#   GPU_CHECK_DEVICE      cuda (default) or cpu: cpu runs train / lora / fsdp on the CPU (gloo
+#                         instead of NCCL) and reports build / tests / bench as skipped; this is
+#                         how tests/test_gpu_check_script.py runs the script on a machine with no
+#                         GPU
+#   GPU_CHECK_NPROC       processes of the fsdp step's trainer run (default 2 with >= 2 GPUs, else 1)
+#   GPU_CHECK_TRAIN_ARGS  extra flags appended to every pyppo train run (e.g. --gradient-checkpointing)
+#   GPU_CHECK_BUDGET      seconds for the whole script (default 470)
+#   GPU_CHECK_WORK        scratch directory, kept (default: a temporary one, removed at the end)
+# Results: the log on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 
 PY=${PYTHON:-python}
-stamp "environment"
-$PY - <<'PYEOF' || exit 1
-import sys, torch
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+STEPS=${GPU_CHECK_STEPS:-build,tests,bench,train,lora,fsdp}
+BUDGET=${GPU_CHECK_BUDGET:-470}
+TRAIN_ARGS=${GPU_CHECK_TRAIN_ARGS:-}
+ALL_STEPS="build tests bench train lora fsdp"
+
+bad_setting() { echo "gpu_check: $*" >&2; exit 64; }
+case "$DEVICE" in cuda|cpu) ;; *) bad_setting "GPU_CHECK_DEVICE must be cuda or cpu, got '$DEVICE'" ;; esac
+case "$BUDGET" in ''|*[!0-9]*) bad_setting "GPU_CHECK_BUDGET must be a whole number of seconds, got '$BUDGET'" ;; esac
+for s in ${STEPS//,/ }; do
+  case " $ALL_STEPS " in *" $s "*) ;; *) bad_setting "unknown step '$s' in GPU_CHECK_STEPS (steps: ${ALL_STEPS// /,})" ;; esac
+done
+if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then STEPS=",$STEPS,"; STEPS=${STEPS//,build,/,}; fi
+STEPS=$(echo "$STEPS" | tr -s ',' | sed 's/^,//; s/,$//')
+wants() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+# ---- step bookkeeping: the summary table, the time budget -----------------------------------
+declare -A STATUS SECS NOTE
+declare -A LABEL=([build]="build" [tests]="cuda tests" [bench]="bench" [train]="bf16 train"
+                  [lora]="bf16 LoRA train" [fsdp]="FSDP smoke")
+for s in $ALL_STEPS; do
+  if wants "$s"; then STATUS[$s]=not-run; NOTE[$s]="not reached"; else STATUS[$s]=skipped; NOTE[$s]="not selected"; fi
+  SECS[$s]=0
+done
+[ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ] && NOTE[build]="GPU_CHECK_SKIP_BUILD=1: the installed pyppo"
+record() { STATUS[$1]=$2; SECS[$1]=$3; NOTE[$1]=${4:-}; }
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+cap() { local l; l=$(left); if [ "$l" -lt "$1" ]; then echo "$l"; else echo "$1"; fi; }
+NEW_FAIL=0
+TEST_RC=0
+BENCH_RC=0
+
+summary() {
+  if [ -s "${TABLE:-/nonexistent}" ]; then
+    echo
+    printf '%-16s %8s  %-24s %s\n' "mode" "s/step" "peak memory" "status"
+    while IFS=$'\t' read -r mode sps peak st; do printf '%-16s %8s  %-24s %s\n' "$mode" "$sps" "$peak" "$st"; done < "$TABLE"
+  fi
+  echo
+  stamp "summary (device $DEVICE)"
+  printf '%-16s %-8s %7s  %s\n' "step" "status" "seconds" "note"
+  for s in $ALL_STEPS; do
+    printf '%-16s %-8s %7s  %s\n' "${LABEL[$s]}" "${STATUS[$s]}" "${SECS[$s]}" "${NOTE[$s]}"
+  done
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    for s in $ALL_STEPS; do printf '%s\t%s\t%s\t%s\n' "$s" "${STATUS[$s]}" "${SECS[$s]}" "${NOTE[$s]}"; done \
+      > "$OUT/gpu_check_summary.tsv"
+  fi
+}
+finish() { summary; exit "$1"; }
+
+# ---- scratch directory ----------------------------------------------------------------------
+if [ -n "${GPU_CHECK_WORK:-}" ]; then
+  WORK=$GPU_CHECK_WORK; mkdir -p "$WORK"
+else
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/pyppo_gpu_check.XXXXXX")
+  trap 'rm -rf "$WORK"' EXIT
+fi
+WORK=$(cd "$WORK" && pwd)
+TABLE=$WORK/train_table.tsv
+: > "$TABLE"
+
+stamp "environment (device $DEVICE, steps ${STEPS:-none}, budget $BUDGET s)"
+GPU_CHECK_DEVICE=$DEVICE $PY - <<'PYEOF' || finish 1
+import os, sys, torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| torch CUDA", torch.version.cuda)
-if not torch.cuda.is_available():
-    sys.exit("gpu_check: torch sees no CUDA device")
-if torch.version.cuda is None:
-    sys.exit("gpu_check: this torch has no CUDA")
-p = torch.cuda.get_device_properties(0)
-print("device:", p.name, f"sm_{p.major}{p.minor}", f"{p.total_memory / 2**30:.0f} GiB")
+if os.environ["GPU_CHECK_DEVICE"] == "cuda":
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: torch sees no CUDA device")
+    if torch.version.cuda is None:
+        sys.exit("gpu_check: this torch has no CUDA")
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"device {i}:", p.name, f"sm_{p.major}{p.minor}", f"{p.total_memory / 2**30:.0f} GiB")
 PYEOF
-command -v nvcc >/dev/null && nvcc --version | tail -n 2
+if [ "$DEVICE" = cuda ]; then command -v nvcc >/dev/null && nvcc --version | tail -n 2; fi
 nproc
 
-stamp "build (pip install --no-build-isolation --no-deps -e ., PYPPO_CUDA=on)"
+# ---- 1. build -------------------------------------------------------------------------------
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}
-if ! timeout 420 $PY -m pip install --no-build-isolation --no-deps --no-index -e . \
-      -Ccmake.define.PYPPO_CUDA=on -Cbuild.verbose=false > /tmp/pyppo_build.log 2>&1; then
-  tail -n 80 /tmp/pyppo_build.log
-  stamp "BUILD FAILED"
-  exit 1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+if wants build && [ "$DEVICE" = cpu ]; then
+  record build skipped 0 "needs CUDA"
+elif wants build; then
+  stamp "build (pip install --no-build-isolation --no-deps -e ., PYPPO_CUDA=on, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+  t=$(cap 420); s0=$(date +%s)
+  if [ "$t" -lt 20 ] || ! timeout "$t" $PY -m pip install --no-build-isolation --no-deps --no-index -e . \
+        -Ccmake.define.PYPPO_CUDA=on -Cbuild.verbose=false > /tmp/pyppo_build.log 2>&1; then
+    tail -n 80 /tmp/pyppo_build.log 2>/dev/null
+    record build FAIL $(( $(date +%s) - s0 )) "see the build log above"
+    stamp "BUILD FAILED"
+    finish 1
+  fi
+  grep -E "pyppo: (CUDA|CPU)" /tmp/pyppo_build.log || true
+  record build pass $(( $(date +%s) - s0 )) "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 fi
-grep -E "pyppo: (CUDA|CPU)" /tmp/pyppo_build.log || true
-$PY -c "import pyppo, pyppo._C as C; print('pyppo', pyppo.__version__, '| with_cuda', C.with_cuda, '| archs', C.cuda_archs); assert C.with_cuda" || exit 1
+if [ "$DEVICE" = cuda ]; then
+  $PY -c "import pyppo, pyppo._C as C; print('pyppo', pyppo.__version__, '| with_cuda', C.with_cuda, '| archs', C.cuda_archs); assert C.with_cuda" || finish 1
+else
+  $PY -c "import pyppo, pyppo._C as C; print('pyppo', pyppo.__version__, '| with_cuda', C.with_cuda)" || finish 1
+fi
 
-stamp "tests (pytest -m cuda)"
-timeout 240 $PY -m pytest -m cuda -q -p no:cacheprovider --maxfail=25 --durations=5
-TEST_RC=$?
-stamp "tests exit status $TEST_RC"
+# ---- 2. CUDA tests --------------------------------------------------------------------------
+if wants tests && [ "$DEVICE" = cpu ]; then
+  record tests skipped 0 "needs CUDA"
+elif wants tests; then
+  stamp "tests (pytest -m cuda)"
+  t=$(cap 240); s0=$(date +%s)
+  if [ "$t" -lt 20 ]; then
+    TEST_RC=124
+  else
+    timeout "$t" $PY -m pytest -m cuda -q -p no:cacheprovider --maxfail=25 --durations=5
+    TEST_RC=$?
+  fi
+  stamp "tests exit status $TEST_RC"
+  if [ "$TEST_RC" -eq 0 ]; then record tests pass $(( $(date +%s) - s0 )) "pytest -m cuda"
+  elif [ "$TEST_RC" -eq 124 ]; then record tests TIMEOUT $(( $(date +%s) - s0 )) "pytest -m cuda, limit $t s"
+  else record tests FAIL $(( $(date +%s) - s0 )) "pytest exit status $TEST_RC"; fi
+fi
 
-stamp "benchmark (pyppo bench --suite gpu --quick)"
-timeout 180 $PY -m pyppo.bench --suite gpu --quick --check-targets --output benchmarks/results \
-  ${OUT:+--json "$OUT/gpu_bench.json"}
-BENCH_RC=$?
-stamp "done: tests $TEST_RC, benchmark $BENCH_RC"
-if [ "$TEST_RC" -ne 0 ]; then exit "$TEST_RC"; fi
-exit "$BENCH_RC"
+# ---- 3. benchmark ---------------------------------------------------------------------------
+if wants bench && [ "$DEVICE" = cpu ]; then
+  record bench skipped 0 "needs CUDA"
+elif wants bench; then
+  stamp "benchmark (pyppo bench --suite gpu --quick)"
+  t=$(cap 180); s0=$(date +%s)
+  if [ "$t" -lt 20 ]; then
+    BENCH_RC=124
+  else
+    timeout "$t" $PY -m pyppo.bench --suite gpu --quick --check-targets --output benchmarks/results \
+      ${OUT:+--json "$OUT/gpu_bench.json"}
+    BENCH_RC=$?
+  fi
+  stamp "benchmark exit status $BENCH_RC"
+  case $BENCH_RC in
+    0) record bench pass $(( $(date +%s) - s0 )) "--suite gpu --quick --check-targets" ;;
+    3) record bench FAIL $(( $(date +%s) - s0 )) "a performance target missed (3)" ;;
+    124) record bench TIMEOUT $(( $(date +%s) - s0 )) "limit $t s" ;;
+    *) record bench FAIL $(( $(date +%s) - s0 )) "exit status $BENCH_RC" ;;
+  esac
+fi
+
+# ---- 4-6. training on the device: helper files ----------------------------------------------
+# Parameterised by the device (GPU_CHECK_DEVICE), so tests/test_gpu_check_script.py runs the very
+# same code on CPU.
+write_helpers() {
+cat > "$WORK/fixture.py" <<'PYEOF'
+"""The tiny random Llama + character tokenizer, a reward file and a prompts file, in argv[1]."""
+import json, sys
+from pathlib import Path
+
+sys.path.insert(0, "tests")
+from tiny_models import save_tiny_causal_lm
+
+work = Path(sys.argv[1])
+save_tiny_causal_lm(work / "model")
+(work / "reward.py").write_text(
+    "def reward(prompts, responses):\n"
+    "    return [r.count('e') - 0.1 * len(r) for r in responses]\n")
+topics = ["the sea", "a tree", "the weather", "breakfast", "a letter", "the street", "evening", "a melody"]
+with open(work / "prompts.jsonl", "w") as f:
+    for t in topics:
+        f.write(json.dumps({"prompt": f"Tell me about {t}."}) + "\n")
+        f.write(json.dumps({"prompt": f"Describe {t} in one line."}) + "\n")
+print("gpu_check: fixture in", work)
+PYEOF
+
+cat > "$WORK/train_and_check.py" <<'PYEOF'
+"""python train_and_check.py MODE OUTPUT STEPS TABLE -- <pyppo train flags>: pyppo.cli.main(["train",
+...]), then (rank 0) check the run and append 'mode, s/step, peak memory, status' to TABLE."""
+import json, math, resource, statistics, sys
+
+mode, out, steps, table = sys.argv[1:5]
+assert sys.argv[5] == "--"
+argv = ["train", *sys.argv[6:], "--output", out, "--steps", steps]
+import torch
+from pyppo.cli import main
+
+rc = main(argv)
+cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rcs, peaks = [rc], [(cuda_peak, rss_peak)]
+import torch.distributed as dist
+
+if dist.is_available() and dist.is_initialized():  # under torchrun with several processes
+    n = dist.get_world_size()
+    rcs, peaks = [None] * n, [None] * n
+    dist.all_gather_object(rcs, rc)
+    dist.all_gather_object(peaks, (cuda_peak, rss_peak))
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank != 0:
+        sys.exit(rc)
+
+problems = [f"pyppo train exited {r} (rank {i})" for i, r in enumerate(rcs) if r]
+s_per_step = math.nan
+if not problems:
+    from pathlib import Path
+    out = Path(out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if len(rows) != int(steps):
+        problems.append(f"metrics.jsonl has {len(rows)} rows, expected {steps}")
+    if rows:
+        first = rows[0]
+        if first.get("first_max_abs_logratio") != 0.0:
+            problems.append(f"step 1 first_max_abs_logratio = {first.get('first_max_abs_logratio')!r}, expected 0.0")
+        if first.get("kl_mean") != 0.0:
+            problems.append(f"step 1 kl_mean = {first.get('kl_mean')!r}, expected 0.0")
+        for row in rows:
+            for key in ("score_mean", "policy_loss"):
+                v = row.get(key)
+                if not isinstance(v, (int, float)) or not math.isfinite(v):
+                    problems.append(f"step {row.get('step')} {key} = {v!r}, not finite")
+        s_per_step = statistics.median(float(r["step_seconds"]) for r in rows)
+    try:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(out / "policy")
+        with torch.no_grad():
+            logits = model(input_ids=torch.arange(4, 12).unsqueeze(0)).logits
+        if not torch.isfinite(logits).all():
+            problems.append("policy/ gives non-finite logits")
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
+        problems.append(f"policy/ does not load: {type(exc).__name__}: {exc}")
+
+if any(c is not None for c, _ in peaks):
+    peak = f"{max(c or 0 for c, _ in peaks) / 2**20:.0f} MiB CUDA alloc"
+else:
+    peak = f"{max(r for _, r in peaks) / 2**20:.0f} MiB max RSS"
+status = "pass" if not problems else "FAIL"
+sps = f"{s_per_step:.3f}" if math.isfinite(s_per_step) else "-"
+for p in problems:
+    print("gpu_check: FAIL:", p)
+print(f"gpu_check: {mode}: {len(rcs)} process(es), {sps} s/step (median), peak {peak}: {status}")
+with open(table, "a") as f:
+    f.write(f"{mode}\t{sps}\t{peak}\t{status}\n")
+sys.exit(0 if not problems else 1)
+PYEOF
+
+cat > "$WORK/fsdp_shard_check.py" <<'PYEOF'
+"""One-process FSDP2 check, run under torchrun --nproc-per-node 1 (argv[1]: cuda or cpu).
+
+pyppo.distributed.wrap is the identity with one process, so this applies its FSDP2 branch itself
+(fully_shard on every transformer block, then on the LogprobHead root) in a 1-rank process group
+(NCCL on cuda, gloo on cpu), and runs what the trainer runs through a sharded policy: sampling
+(synced_gpus), a bf16-autocast log-prob forward (compared with an unsharded twin), the PPO policy
+loss backward, an AdamW step and the full-state-dict gather of pyppo.checkpoint.training_state.
+Covers: FSDP2 hooks, DTensor parameters and the gathers on this device with pyppo's ops and
+autocast. Not covered: several ranks (real reduce-scatter, cross-rank reductions); those are in
+tests/test_distributed.py (gloo, CPU) and, on >= 2 GPUs, the fsdp step's trainer run.
+"""
+import copy, os, sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, "tests")
+from tiny_models import tiny_causal_lm
+
+from pyppo import checkpoint, distributed
+from pyppo.buffer import RolloutBuffer
+from pyppo.config import PPOConfig
+from pyppo.forward import LogprobHead, autocast
+from pyppo.ops import ppo_policy_loss
+from pyppo.rollout import generation_config
+
+kind = sys.argv[1]
+if kind == "cuda":
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+assert dist.get_world_size() == 1, "run with --nproc-per-node 1"
+bf16 = torch.bfloat16
+problems = []
+
+model = tiny_causal_lm(seed=0).to(device)
+twin = copy.deepcopy(model)  # unsharded, for comparing log-probs
+head = LogprobHead(model, temperature=1.0, dtype=bf16)
+twin_head = LogprobHead(twin, temperature=1.0, dtype=bf16)
+start = {n: p.detach().cpu().clone() for n, p in head.named_parameters()}
+
+# pyppo.distributed.wrap(head, world, fsdp=True) with several ranks: these two steps.
+blocks = distributed._block_classes(head)
+layers = [m for m in head.modules() if type(m).__name__ in blocks]
+for layer in layers:
+    fully_shard(layer)
+fully_shard(head)
+params = list(head.parameters())
+n_dtensor = sum(type(p).__name__ == "DTensor" for p in params)
+if not layers or not distributed.is_sharded(head) or n_dtensor != len(params):
+    problems.append(f"not sharded: {len(layers)} blocks, {n_dtensor}/{len(params)} DTensor parameters")
+
+# A batch: left-padded prompts, right-padded responses of lengths 8, 5, 3, 1 (EOS = pad = 2).
+g = torch.Generator().manual_seed(0)
+B, P, T = 4, 6, 8
+query_ids = torch.randint(4, 99, (B, P), generator=g)
+query_mask = torch.ones(B, P, dtype=torch.bool)
+for i in range(B):
+    query_mask[i, :i] = False
+    query_ids[i, :i] = 2
+response_mask = torch.arange(T) < torch.tensor([8, 5, 3, 1]).unsqueeze(1)
+response_ids = torch.where(response_mask, torch.randint(4, 99, (B, T), generator=g), torch.full((B, T), 2))
+mb = RolloutBuffer(query_ids=query_ids, query_mask=query_mask, response_ids=response_ids,
+                   response_mask=response_mask).to(device)
+
+# Sampling through the sharded head, as the trainer's rollout does.
+gen = generation_config(PPOConfig(max_new_tokens=4), eos_token_id=2, pad_token_id=2)
+head.eval()
+with torch.no_grad(), autocast(device, bf16):
+    seqs = head(None, sample=(mb.query_ids, mb.query_mask, gen, {"synced_gpus": True}))
+if seqs.shape[0] != B or not P < seqs.shape[1] <= P + 4:
+    problems.append(f"sampled sequences have shape {tuple(seqs.shape)}")
+
+head.train()
+with autocast(device, bf16):
+    logprobs, entropy = head(mb, True)
+    with torch.no_grad():
+        twin_logprobs, _ = twin_head(mb, True)
+diff = float((logprobs.detach() - twin_logprobs).abs().max())
+if not (torch.isfinite(logprobs).all() and torch.isfinite(entropy).all()):
+    problems.append("non-finite log-probs or entropy")
+if not diff <= 2e-2:
+    problems.append(f"sharded log-probs differ from the unsharded twin's by {diff:.3g}")
+advantages = torch.randn(B, T, generator=g).to(device) * mb.response_mask
+loss, _ = ppo_policy_loss(logprobs, logprobs.detach(), advantages, mb.response_mask)
+loss.backward()
+grads = [p.grad for p in head.parameters() if p.grad is not None]
+local = [gr.to_local() if hasattr(gr, "to_local") else gr for gr in grads]
+if len(grads) != len(params) or not all(torch.isfinite(x).all() for x in local):
+    problems.append(f"gradients: {len(grads)}/{len(params)} present, finite: {all(torch.isfinite(x).all() for x in local)}")
+opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+opt.step()
+
+weights, opt_state = checkpoint.training_state(head, opt, prefix="model.")
+names = {n[len("model."):] for n in start}
+if set(weights) != names:
+    problems.append(f"full state dict has {len(weights)} weights, expected {len(names)}")
+bad = [n for n, w in weights.items() if w.shape != start["model." + n].shape or not torch.isfinite(w).all()]
+moved = sum(not torch.equal(w.float(), start["model." + n].float()) for n, w in weights.items() if n not in bad)
+if bad:
+    problems.append(f"{len(bad)} gathered weights with a wrong shape or non-finite values, e.g. {bad[0]}")
+if moved < len(weights) // 2:
+    problems.append(f"the AdamW step moved only {moved}/{len(weights)} weights")
+moments = [v for st in opt_state.get("state", {}).values() for v in st.values()
+           if isinstance(v, torch.Tensor) and v.numel() > 1]
+if not moments or not all(torch.isfinite(v).all() for v in moments):
+    problems.append(f"optimizer state: {len(moments)} moment tensors, finite: {all(torch.isfinite(v).all() for v in moments)}")
+
+dist.destroy_process_group()
+for p in problems:
+    print("gpu_check: FAIL:", p)
+print(f"gpu_check: FSDP2 shard check on {device}: {len(layers)} blocks + root sharded, {n_dtensor} DTensor "
+      f"params; log-prob max |diff| vs unsharded {diff:.2g}; loss {float(loss):.4f}; AdamW moved "
+      f"{moved}/{len(weights)} gathered weights: {'pass' if not problems else 'FAIL'}")
+sys.exit(1 if problems else 0)
+PYEOF
+}
+
+# run_logged STEP LOG LIMIT CMD...: CMD under timeout, its output in LOG; prints the gpu_check
+# lines, or the log's tail on failure. Returns CMD's status (124 = timed out).
+run_logged() {
+  local step=$1 log=$2 limit=$3; shift 3
+  local rc
+  timeout -k 10 "$limit" "$@" > "$log" 2>&1
+  rc=$?
+  if [ "$rc" -ne 0 ]; then tail -n 60 "$log"; else grep '^gpu_check' "$log"; fi
+  [ "$rc" -eq 124 ] && echo "gpu_check: $step: timed out after $limit s"
+  return "$rc"
+}
+
+TRAIN_FLAGS=(--model "$WORK/model" --reward "$WORK/reward.py:reward" --prompts "$WORK/prompts.jsonl"
+             --device "$DEVICE" --dtype bfloat16 --batch-size 8 --mini-batch-size 4 --ppo-epochs 1
+             --max-new-tokens 16 --save-every 3)
+# shellcheck disable=SC2206
+EXTRA_FLAGS=($TRAIN_ARGS)
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+# train_step STEP MODE LIMIT [flags...]: one checked pyppo train run, 3 steps.
+train_step() {
+  local step=$1 mode=$2 limit=$3; shift 3
+  local t s0 rc
+  t=$(cap "$limit")
+  if [ "$t" -lt 20 ]; then record "$step" TIMEOUT 0 "under 20 s left of the $BUDGET s budget"; NEW_FAIL=1; return; fi
+  stamp "${LABEL[$step]} (pyppo train --device $DEVICE --dtype bfloat16 --steps 3 $*; timeout $t s)"
+  s0=$(date +%s)
+  run_logged "$step" "$WORK/$step.log" "$t" $PY "$WORK/train_and_check.py" "$mode" "$WORK/run_$step" 3 "$TABLE" \
+    -- "${TRAIN_FLAGS[@]}" "$@" ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"}
+  rc=$?
+  [ -n "${OUT:-}" ] && [ -f "$WORK/run_$step/metrics.jsonl" ] && mkdir -p "$OUT" \
+    && cp "$WORK/run_$step/metrics.jsonl" "$OUT/train_${step}_metrics.jsonl"
+  if [ "$rc" -eq 0 ]; then record "$step" pass $(( $(date +%s) - s0 )) "$(grep -o '[0-9.]* s/step.*peak [^:]*' "$WORK/$step.log" | tail -n 1)"
+  elif [ "$rc" -eq 124 ]; then record "$step" TIMEOUT $(( $(date +%s) - s0 )) "limit $t s"; NEW_FAIL=1; printf '%s\t-\t-\tTIMEOUT\n' "$mode" >> "$TABLE"
+  else record "$step" FAIL $(( $(date +%s) - s0 )) "exit status $rc (log above)"; NEW_FAIL=1
+       grep -q "^$mode"$'\t' "$TABLE" || printf '%s\t-\t-\tFAIL\n' "$mode" >> "$TABLE"; fi
+  stamp "${LABEL[$step]}: ${STATUS[$step]}"
+}
+
+if wants train || wants lora || wants fsdp; then
+  stamp "fixture (tiny random Llama, reward, prompts in $WORK)"
+  write_helpers
+  t=$(cap 60)
+  if [ "$t" -lt 20 ]; then
+    for s in train lora fsdp; do wants $s && record $s TIMEOUT 0 "under 20 s left of the $BUDGET s budget"; done
+    NEW_FAIL=1
+    STEPS=""
+  elif ! run_logged fixture "$WORK/fixture.log" "$t" $PY "$WORK/fixture.py" "$WORK"; then
+    for s in train lora fsdp; do wants $s && record $s FAIL 0 "the tiny model fixture failed"; done
+    NEW_FAIL=1
+    STEPS=""
+  fi
+fi
+
+# ---- 4. bf16 training run -------------------------------------------------------------------
+wants train && train_step train "bf16" 120
+# ---- 5. bf16 LoRA training run --------------------------------------------------------------
+wants lora && train_step lora "bf16 LoRA r8" 120 --lora-rank 8
+
+# ---- 6. FSDP2 smoke test --------------------------------------------------------------------
+if wants fsdp; then
+  if [ -n "${GPU_CHECK_NPROC:-}" ]; then NPROC=$GPU_CHECK_NPROC
+  elif [ "$DEVICE" = cuda ] && [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then NPROC=2
+  else NPROC=1; fi
+  TORCHRUN=($PY -m torch.distributed.run --standalone --nproc-per-node)
+  s0=$(date +%s); parts=""; ok=1; timed_out=0
+  t=$(cap 150)
+  if [ "$t" -lt 20 ]; then
+    ok=0; timed_out=1; parts="trainer: no time"
+  else
+    stamp "FSDP smoke (a): torchrun --nproc-per-node $NPROC pyppo train --fsdp --lora-rank 8 --steps 2 (timeout $t s)"
+    run_logged fsdp "$WORK/fsdp_train.log" "$t" "${TORCHRUN[@]}" "$NPROC" "$WORK/train_and_check.py" \
+      "FSDP LoRA ${NPROC}p" "$WORK/run_fsdp" 2 "$TABLE" -- "${TRAIN_FLAGS[@]}" --fsdp --lora-rank 8 \
+      ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"}
+    rc=$?
+    [ -n "${OUT:-}" ] && [ -f "$WORK/run_fsdp/metrics.jsonl" ] && mkdir -p "$OUT" \
+      && cp "$WORK/run_fsdp/metrics.jsonl" "$OUT/train_fsdp_metrics.jsonl"
+    if [ "$rc" -eq 0 ]; then parts="trainer ${NPROC}p pass"
+    else ok=0; [ "$rc" -eq 124 ] && timed_out=1; parts="trainer ${NPROC}p exit $rc"
+         grep -q "^FSDP LoRA ${NPROC}p"$'\t' "$TABLE" || printf '%s\t-\t-\tFAIL\n' "FSDP LoRA ${NPROC}p" >> "$TABLE"; fi
+  fi
+  t=$(cap 90)
+  if [ "$t" -lt 20 ]; then
+    ok=0; timed_out=1; parts="$parts, shard check: no time"
+  else
+    stamp "FSDP smoke (b): one-process fully_shard check on $DEVICE (timeout $t s)"
+    run_logged fsdp "$WORK/fsdp_shard.log" "$t" "${TORCHRUN[@]}" 1 "$WORK/fsdp_shard_check.py" "$DEVICE"
+    rc=$?
+    if [ "$rc" -eq 0 ]; then parts="$parts, 1-rank shard check pass"
+    else ok=0; [ "$rc" -eq 124 ] && timed_out=1; parts="$parts, 1-rank shard check exit $rc"; fi
+  fi
+  if [ "$ok" -eq 1 ]; then record fsdp pass $(( $(date +%s) - s0 )) "$parts"
+  elif [ "$timed_out" -eq 1 ]; then record fsdp TIMEOUT $(( $(date +%s) - s0 )) "$parts"; NEW_FAIL=1
+  else record fsdp FAIL $(( $(date +%s) - s0 )) "$parts"; NEW_FAIL=1; fi
+  stamp "FSDP smoke: ${STATUS[fsdp]}"
+fi
+
+stamp "done: tests $TEST_RC, benchmark $BENCH_RC, training/FSDP $([ "$NEW_FAIL" -eq 0 ] && echo pass || echo FAIL)"
+if [ "$TEST_RC" -ne 0 ]; then finish "$TEST_RC"; fi
+if [ "$BENCH_RC" -ne 0 ]; then finish "$BENCH_RC"; fi
+if [ "$NEW_FAIL" -ne 0 ]; then finish 4; fi
+finish 0
