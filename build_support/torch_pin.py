@@ -17,6 +17,7 @@ DEPENDENCIES = [
     "numpy",
     "transformers>=4.46",
     "accelerate",
+    "peft>=0.13",  # LoRA adapters (lora_rank)
     "gguf",
     "vaderSentiment",
     "tqdm",

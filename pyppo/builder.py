@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from . import models, prompts as prompt_sets, rewards
-from .config import PPOConfig, resolve_device
+from .config import PPOConfig
+from .distributed import local_device
 from .trainer import PPOTrainer
 
 __all__ = ["check_sources", "build_trainer"]
@@ -22,7 +23,7 @@ def check_sources(model: str, reward: str, prompts: Optional[str], device: str):
     models.resolve_model_source(model)
     prompt_list = prompt_sets.load_prompts(prompts) if prompts else list(prompt_sets.DEFAULT_PROMPTS)
     try:
-        reward_fn = rewards.load_reward(reward, device=resolve_device(device))
+        reward_fn = rewards.load_reward(reward, device=local_device(device))
     except (AttributeError, TypeError) as exc:  # "module:function" naming a missing or non-callable attribute
         raise ValueError(str(exc)) from None
     return reward_fn, prompt_list

@@ -23,7 +23,7 @@ from torch import nn
 from .config import resolve_device
 from .ops import masked_whiten
 
-__all__ = ["World", "join", "wrap", "unwrap", "is_sharded", "gradient_sync", "full_state_dict",
+__all__ = ["World", "local_device", "join", "wrap", "unwrap", "is_sharded", "gradient_sync", "full_state_dict",
            "all_sum", "reduce_metrics", "whiten", "explained_variance", "barrier", "gather_objects"]
 
 
@@ -46,6 +46,19 @@ class World:
         return self.size > 1
 
 
+def local_device(device: str) -> torch.device:
+    """``device`` resolved for this process: under torchrun a CUDA device is ``cuda:LOCAL_RANK``
+    (one GPU per rank).
+
+    Raises:
+        ValueError: a CUDA device is asked for and none is available.
+    """
+    device_ = resolve_device(device)
+    if device_.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device_
+
+
 def join(device: str) -> World:
     """The :class:`World` of this process, joining torchrun's process group when there is one.
 
@@ -59,12 +72,11 @@ def join(device: str) -> World:
     """
     import torch.distributed as dist
 
-    device_ = resolve_device(device)
+    device_ = local_device(device)
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_available() or (size <= 1 and not dist.is_initialized()):
         return World(0, 1, device_)
     if device_.type == "cuda":
-        device_ = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device_)
     backend = "nccl" if device_.type == "cuda" else "gloo"
     if not dist.is_initialized():

@@ -76,6 +76,41 @@ class StepResult:
         return iter((self.metrics, self.batch))
 
 
+def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module], value_model: Optional[nn.Module],
+                   device: torch.device) -> tuple:
+    """``(policy, reference or None, value model)`` on ``device``, as ``c`` asks: the reference a
+    frozen copy of the policy (none with LoRA: the adapters are disabled instead), the value model
+    a copy of the policy's backbone with a scalar head (taken before any adapter is added), LoRA,
+    dropout off, gradient checkpointing.
+
+    Raises:
+        ValueError: ``value_lora`` without a value model that has a ``.backbone``; a model that
+            cannot checkpoint; ``lora_target_modules`` matching nothing.
+    """
+    from .models import ValueModel, make_reference
+
+    policy = policy.to(device)
+    ref = None
+    if not c.lora_rank:
+        ref = (ref_policy if ref_policy is not None else make_reference(policy)).to(device)
+        ref.requires_grad_(False).eval()
+    value_model = (value_model if value_model is not None else ValueModel.from_causal_lm(policy)).to(device)
+    if c.lora_rank:
+        policy = add_lora(policy, rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_target_modules)
+    if c.value_lora:
+        if not isinstance(getattr(value_model, "backbone", None), nn.Module):
+            raise ValueError("value_lora needs a value model with a .backbone module (a pyppo ValueModel)")
+        value_model.backbone = add_lora(value_model.backbone, rank=c.lora_rank, alpha=c.lora_alpha,
+                                        targets=c.lora_target_modules)
+    if c.disable_dropout:
+        disable_dropout(policy)
+        disable_dropout(value_model)
+    if c.gradient_checkpointing:
+        enable_gradient_checkpointing(policy, "policy")
+        enable_gradient_checkpointing(getattr(value_model, "backbone", value_model), "value model")
+    return policy, ref, value_model
+
+
 def enable_gradient_checkpointing(model: nn.Module, what: str) -> None:
     """Recompute ``model``'s block activations in the backward (transformers' own checkpointing,
     non-reentrant, so frozen inputs and LoRA need nothing more).
@@ -123,6 +158,13 @@ class PPOTrainer:
     holds the ``PeftModel``) and ``ref_policy`` must be ``None``. Under ``torchrun`` every rank
     builds the trainer with the same arguments.
 
+    Attributes:
+        world: this process's :class:`~pyppo.distributed.World` (rank, number of processes, device).
+        policy_module, value_module: the models as the forwards call them (DDP- or FSDP2-wrapped
+            under torchrun); ``policy`` and ``value_model`` are the models themselves.
+        base_model_source: what an adapter-only ``policy/`` names as its base (``build_trainer``
+            sets it to the ``--model`` spec); ``None`` = peft's record of the base's path.
+
     Raises:
         ValueError: a bad argument (naming it), ``config.device`` names a missing device, or a
             batch size does not divide by the number of processes.
@@ -131,8 +173,6 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module],
                  value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[str],
                  *, eval_prompts: Optional[Sequence[str]] = None):
-        from .models import ValueModel, make_reference
-
         if not isinstance(config, PPOConfig):
             raise ValueError(f"config must be a PPOConfig, got {type(config).__name__}")
         if not callable(reward_fn):
@@ -156,30 +196,8 @@ class PPOTrainer:
         np.random.seed(c.seed % 2**32)
         torch.manual_seed(c.seed)
 
-        policy = policy.to(self.device)
-        if c.lora_rank:
-            self.ref_policy = None
-        else:
-            self.ref_policy = (ref_policy if ref_policy is not None else make_reference(policy)).to(self.device)
-            self.ref_policy.requires_grad_(False).eval()
-        # The value backbone is copied before any adapter is added to the policy.
-        self.value_model = value_model if value_model is not None else ValueModel.from_causal_lm(policy)
-        self.value_model.to(self.device)
-        if c.lora_rank:
-            policy = add_lora(policy, rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_target_modules)
-        if c.value_lora:
-            if not isinstance(getattr(self.value_model, "backbone", None), nn.Module):
-                raise ValueError("value_lora needs a value model with a .backbone module (a pyppo ValueModel)")
-            self.value_model.backbone = add_lora(self.value_model.backbone, rank=c.lora_rank, alpha=c.lora_alpha,
-                                                 targets=c.lora_target_modules)
-        self.policy = policy
-        if c.disable_dropout:
-            disable_dropout(self.policy)
-            disable_dropout(self.value_model)
-        if c.gradient_checkpointing:
-            enable_gradient_checkpointing(self.policy, "policy")
-            enable_gradient_checkpointing(getattr(self.value_model, "backbone", self.value_model), "value model")
-
+        self.policy, self.ref_policy, self.value_model = prepare_models(c, policy, ref_policy, value_model,
+                                                                        self.device)
         head = LogprobHead(self.policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden,
                            dtype=self.dtype)
         # FSDP2 shards the policy in place; rank 0 keeps its structure (no weights) to export into.
@@ -220,6 +238,7 @@ class PPOTrainer:
         self.shuffle_generator = torch.Generator().manual_seed(c.seed + 1)
         self.skips = SkipPolicy(c.max_consecutive_skips)
         self.step_count = 0
+        self.base_model_source: Optional[str] = None
         if self.world.active:
             torch.manual_seed(c.seed + 1_000_003 * self.world.rank)  # each rank samples its own responses
 
@@ -271,7 +290,7 @@ class PPOTrainer:
         # FSDP2: every decode step all-gathers, so synced_gpus keeps each rank stepping until all
         # are done.
         extra = {"synced_gpus": True} if distributed.is_sharded(self.policy_module) else {}
-        with autocast(self.device, self.dtype):
+        with torch.no_grad(), autocast(self.device, self.dtype):  # no_grad: DDP then expects no backward
             sequences = self.policy_module(None, sample=(query_ids, query_mask, self.generation_config, extra))
         response_ids = sequences[:, query_ids.shape[1]:]
         response_mask, lengths, has_eos = response_mask_from_eos(response_ids, self.eos_token_id)
@@ -563,7 +582,7 @@ class PPOTrainer:
             return None
         try:
             return save_policy(model, self.tokenizer, directory, merge_lora=self.config.merge_lora,
-                               base_model=getattr(self, "base_model_source", None))
+                               base_model=self.base_model_source)
         finally:
             if self._export_replica is not None:
                 self._export_replica.to("meta")  # drop the gathered weights
