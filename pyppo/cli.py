@@ -378,7 +378,9 @@ def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _relaunch_with_torchrun(args.nproc)
-    from pyppo import checkpoint
+    import gc
+
+    from pyppo import checkpoint, distributed
     from pyppo.builder import build_trainer
     from pyppo.plotting import plot_metrics
     from pyppo.skips import NonFiniteUpdateError
@@ -416,6 +418,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 1
         raise
 
+    world = trainer.world
+    del trainer
+    gc.collect()
+    distributed.leave(world)
     if not main_rank:
         return 0
     if (output / "metrics.jsonl").is_file():

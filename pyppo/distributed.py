@@ -24,7 +24,7 @@ from .config import resolve_device
 from .ops import masked_whiten
 
 __all__ = ["World", "local_device", "join", "wrap", "unwrap", "is_sharded", "gradient_sync", "full_state_dict",
-           "all_sum", "reduce_metrics", "whiten", "explained_variance", "barrier", "gather_objects"]
+           "all_sum", "reduce_metrics", "whiten", "explained_variance", "barrier", "leave", "gather_objects"]
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,16 @@ def barrier(world: World) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def leave(world: World) -> None:
+    """Wait for every rank, then destroy the process group. Call it once the DDP/FSDP-wrapped
+    models are gone: torn down after the group, a rank's reducer can block at exit."""
+    if world.active:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def gather_objects(obj: Any, world: World) -> List[Any]:

@@ -4,6 +4,7 @@ what it got. Not a test module itself."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -46,8 +47,17 @@ def main(batch_path: str, out_path: str, fsdp: str) -> None:
         result["advantages"] = torch.cat([s["advantages"] for s in shares])
         result["returns"] = torch.cat([s["returns"] for s in shares])
         torch.save(result, out_path)
+    # The DDP/FSDP wrappers go before the process group: torn down after it, a rank's reducer
+    # was seen to block at exit.
+    torch.distributed.barrier()
+    del trainer, result
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    # A rank stuck in a collective prints every thread's stack and exits, instead of hanging the test.
+    faulthandler.dump_traceback_later(150, exit=True)
     main(*sys.argv[1:])
