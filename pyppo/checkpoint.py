@@ -24,12 +24,12 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_FILES", "save", "find", "load", "saved_step", "truncate_log", "capture_rng", "restore_rng",
+__all__ = ["CHECKPOINT_FILES", "save", "swap_in", "find", "load", "saved_step", "truncate_log", "capture_rng", "restore_rng",
            "training_state", "restore_training_state"]
 
 CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
@@ -59,6 +59,21 @@ def _backup(target: Path) -> Path:
 def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
     """Write ``payloads`` (file name -> object for ``torch.save``) as the checkpoint ``directory``,
     swapped in atomically (see the module docstring). Returns the directory."""
+    def write(tmp: Path) -> None:
+        for name, obj in payloads.items():
+            with open(tmp / name, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+    return swap_in(directory, write, _is_complete)
+
+
+def swap_in(directory: str | os.PathLike, write: Callable[[Path], None], is_complete: Callable[[Path], bool]) -> Path:
+    """The protocol of the module docstring for any directory: ``write(tmp)`` fills (and fsyncs
+    the files of) a fresh sibling temporary directory, which then replaces ``directory``;
+    ``is_complete`` tells a whole directory from debris. Used for ``checkpoint/`` and ``policy/``.
+    Returns the directory."""
     target = Path(directory)
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -67,14 +82,10 @@ def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
     try:
-        for name, obj in payloads.items():
-            with open(tmp / name, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
+        write(tmp)
         _fsync_dir(tmp)
         if target.exists():
-            if _is_complete(target) or not _is_complete(backup):
+            if is_complete(target) or not is_complete(backup):
                 shutil.rmtree(backup, ignore_errors=True)
                 os.rename(target, backup)
             else:
@@ -83,7 +94,7 @@ def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
                 shutil.rmtree(target)
             _fsync_dir(parent)
         # No <name> but a complete <name>.old: a save was killed between the two renames; that
-        # backup stays until the new checkpoint is in place.
+        # backup stays until the new directory is in place.
         os.rename(tmp, target)
         _fsync_dir(parent)
     except BaseException:

@@ -16,16 +16,13 @@ never a half-written one.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .checkpoint import _fsync_dir
+from .checkpoint import _fsync_dir, swap_in
 
 __all__ = ["save_policy"]
 
@@ -327,33 +324,12 @@ def _fsync_tree(root: Path) -> None:
 
 
 def _write_atomically(target: Path, write) -> Path:
-    """Run ``write(tmp)`` on a fresh sibling temporary directory, then swap it in as ``target``
-    (the protocol of :func:`pyppo.checkpoint.save`)."""
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    backup = parent / f"{target.name}.old"
-    for stale in parent.glob(f".{glob.escape(target.name)}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
-    try:
+    """``write(tmp)`` into a fresh sibling temporary directory, swapped in as ``target`` by
+    :func:`pyppo.checkpoint.swap_in` (the checkpoint's protocol)."""
+    def write_and_sync(tmp: Path) -> None:
         # mkdtemp makes the directory private (0700); an export is an ordinary readable directory.
         tmp.chmod(0o755)
         write(tmp)
         _fsync_tree(tmp)
-        if target.exists():
-            if _is_export(target) or not _is_export(backup):
-                shutil.rmtree(backup, ignore_errors=True)
-                os.rename(target, backup)
-            else:
-                # An incomplete <name> (not written here) beside a complete backup: keep the
-                # backup, drop the debris.
-                shutil.rmtree(target)
-            _fsync_dir(parent)
-        os.rename(tmp, target)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
-    _fsync_dir(parent)
-    return target
+
+    return swap_in(target, write_and_sync, _is_export)
