@@ -259,9 +259,13 @@ def restore_training_state(module: torch.nn.Module, optimizer: torch.optim.Optim
     known = {k[len(prefix):] for k in inner.state_dict() if k.startswith(prefix)}
     missing = sorted(set(n[len(prefix):] for n in _trained_names(inner)) - set(weights))
     unknown = sorted(set(weights) - known)
-    if missing or unknown:
+    shapes = {n[len(prefix):]: tuple(p.shape) for n, p in inner.named_parameters()}
+    resized = sorted(n for n, w in weights.items()
+                     if n in shapes and shapes[n] and tuple(w.shape) != shapes[n])  # FSDP2 shards: () skipped
+    if missing or unknown or resized:
         detail = "; ".join(f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-                           for label, names in (("lacks", missing), ("has unknown", unknown)) if names)
+                           for label, names in (("lacks", missing), ("has unknown", unknown),
+                                                ("has other shapes for", resized)) if names)
         raise ValueError(f"the checkpoint's {what} weights do not match this run's trained weights: {detail} "
                          "(was it written with other lora_rank / value_lora settings?)")
     weights = {prefix + k: v for k, v in weights.items()}

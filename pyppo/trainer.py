@@ -227,6 +227,10 @@ class PPOTrainer:
         self.sampler = PromptSampler(prompts, c.seed)
         self.eval_prompts = list(eval_prompts or [])
 
+        for what, model in (("policy", self.policy), ("value model", self.value_model)):
+            if not any(p.requires_grad for p in model.parameters()):
+                raise ValueError(f"the {what} has no trainable parameter (lora_target_modules = "
+                                 f"{c.lora_target_modules!r}, lora_rank = {c.lora_rank})")
         adamw = dict(eps=c.adam_eps, weight_decay=c.weight_decay)
         self.policy_optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad],
                                                   lr=c.lr, **adamw)

@@ -110,6 +110,15 @@ def test_a_lora_checkpoint_does_not_load_into_a_full_fine_tune(tmp_path):
     assert all(torch.equal(before[n], p) for n, p in full.policy.named_parameters())
 
 
+def test_a_checkpoint_of_another_lora_rank_is_refused_before_anything_changes(tmp_path):
+    make_trainer(lora_config(steps=1, lora_rank=4)).save_checkpoint(tmp_path / "ckpt")
+    other = make_trainer(lora_config(steps=1, lora_rank=8))
+    before = {n: p.detach().clone() for n, p in other.policy.named_parameters()}
+    with pytest.raises(ValueError, match="has other shapes for"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(before[n], p) for n, p in other.policy.named_parameters())
+
+
 def test_ref_policy_with_lora_is_refused():
     with pytest.raises(ValueError, match="ref_policy must be None with lora_rank > 0"):
         make_trainer(lora_config(), ref=tiny_causal_lm(seed=0))
