@@ -390,12 +390,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
     trainer = build_trainer(config, **run, before_loading=lambda: say(f"pyppo: loading {run['model']} ..."))
+    # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
+    if resume_dir is not None:
+        trainer.load_checkpoint(resume_dir / "checkpoint")
     created = not output.exists()
     if main_rank:
         output.mkdir(parents=True, exist_ok=True)
         write_resolved_config(output / "config.toml", run, config)
-    if resume_dir is not None:
-        trainer.load_checkpoint(resume_dir / "checkpoint")
     try:
         trainer.train(output)
     except BaseException as exc:

@@ -396,6 +396,7 @@ def _load_adapter_dir(adapter_dir: Path, source: str, *, dtype, device, cache_di
         raise OSError(f"model {source!r}: could not load the LoRA adapter from {adapter_dir} "
                       f"(base model {base!r}): {exc}") from exc
     model = peft_model.merge_and_unload()
+    model.requires_grad_(True)  # peft froze the base; merged, it is an ordinary model to train
     return _finish(model, tokenizer, source, device)
 
 

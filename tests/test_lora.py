@@ -140,6 +140,7 @@ def test_policy_export_merges_or_keeps_the_adapter(tmp_path, merge):
     out = tmp_path / "run" / "policy"
     assert (out / "adapter_config.json").is_file() is not merge
     model = (AutoModelForCausalLM.from_pretrained(out) if merge else load_model_and_tokenizer(out)[0])
+    assert all(p.requires_grad for p in model.parameters())  # trainable, as any loaded model
     assert AutoTokenizer.from_pretrained(out).eos_token_id == tr.eos_token_id
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
