@@ -308,10 +308,6 @@ class PPOConfig:
 
     # -- derived values
     @property
-    def effective_micro_batch_size(self) -> int:
-        return self.micro_batch_size if self.micro_batch_size is not None else self.mini_batch_size
-
-    @property
     def effective_cliprange_high(self) -> float:
         return self.cliprange_high if self.cliprange_high is not None else self.cliprange
 
