@@ -30,6 +30,13 @@ Output: the table on stdout (last), and ``bench-YYYYMMDD-HHMMSS.json`` plus a ``
 sweeps in ``--output DIR`` (default: the current directory), or the JSON at ``--json FILE``.
 Exit status: 0; 1 when an op disagreed with its reference; 2 on a usage error; 3 with
 ``--check-targets`` when a target was missed.
+
+``--peer verl|openrlhf|trl|all`` times the installed peer library's own functions against
+pyppo's drop-in adapters (:mod:`pyppo.integrations`) instead, at the peer's typical shapes, and
+checks that both return the same values (:mod:`pyppo.bench.peers`; the rows:
+:mod:`pyppo.bench.peer_cases`). JSON: ``bench-peer-<peer>-YYYYMMDD-HHMMSS.json``. ``--ops`` then
+names peer functions; ``--check-targets`` exits 3 when an adapter is slower than its peer.
+A peer that is not installed is exit status 2, with the pip command that installs it.
 """
 
 from __future__ import annotations
@@ -43,14 +50,18 @@ from .memory import quiet_stderr
 __all__ = ["add_arguments", "run", "quiet_stderr"]
 
 SUITE_CHOICES = ("ops", "gpu", "memory", "all")
+PEER_CHOICES = ("verl", "openrlhf", "trl", "all")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``pyppo bench`` options to ``parser``."""
-    parser.add_argument("--suite", choices=SUITE_CHOICES, default="ops",
+    parser.add_argument("--suite", choices=SUITE_CHOICES, default=None,
                         help="ops (default): every op against its eager peers and its floor; gpu: CUDA only, "
                              "GPU-sized batches against copy bandwidth; memory: peak memory of the log-prob ops "
                              "at large N; all: every suite (gpu only where CUDA is)")
+    parser.add_argument("--peer", choices=PEER_CHOICES, default=None,
+                        help="instead of a suite: the installed peer library's own functions against pyppo's "
+                             "drop-in adapters (pyppo.integrations), side by side, with a check that both agree")
     parser.add_argument("--quick", action="store_true",
                         help="the same shapes with fewer repeats and short sweeps (= --sizes quick; "
                              "about a minute for the ops suite on 2 cores)")
@@ -60,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where bench-YYYYMMDD-HHMMSS.json/.png go (default: the current directory)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="write the JSON to FILE instead (the PNG, if any, beside it)")
-    parser.add_argument("--ops", metavar="OP[,OP...]", default=None, help="only the cases of these ops")
+    parser.add_argument("--ops", metavar="OP[,OP...]", default=None,
+                        help="only the cases of these ops (with --peer: of these peer functions)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto (default): CPU, plus CUDA when available and pyppo was built with it")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: torch's)")
@@ -127,12 +139,16 @@ def run(args: argparse.Namespace) -> int:
     from .table import format_table
 
     sizes = _sizes(args)
+    if args.peer is not None and args.suite is not None:
+        raise ValueError("--peer and --suite: choose one")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    if args.peer is not None:
+        return _run_peer(args, sizes)
     devices = _devices(args.device)
-    suites = [suite(name, sizes) for name in _suite_names(args.suite, devices)]
+    suites = [suite(name, sizes) for name in _suite_names(args.suite or "ops", devices)]
     ops = _ops(args.ops)
     if args.memory in ("rss", "both") and not rss_available():
         raise ValueError("--memory rss needs Linux /proc/self/clear_refs; use --memory alloc")
@@ -152,4 +168,34 @@ def run(args: argparse.Namespace) -> int:
             status = 3
     print()
     print(format_table(result))  # last, so that a log's tail shows it
+    return status
+
+
+def _run_peer(args: argparse.Namespace, sizes: str) -> int:
+    from .memory import rss_available
+    from .peers import format_peer_table, function_filter, resolve_peers, run_peers, write_peer_json
+
+    peers, skipped = resolve_peers(args.peer)
+    functions = function_filter(args.ops, peers)
+    devices = _devices(args.device)
+    if args.memory in ("rss", "both") and not rss_available():
+        raise ValueError("--memory rss needs Linux /proc/self/clear_refs; use --memory alloc")
+    for line in skipped:
+        print(f"pyppo bench: {line}", file=sys.stderr, flush=True)
+    result = run_peers(peers, devices, sizes=sizes, functions=functions, memory=args.memory, seed=args.seed)
+    result["skipped"] = skipped
+    json_path = write_peer_json(result, Path(args.output or ".").expanduser(),
+                                Path(args.json).expanduser() if args.json else None)
+    print(f"wrote {json_path}", flush=True)
+    status = 0
+    for r in result["rows"]:
+        if not r.get("agree", False):
+            why = r.get("error") or r.get("mismatch") or f"error {r['max_error']:.3g} > {r['tol']:g}"
+            print(f"pyppo bench: {r['peer']} {r['function']} {r['mode']} {r['shape_str']} {r['device']}: "
+                  f"pyppo's adapter disagrees with the peer ({why})", file=sys.stderr, flush=True)
+            status = 1
+    if args.check_targets and status == 0 and any(r["speedup"] < 1.0 for r in result["rows"]):
+        status = 3
+    print()
+    print(format_peer_table(result))  # last, so that a log's tail shows it
     return status

@@ -1,0 +1,372 @@
+"""What ``pyppo bench --peer`` times: each peer function, called the way the peer's trainer calls
+it, at the peer's typical shapes, next to the pyppo adapter of the same name and signature
+(:mod:`pyppo.integrations`).
+
+Shapes (``full``): the ``[B, T]`` functions (GAE, KL, rewards, whitening, masked means, losses) on
+``[256, 2048]`` float32 rollouts whose masks have right padding and observation-token holes
+(:func:`~pyppo.bench.inputs.response_mask`); log-probs and entropy on ``[8, 1024, 151936]``
+bfloat16 logits (a Qwen vocabulary), or fewer rows when the peers' own temporaries would not fit
+in the memory available (:func:`logits_shape`). ``quick``: ``[64, 1024]`` and ``[1, 512, 151936]``;
+``tiny``: ``[4, 32]`` and ``[2, 8, 1000]``.
+
+Masks are int64, as both veRL (``attention_mask`` slices) and OpenRLHF (``action_mask``) hold them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .case import Inputs
+from .inputs import bt_inputs, nbytes
+
+__all__ = ["PeerCase", "PEERS", "PINS", "SHAPES", "cases", "functions", "logits_shape", "input_sets",
+           "clear_inputs", "peer_available", "import_peer", "install_flash_attn_stub", "flash_attn_state"]
+
+PEERS = ("verl", "openrlhf", "trl")
+
+#: The releases the adapters reproduce, and how to install each without its GPU-only dependencies.
+PINS = {
+    "verl": ("verl", "0.9.1", "pip install --no-deps verl==0.9.1"),
+    "openrlhf": ("openrlhf", "0.11.2", "pip install --no-deps openrlhf==0.11.2 deepspeed==0.19.6"),
+    "trl": ("trl", "1.16.0", "pip install --no-deps trl==1.16.0"),
+}
+
+F32, BF16 = torch.float32, torch.bfloat16
+QWEN_VOCAB = 151936
+SHAPES = {  # sizes -> (rollout [B, T], logits [B, T, V])
+    "full": ((256, 2048), (8, 1024, QWEN_VOCAB)),
+    "quick": ((64, 1024), (1, 512, QWEN_VOCAB)),
+    "tiny": ((4, 32), (2, 8, 1000)),
+}
+
+# Peak bytes the hungriest peer call needs beyond its logits, per byte of logits: veRL's
+# entropy_from_logits forward+backward (softmax, softmax * logits and their gradients, the logits'
+# gradient) was measured at ~6x on [1, 1024, 151936] bf16; 1.5 more for the inputs and the
+# outputs held for the check.
+_LOGITS_PEAK_FACTOR = 7.5
+_PROCESS_BYTES = 2 * 2**30  # the peers' imports, the rollout inputs, the allocator's slack
+
+
+@dataclass(frozen=True)
+class PeerCase:
+    """One row: ``call(fn, inputs)`` runs the peer function or its adapter ``fn``; in ``fwd+bwd``
+    mode the outputs that require grad are back-propagated too, and the gradients of ``wrt``
+    are part of what the check compares."""
+
+    peer: str
+    module: str  # the peer's defining module
+    name: str  # the function's name there (and the adapter's)
+    mode: str  # "fwd" | "fwd+bwd"
+    kind: str  # "rollout" | "logits": which inputs
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    call: Callable[[Callable, Inputs], Any]
+    args: str  # the arguments beyond the tensors, as the table prints them
+    reads: tuple[str, ...]  # the inputs it reads: what "extra memory %" is relative to
+    wrt: tuple[str, ...] = ()
+    # Back-propagate only the first output (a loss), as the trainer does: the losses' metrics
+    # (veRL's ppo_kl) may carry a graph in the peer and none in the adapter.
+    loss_first: bool = False
+
+    @property
+    def shape_str(self) -> str:
+        return "x".join(str(s) for s in self.shape)
+
+    @property
+    def dtype_str(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+    @property
+    def tol(self) -> float:
+        """Allowed max |pyppo - peer| / max(1, max |peer|). In bf16 the peers round every
+        intermediate (log_softmax, softmax * logits) to bf16: against float64 their entropies
+        were measured up to 3 ulps off (0.17 at ~10) where the adapters are within half an ulp,
+        so the bound is ~5 ulps of the output's magnitude (an ulp is 2^-8..2^-7 of it)."""
+        return 4e-2 if self.dtype == BF16 else 1e-4
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def _rollout(shape, dtype, device, seed) -> Inputs:
+    inp = bt_inputs(shape, dtype, device, seed)
+    g = _gen(seed + 7919)
+    B, T = shape
+    lp, values = inp["logprobs"].cpu(), inp["values"].cpu()
+    more = {
+        "old_logprobs": lp + 0.05 * torch.randn(B, T, generator=g),
+        "advantages": torch.randn(B, T, generator=g),
+        "returns": values + 0.5 * torch.randn(B, T, generator=g),
+        "vpreds": values + 0.3 * torch.randn(B, T, generator=g),
+        "kl": lp - inp["ref_logprobs"].cpu(),
+        "grad": torch.randn(B, T, generator=g),
+    }
+    inp.update({k: v.to(dtype).to(device) for k, v in more.items()})
+    inp["mask"] = inp["mask"].long()
+    return inp
+
+
+def _logits(shape, dtype, device, seed) -> Inputs:
+    g = _gen(seed)
+    *lead, V = shape
+    logits = torch.empty(shape, dtype=dtype)
+    # Row blocks, so that drawing 1.2G bf16 logits does not need a float32 copy of them all.
+    for rows in logits.view(-1, V).split(max(1, 2**24 // V)):
+        rows.copy_(torch.randn(rows.shape, generator=g) * 2.0)
+    return {
+        "logits": logits.to(device),
+        "labels": torch.randint(0, V, tuple(lead), generator=g).to(device),
+        "grad": torch.randn(tuple(lead), generator=g).to(device),
+    }
+
+
+_MAKERS = {"rollout": _rollout, "logits": _logits}
+_CACHE: dict[tuple, Inputs] = {}
+
+
+def clear_inputs() -> None:
+    _CACHE.clear()
+
+
+def _base(kind: str, shape, dtype, device, seed) -> Inputs:
+    key = (kind, tuple(shape), dtype, str(device), seed)
+    if key not in _CACHE:
+        if kind == "logits":  # one logits tensor at a time: at full size each is gigabytes
+            for k in [k for k in _CACHE if k[0] == "logits"]:
+                del _CACHE[k]
+        _CACHE[key] = _MAKERS[kind](shape, dtype, device, seed)
+    return _CACHE[key]
+
+
+def input_sets(case: PeerCase, device: torch.device, seed: int, cache_bytes: int, max_sets: int = 64) -> list[Inputs]:
+    """The case's input sets, enough to span twice ``cache_bytes`` (see :mod:`pyppo.bench.timing`).
+    The tensors in ``case.wrt`` are fresh leaves that require grad, sharing the cached storage,
+    so cases of one peer (and of the next) reuse one draw of the inputs."""
+    first = _base(case.kind, case.shape, case.dtype, device, seed)
+    per_set = max(1, nbytes(*case.reads)(first))
+    wanted = min(max_sets, max(1, -(-2 * cache_bytes // per_set)))
+    sets = []
+    for i in range(wanted):
+        inp = dict(_base(case.kind, case.shape, case.dtype, device, seed + i))
+        for name in case.wrt:
+            inp[name] = inp[name].detach().requires_grad_(True)
+        sets.append(inp)
+    return sets
+
+
+def logits_shape(sizes: str, device: torch.device) -> tuple[tuple[int, ...], str]:
+    """The logits shape for ``sizes``, and why it is not the peers' typical one ('' if it is):
+    at ``full``, B halves from 8 until the peers' peak fits in the memory available."""
+    B, T, V = SHAPES[sizes][1]
+    if sizes != "full":
+        return (B, T, V), ""
+    available = _available_bytes(device)
+    if available is None:
+        return (B, T, V), ""
+    need = lambda b: _LOGITS_PEAK_FACTOR * b * T * V * 2 + _PROCESS_BYTES  # noqa: E731
+    b = B
+    while b > 1 and need(b) > available:
+        b //= 2
+    if b == B:
+        return (B, T, V), ""
+    return (b, T, V), (f"B={b}, not {B}: the peers' peak at B={B} would be ~{need(B) / 2**30:.0f} GiB, "
+                       f"{available / 2**30:.0f} GiB available")
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# --------------------------------------------------------------------------- flash-attn
+
+
+_FLASH_ATTN_NAMES = {
+    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
+    "flash_attn.utils.distributed": ("all_gather",),
+}
+
+
+def _unavailable(name: str):
+    def fn(*args, **kwargs):
+        raise NotImplementedError(f"{name}: flash-attn is not installed (pyppo bench put a stub in its place)")
+
+    fn.__name__ = name.rsplit(".", 1)[-1]
+    return fn
+
+
+def install_flash_attn_stub() -> bool:
+    """OpenRLHF's ``openrlhf.models`` imports ``flash_attn`` at module level, and flash-attn does
+    not install on a machine without CUDA. Unless a real one is importable, put a stub that binds
+    only those names in ``sys.modules``: OpenRLHF's ``log_probs_from_logits`` then finds no
+    ``flash_attn.ops.triton.cross_entropy`` and takes its torch path, which is what OpenRLHF
+    runs without flash-attn. Returns True when a stub is (now) in place."""
+    if "flash_attn" in sys.modules:
+        return bool(getattr(sys.modules["flash_attn"], "__pyppo_stub__", False))
+    if importlib.util.find_spec("flash_attn") is not None:
+        return False
+    packages = {"flash_attn", "flash_attn.utils"}
+    for name in sorted(packages | set(_FLASH_ATTN_NAMES)):
+        mod = types.ModuleType(name)
+        # transformers probes find_spec("flash_attn") and rejects a module without a spec.
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name in packages)
+        if name in packages:
+            mod.__path__ = []
+        mod.__pyppo_stub__ = True
+        for attr in _FLASH_ATTN_NAMES.get(name, ()):
+            setattr(mod, attr, _unavailable(f"{name}.{attr}"))
+        sys.modules[name] = mod
+    sys.modules["flash_attn"].bert_padding = sys.modules["flash_attn.bert_padding"]
+    sys.modules["flash_attn"].utils = sys.modules["flash_attn.utils"]
+    sys.modules["flash_attn.utils"].distributed = sys.modules["flash_attn.utils.distributed"]
+    return True
+
+
+def flash_attn_state() -> str:
+    """What OpenRLHF's log-prob path ran on, as the table and JSON say it."""
+    mod = sys.modules.get("flash_attn")
+    if mod is None or getattr(mod, "__pyppo_stub__", False):
+        return "flash-attn not installed: OpenRLHF's torch fallback path was timed (what a CPU user of OpenRLHF runs)"
+    return "flash-attn installed: OpenRLHF's flash-attn path was timed where it takes one"
+
+
+# --------------------------------------------------------------------------- the calls
+
+
+def _actor_config():
+    """veRL's ActorConfig as a PPO actor has it (clip ratio 0.2, dual-clip c = 3)."""
+    from verl.workers.config.actor import ActorConfig
+
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4, clip_ratio=0.2)
+
+
+def _verl() -> list[tuple]:
+    core, tf = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"
+    config: list = []
+
+    def vanilla(f, i):
+        if not config:
+            config.append(_actor_config())
+        return f(i["old_logprobs"], i["logprobs"], i["advantages"], i["mask"], loss_agg_mode="token-mean",
+                 config=config[0])
+
+    return [
+        (core, "compute_gae_advantage_return", ("fwd",), "rollout",
+         lambda f, i: f(i["rewards"], i["values"], i["mask"], gamma=0.99, lam=0.95),
+         "gamma=0.99, lam=0.95", ("rewards", "values", "mask"), ()),
+        (core, "kl_penalty", ("fwd", "fwd+bwd"), "rollout",
+         lambda f, i: f(i["logprobs"], i["ref_logprobs"], kl_penalty="low_var_kl"),
+         "kl_penalty='low_var_kl'", ("logprobs", "ref_logprobs"), ("logprobs",)),
+        (core, "agg_loss", ("fwd",), "rollout",
+         lambda f, i: f(loss_mat=i["x"], loss_mask=i["mask"], loss_agg_mode="token-mean"),
+         "loss_agg_mode='token-mean'", ("x", "mask"), ()),
+        (core, "compute_policy_loss", ("fwd", "fwd+bwd"), "rollout",
+         lambda f, i: f(i["old_logprobs"], i["logprobs"], i["advantages"], i["mask"], cliprange=0.2),
+         "cliprange=0.2 (deprecated API)", ("old_logprobs", "logprobs", "advantages", "mask"), ("logprobs",)),
+        (core, "compute_policy_loss_vanilla", ("fwd", "fwd+bwd"), "rollout", vanilla,
+         "ActorConfig(clip_ratio=0.2)", ("old_logprobs", "logprobs", "advantages", "mask"), ("logprobs",)),
+        (core, "compute_value_loss", ("fwd", "fwd+bwd"), "rollout",
+         lambda f, i: f(i["vpreds"], i["returns"], i["values"], i["mask"], cliprange_value=0.5),
+         "cliprange_value=0.5", ("vpreds", "returns", "values", "mask"), ("vpreds",)),
+        (tf, "masked_whiten", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
+        (tf, "masked_mean", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
+        (tf, "logprobs_from_logits", ("fwd", "fwd+bwd"), "logits",
+         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
+        (tf, "entropy_from_logits", ("fwd", "fwd+bwd"), "logits",
+         lambda f, i: f(i["logits"]), "", ("logits",), ("logits",)),
+    ]
+
+
+def _openrlhf() -> list[tuple]:
+    m = "openrlhf.models.utils"
+    return [
+        (m, "compute_approx_kl", ("fwd", "fwd+bwd"), "rollout",
+         lambda f, i: f(i["logprobs"], i["ref_logprobs"], kl_estimator="k3"),
+         "kl_estimator='k3'", ("logprobs", "ref_logprobs"), ("logprobs",)),
+        (m, "compute_reward", ("fwd",), "rollout",
+         lambda f, i: f(i["scores"], 0.01, i["kl"], action_mask=i["mask"]),
+         "kl_coef=0.01", ("scores", "kl", "mask"), ()),
+        (m, "masked_mean", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"], dim=-1), "dim=-1",
+         ("x", "mask"), ()),
+        (m, "log_probs_from_logits", ("fwd", "fwd+bwd"), "logits",
+         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
+        (m, "compute_entropy", ("fwd", "fwd+bwd"), "logits",
+         lambda f, i: f(i["logits"]), "(torch.compile'd by OpenRLHF)", ("logits",), ("logits",)),
+    ]
+
+
+def _trl() -> list[tuple]:
+    m = "trl.trainer.utils"
+    return [
+        (m, "selective_log_softmax", ("fwd", "fwd+bwd"), "logits",
+         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
+        (m, "entropy_from_logits", ("fwd", "fwd+bwd"), "logits",
+         lambda f, i: f(i["logits"]), "", ("logits",), ("logits",)),
+        (m, "selective_log_softmax_and_entropy", ("fwd", "fwd+bwd"), "logits",
+         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
+    ]
+
+
+_SPECS = {"verl": _verl, "openrlhf": _openrlhf, "trl": _trl}
+_LOSSES = {"compute_policy_loss", "compute_policy_loss_vanilla", "compute_value_loss"}
+
+
+def cases(peer: str, bt_shape: tuple[int, int], logits: tuple[int, int, int]) -> list[PeerCase]:
+    """Every row of ``peer``: each function forward, and forward+backward where it is differentiable."""
+    out = []
+    for module, name, modes, kind, call, args, reads, wrt in _SPECS[peer]():
+        shape, dtype = (bt_shape, F32) if kind == "rollout" else (logits, BF16)
+        for mode in modes:
+            out.append(PeerCase(peer, module, name, mode, kind, tuple(shape), dtype, call, args, reads,
+                                wrt if mode == "fwd+bwd" else (), loss_first=name in _LOSSES))
+    return out
+
+
+def functions(peer: str) -> list[str]:
+    """The peer functions ``peer``'s rows cover, in table order."""
+    return [spec[1] for spec in _SPECS[peer]()]
+
+
+def peer_available(peer: str) -> str | None:
+    """None when ``peer`` is importable, else the one-line reason and the install command."""
+    dist, version, pip = PINS[peer]
+    if importlib.util.find_spec(dist) is None:
+        return f"{dist} is not installed; install the release the adapters reproduce with `{pip}`"
+    return None
+
+
+def import_peer(peer: str) -> None:
+    """Import the peer's defining modules (OpenRLHF's behind the flash-attn stub); a failure is
+    an ImportError naming the module and the install command."""
+    if peer == "openrlhf":
+        install_flash_attn_stub()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for module in sorted({c[0] for c in _SPECS[peer]()}):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ImportError(f"--peer {peer}: cannot import {module} ({exc}); `{PINS[peer][2]}` installs "
+                              f"the release the adapters reproduce") from None
