@@ -1,0 +1,317 @@
+"""Drop-in adapters for OpenRLHF 0.11.2's ``openrlhf.models.utils``, computed with pyppo's ops.
+
+Patched: ``compute_approx_kl`` (``pyppo.ops.kl_penalty``), ``log_probs_from_logits`` and
+``compute_entropy`` (``pyppo.ops.gather_logprobs``), and ``compute_reward`` (plain torch, two
+passes fewer than the peer's: see its docstring). ``masked_mean`` and ``masked_normalize`` are
+here with the peer's exact formula for direct callers, but not patched: pyppo's ``masked_mean``
+is slower than that formula (a host sync per call on CUDA, a slower CPU kernel), and replacing
+a function by its own code would only make the patch report claim more than it does. Each
+adapter has the peer's signature, return types, output dtypes and masking conventions;
+``docs/integrations.md`` lists every place where plain torch around an op keeps the peer's
+result, and the tolerances tested.
+
+Usage: ``import pyppo.integrations.openrlhf as o; o.patch()`` (``o.unpatch()`` restores, or
+``with o.patched(): ...``). ``openrlhf.models`` imports ``flash_attn`` at module level, so the
+peer must be importable first. This module never imports OpenRLHF: the adapters also work
+called directly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from pyppo.ops import kl_penalty
+
+from . import _patching
+from ._logits import check_temperature, gather_raw, zero_labels
+from ._patching import Patch
+
+__all__ = [
+    "KL_IS_WEIGHT_CLIP",
+    "compute_approx_kl",
+    "compute_reward",
+    "log_probs_from_logits",
+    "compute_entropy",
+    "masked_mean",
+    "masked_normalize",
+    "PEER",
+    "patch",
+    "unpatch",
+    "patched",
+]
+
+# OpenRLHF 0.11.2's cap on the importance weight π_θ/π_θ_old of the unbiased-gradient KL.
+KL_IS_WEIGHT_CLIP = 10.0
+
+# OpenRLHF clips every estimator's value to this range, always.
+_KL_CLAMP = (-10.0, 10.0)
+
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _as_float32_input(x: torch.Tensor) -> torch.Tensor:
+    # OpenRLHF computes in float32 (``.float()``); pyppo's ops read bf16/fp16 and accumulate in
+    # float32 themselves, so only float64 (which they would keep in float64) and non-float
+    # inputs need the cast.
+    return x if x.dtype in _OP_DTYPES else x.float()
+
+
+def compute_approx_kl(
+    log_probs: torch.Tensor,
+    log_probs_base: torch.Tensor,
+    log_probs_old: Optional[torch.Tensor] = None,
+    kl_estimator: str = "k1",
+    unbiased_gradient: bool = False,
+) -> torch.Tensor:
+    r"""Per-token KL(π_θ ‖ π_ref) estimate, clipped to [−10, 10]. Matches OpenRLHF 0.11.2
+    ``openrlhf.models.utils.compute_approx_kl``.
+
+    With ``d = log_probs − log_probs_base`` (in float32; J. Schulman, "Approximating KL
+    Divergence", 2020): ``k1 = d``, ``k2 = d²/2``, ``k3 = exp(−d) − 1 + d``, each clipped to
+    ``[−10, 10]`` (zero gradient where the clip is active, as ``torch.clamp``).
+
+    With ``unbiased_gradient=True`` the forward value is the same and the backward is that of
+    ``w · d²/2`` (straight-through), ``w = min(exp(log_probs − log_probs_old), 10)`` detached
+    (1 when ``log_probs_old`` is None): the importance-weighted reverse-KL gradient
+    ``w · d · ∇log π_θ``. As in the peer the returned value is computed as
+    ``value + s − s`` (``s`` the surrogate), so it carries the same rounding.
+
+    Args:
+        log_probs, log_probs_base: ``[*]`` log-probs of the sampled tokens under π_θ and π_ref,
+            any float dtype (broadcastable, as in the peer).
+        log_probs_old: ``[*]`` log-probs under the rollout policy, read only with
+            ``unbiased_gradient``.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        unbiased_gradient: straight-through importance-weighted gradient, see above.
+
+    Returns:
+        ``[*]`` float32 whatever the input dtype (float64 in gives float32 out, as the peer's
+        ``.float()``). Differentiable w.r.t. ``log_probs`` and ``log_probs_base``.
+
+    Raises:
+        ValueError: ``Unknown kl_estimator: ...`` for anything but k1/k2/k3 (pyppo's ``abs``
+            is not an OpenRLHF estimator). RuntimeError: shapes that do not broadcast.
+
+    Work: ``pyppo.ops.kl_penalty(..., clamp=(-10, 10))``, one pass. Deliberate difference:
+    ``log_probs = log_probs_base = −inf`` gives 0 (the token is impossible under both
+    policies) where the peer computes ``−inf − (−inf) = NaN``.
+    """
+    if kl_estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"Unknown kl_estimator: {kl_estimator}")
+    lp, base = _as_float32_input(log_probs), _as_float32_input(log_probs_base)
+    if lp.dtype != base.dtype:
+        lp, base = lp.float(), base.float()
+    if lp.shape != base.shape:
+        lp, base = torch.broadcast_tensors(lp, base)
+    # k3's value saturates the upper clip for every d < -10, so pyppo's k3 with the clamp is
+    # OpenRLHF's pre-exp clamp(min=-10) followed by the final clip, in value and gradient.
+    value = kl_penalty(lp, base, estimator=kl_estimator, clamp=_KL_CLAMP)
+    if not unbiased_gradient:
+        return value
+
+    if log_probs_old is None:
+        w = 1.0
+    else:
+        w = (log_probs.float() - log_probs_old.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()
+    grad_surrogate = w * kl_penalty(lp, base, estimator="k2")
+    return value.detach() + grad_surrogate - grad_surrogate.detach()
+
+
+def compute_reward(
+    r: Union[torch.Tensor, float],
+    kl_coef: float,
+    kl: Union[torch.Tensor, list[torch.Tensor]],
+    action_mask: Optional[torch.Tensor] = None,
+    reward_clip_range: Tuple[float, float] = None,
+) -> Union[torch.Tensor, list[torch.Tensor]]:
+    r"""Per-token rewards ``−kl_coef · kl`` plus the (clipped) score at each row's last action
+    position. Matches OpenRLHF 0.11.2 ``openrlhf.models.utils.compute_reward``.
+
+    ``reward[b, t] = −β · kl[b, t] + [t = eos_b] · clamp(r[b], *reward_clip_range)``, with
+    ``β = max(kl_coef, 0)`` and ``eos_b = T − 1 − argmax(fliplr(action_mask.long()))[b]``: the
+    last position where ``action_mask.long()`` reaches its row maximum, so a row with no
+    action position puts its score at ``T − 1``. (InstructGPT, Ouyang et al. 2022, eq. 2.)
+
+    Args:
+        r: ``[B]`` scores. kl: ``[B, T]`` per-token KL (any float dtype).
+        action_mask: ``[B, T]`` bool/int/float (read through ``.long()``, as the peer does).
+        reward_clip_range: optional ``(lo, hi)``.
+
+    Returns:
+        ``[B, T]`` of ``kl``'s dtype. The KL term is **not** masked: a masked position holds
+        ``−β · kl`` there, exactly as in the peer. Differentiable w.r.t. ``r`` and ``kl``, as
+        the peer.
+
+    Raises: what the peer's torch ops raise (``action_mask=None`` is an AttributeError there
+    and here).
+
+    Plain torch, no pyppo op: the peer's reward is one multiply of the whole ``kl`` plus one
+    scattered score per row. ``pyppo.ops.shape_rewards`` computes the KL itself and zeroes
+    masked positions, and refuses a row without valid position and a negative ``kl_coef``; the
+    peer does the opposite on all four, so wrapping the op would add passes to undo it. This
+    version computes bit-for-bit the peer's values with two fewer ``[B, T]`` passes (no
+    ``zeros_like`` and no extra add: the score is ``scatter_add``-ed onto ``−β · kl``).
+    """
+    if kl_coef <= 0.0:
+        kl_coef = 0.0
+    if reward_clip_range:
+        r = r.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
+    reward = -kl_coef * kl
+    eos_indices = action_mask.size(1) - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)
+    # score + (-β·kl) is the peer's (-β·kl) + score: IEEE addition commutes, so the bits agree.
+    return reward.scatter_add_(dim=1, index=eos_indices, src=r.unsqueeze(1).to(kl.dtype))
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    r"""Log-probability of each label under ``softmax(logits / temperature)``. Matches OpenRLHF
+    0.11.2 ``openrlhf.models.utils.log_probs_from_logits``.
+
+    ``log π(y) = z_y − logsumexp(z)`` on ``z = logits / temperature``.
+
+    **Side effect, as in the peer:** with ``temperature != 1`` the caller's ``logits`` are
+    divided by it **in place** (``logits.div_(temperature)``) before anything else, so callers
+    that read the logits afterwards (entropy) see the scaled ones. That ``div_`` is recorded by
+    autograd; as in the peer, a leaf that requires grad cannot be divided in place (RuntimeError).
+
+    Args:
+        logits: ``[*, V]`` float32/float64/bfloat16/float16, any strides.
+        labels: ``[*]`` int64 (or int32) token ids in ``[0, V)``.
+        temperature: ``> 0``.
+
+    Returns:
+        ``[*]`` in ``logits``' dtype (the peer's bf16/fp16 path rounds its per-row
+        ``log_softmax`` to the input dtype; pyppo accumulates in float32 and rounds once).
+        Differentiable w.r.t. ``logits``.
+
+    Raises:
+        ValueError: a label outside ``[0, V)`` (the peer's ``torch.gather`` raises RuntimeError
+            on CPU and asserts on CUDA), ``V = 0``, non-float logits; ``temperature`` not
+            positive and finite (the peer divides by it silently), checked before ``logits``
+            is modified.
+
+    Work: ``pyppo.ops.gather_logprobs``, one pass over ``V`` with no ``[*, V]`` temporary
+    (the peer's bf16/fp16 path loops over rows and materialises a softmax per row).
+    """
+    if temperature != 1.0:
+        check_temperature("log_probs_from_logits", temperature)
+        logits.div_(temperature)
+    logprobs, _, _ = gather_raw("log_probs_from_logits", "labels", logits, labels, None, 1.0, False)
+    return logprobs.to(logits.dtype)
+
+
+def compute_entropy(logits: torch.Tensor):
+    r"""Entropy of ``softmax(logits)`` over the last dimension. Matches OpenRLHF 0.11.2
+    ``openrlhf.models.utils.compute_entropy`` (there ``@torch.compile``-d; this is a plain
+    function with the same signature).
+
+    ``H = logsumexp(z) − Σ_v softmax(z)_v z_v``.
+
+    Args:
+        logits: ``[*, V]`` float (already temperature-scaled by the caller, as in OpenRLHF's
+            actor).
+
+    Returns:
+        ``[*]`` in ``logits``' dtype, differentiable w.r.t. ``logits``.
+
+    Raises:
+        ValueError: ``V = 0`` or non-float logits.
+
+    Work: ``pyppo.ops.gather_logprobs(..., return_entropy=True)`` (one fused pass; the log-prob
+    of a placeholder label comes for free). Deliberate difference: a ``−inf`` logit (a token
+    with probability 0) contributes 0, where the peer's ``softmax · logits = 0 · (−inf)`` makes
+    the row's entropy NaN.
+    """
+    _, entropy, _ = gather_raw("compute_entropy", "labels", logits, zero_labels(logits), None, 1.0, True)
+    return entropy.to(logits.dtype)
+
+
+def masked_mean(tensor: torch.Tensor, mask: Optional[torch.Tensor], dim: int = None) -> torch.Tensor:
+    r"""Mean of ``tensor`` where ``mask`` is set, over ``dim`` (everything when None). Matches
+    OpenRLHF 0.11.2 ``openrlhf.models.utils.masked_mean`` bit for bit:
+    ``(tensor·mask).sum(dim) / mask.sum(dim)``.
+
+    Args:
+        tensor: ``[*]``; mask: broadcastable to it, bool/int/float (a float mask weights the
+            mean, as in the peer), or None (``tensor.mean(dim)``). dim: int, tuple or None.
+
+    Returns:
+        ``tensor``'s shape without ``dim``, dtype ``torch.result_type(tensor, mask)``; an
+        all-masked slice is NaN, a NaN at a masked position propagates (``NaN·0``), as in the
+        peer. Differentiable w.r.t. ``tensor`` (and ``mask``).
+
+    Plain torch, no pyppo op (measured, see ``docs/integrations.md``): ``pyppo.ops.masked_mean``
+    raises on an all-masked slice, so on CUDA it reads a flag back to the host on every call (one
+    sync, two for a non-bool mask, whose 0/1 values it validates), where the peer's four small
+    kernels never block the host; on CPU its float64-accumulating kernel measured 1.4x slower
+    than this formula with a bool mask and over 10x slower with a float mask. The peer's formula
+    is exact by definition, so it is kept, and :func:`patch` leaves the peer's own in place.
+    """
+    if mask is None:
+        return tensor.mean(dim=dim)
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, dim: int = 1, eps: float = 1e-8) -> torch.Tensor:
+    r"""Per-slice whitening along ``dim`` over the masked-in elements. Matches OpenRLHF 0.11.2
+    ``openrlhf.models.utils.masked_normalize`` bit for bit.
+
+    ``out = (x − μ)·mask / sqrt(max(σ², eps))`` with ``μ``, ``σ²`` the mean and **population**
+    variance (``n``, not ``n − 1``) of each slice's masked-in elements; ``eps`` is a floor on
+    the variance, not added to it. A slice with no masked-in element is all 0.
+
+    Args:
+        tensor: ``[*]`` float; mask: bool or 0/1 (weights are used as such) broadcastable to it.
+        dim: int. eps: float.
+
+    Returns:
+        ``tensor``'s shape, dtype ``torch.result_type(tensor, mask)``, 0 at masked positions.
+        Differentiable.
+
+    Plain torch, for :func:`masked_mean`'s reasons (two of its calls would be two host syncs on
+    CUDA); pyppo's ``masked_whiten`` whitens over the whole batch with the Bessel-corrected
+    variance plus ``eps``, a different statistic. OpenRLHF 0.11.2 itself never calls it. Not
+    patched.
+    """
+    mask_sum = mask.sum(dim=dim, keepdim=True).clamp(min=1)
+    mean = (tensor * mask).sum(dim=dim, keepdim=True) / mask_sum
+    mean_centered = (tensor - mean) * mask
+    var = (mean_centered**2).sum(dim=dim, keepdim=True) / mask_sum
+    return mean_centered * var.clamp(min=eps).rsqrt()
+
+
+PEER = _patching.Peer(
+    name="openrlhf",
+    distribution="openrlhf",
+    package="openrlhf",
+    versions=("0.11.2",),
+    targets=(
+        _patching.Target("openrlhf.models.utils", "compute_approx_kl", compute_approx_kl),
+        _patching.Target("openrlhf.models.utils", "compute_reward", compute_reward),
+        _patching.Target("openrlhf.models.utils", "log_probs_from_logits", log_probs_from_logits),
+        _patching.Target("openrlhf.models.utils", "compute_entropy", compute_entropy),
+    ),
+    import_help=(
+        "openrlhf.models imports flash_attn at module level (openrlhf/models/ring_attn_utils.py); "
+        "install flash-attn, or on a machine without CUDA put a stub providing "
+        "flash_attn.bert_padding and flash_attn.utils.distributed in sys.modules first "
+        "(tests/peer_support.py: install_flash_attn_stub)."
+    ),
+)
+
+
+def patch(*, force: bool = False) -> Patch:
+    """Swap the adapters into the installed OpenRLHF (see :mod:`pyppo.integrations`); returns
+    what was replaced. OpenRLHF other than 0.11.2 is warned about and left alone unless ``force``."""
+    return _patching.patch(PEER, force=force)
+
+
+def unpatch() -> Patch | None:
+    """Put OpenRLHF's own functions back; returns the patch undone (None if none was active)."""
+    return _patching.unpatch(PEER)
+
+
+def patched(*, force: bool = False):
+    """``with patched(): ...``: OpenRLHF patched for the block only."""
+    return _patching.patched(PEER, force=force)
