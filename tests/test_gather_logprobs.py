@@ -792,3 +792,14 @@ def _device_opcheck_cases(device):
 @pytest.mark.parametrize("case", range(2))
 def test_device_opcheck(device, case):
     torch.library.opcheck(OP, _device_opcheck_cases(device)[case])
+
+
+def test_raw_logsumexp_output_is_not_differentiable():
+    # The raw op's third output (logsumexp of logits/τ) is saved for the backward, which has no
+    # term for it: it must not carry a grad_fn, or a loss built on it gets a silently wrong gradient.
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 5))
+    logprobs, entropy, lse = torch.ops.pyppo.gather_logprobs.default(logits, labels, None, 0.7, -100, True)
+    assert logprobs.requires_grad and entropy.requires_grad
+    assert not lse.requires_grad and lse.grad_fn is None
+    torch.testing.assert_close(lse, torch.logsumexp(logits.detach() / 0.7, -1))

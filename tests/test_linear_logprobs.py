@@ -196,3 +196,13 @@ def test_errors_are_the_same_on_every_path(path, case):
 def test_device_opcheck(device):
     hidden, weight, labels, mask, bias = (t.to(device) for t in _inputs(seed=10, shape=(2, 5), H=8, V=33))
     torch.library.opcheck(OP, (hidden.requires_grad_(), weight.requires_grad_(), labels, mask, None, 1.0, -100, False, 0))
+
+
+def test_raw_logsumexp_output_is_not_differentiable():
+    hidden = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 9, (6,))
+    logprobs, entropy, lse = torch.ops.pyppo.linear_logprobs.default(hidden, weight, labels, None, None, 1.0, -100, True, 4)
+    assert logprobs.requires_grad and entropy.requires_grad
+    assert not lse.requires_grad and lse.grad_fn is None
+    torch.testing.assert_close(lse, torch.logsumexp(hidden.detach() @ weight.detach().T, -1))

@@ -66,6 +66,9 @@ def gather_logprobs(
 def _setup_context(ctx, inputs, output):
     logits, labels, mask, temperature, ignore_index, return_entropy = inputs
     _, entropy, lse = output
+    # lse is the op's saved statistic, not a result to differentiate: marked so, a loss
+    # built on it gets no gradient through it instead of a silently wrong one.
+    ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(logits, labels, mask, lse, entropy if return_entropy else None)
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index

@@ -72,6 +72,9 @@ def linear_logprobs(
 def _setup_context(ctx, inputs, output):
     hidden, weight, labels, mask, bias, temperature, ignore_index, return_entropy, chunk_size = inputs
     _, entropy, lse = output
+    # lse is the op's saved statistic, not a result to differentiate: marked so, a loss
+    # built on it gets no gradient through it instead of a silently wrong one.
+    ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(hidden, weight, labels, mask, bias, lse, entropy if return_entropy else None)
     ctx.args = (temperature, ignore_index, chunk_size)
 
