@@ -311,6 +311,11 @@ def run_peers(peers: list[str], devices: list[torch.device], *, sizes: str, func
     result: dict[str, Any] = {"created": _dt.datetime.now().isoformat(timespec="seconds"), "kind": "peer",
                               "sizes": sizes, "peers": list(peers), "env": env, "shapes": {}, "rows": []}
     start = time.perf_counter()
+    # Once, before any logits exist: sized per peer, the first peer's cached logits would shrink
+    # the next peer's B, and the peers' rows would not be comparable.
+    logits_shapes = {str(d): pc.logits_shape(sizes, d) for d in devices}
+    for device, (logits, note) in logits_shapes.items():
+        result["shapes"][device] = {"rollout": list(pc.SHAPES[sizes][0]), "logits": list(logits), "logits_note": note}
     with warnings.catch_warnings():
         # veRL's compute_policy_loss warns that it is deprecated on every call.
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -325,10 +330,7 @@ def run_peers(peers: list[str], devices: list[torch.device], *, sizes: str, func
             if peer == "openrlhf":
                 env["flash_attn"] = pc.flash_attn_state()
             for device in devices:
-                logits, note = pc.logits_shape(sizes, device)
-                result["shapes"][str(device)] = {"rollout": list(pc.SHAPES[sizes][0]), "logits": list(logits),
-                                                 "logits_note": note}
-                for case in pc.cases(peer, pc.SHAPES[sizes][0], logits):
+                for case in pc.cases(peer, pc.SHAPES[sizes][0], logits_shapes[str(device)][0]):
                     if functions and case.name not in functions:
                         continue
                     adapter = adapters.get((case.module, case.name))
