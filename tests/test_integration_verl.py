@@ -1,0 +1,901 @@
+"""pyppo.integrations.verl against the real veRL 0.9.1 functions: values, dtypes, masked positions,
+gradients, errors, and patch()/unpatch().
+
+Every comparison runs veRL's own function (captured before any patching) and the adapter on the
+same fresh inputs. Tolerances: float64 results agree to 1e-9 relative; float32 results to float32
+rounding (rtol 1e-5, a few ulps scaled by the reduction length). For bf16/fp16 inputs veRL
+computes in the input dtype (its GAE recursion, k3, entropy, row sums), so both are compared
+against veRL's own formula on the inputs upcast to float64, and pyppo must be at least as close
+(mean error) and within one rounding of the output dtype of veRL's worst error. These tests skip
+when veRL is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pyppo.integrations as integrations
+import pyppo.integrations.verl as pv
+from pyppo.integrations import PeerVersionWarning, _patching
+from peer_support import import_peer, pyppo_ops_called
+
+F64 = torch.float64
+BF16, F16 = torch.bfloat16, torch.float16
+FLOATS = (torch.float32, BF16, F16, F64)
+MASK_DTYPES = (torch.bool, torch.int64, torch.float32, F64)
+HYP = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ULP = {BF16: 2.0**-8, F16: 2.0**-11, torch.float32: 2.0**-24, F64: 2.0**-53}  # half an ulp, relative
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+CORE_NAMES = (
+    "compute_gae_advantage_return", "kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss",
+    "compute_policy_loss_vanilla", "compute_value_loss",
+)
+TF_NAMES = (
+    "masked_mean", "masked_var", "masked_whiten", "logprobs_from_logits", "entropy_from_logits",
+    "entropy_from_logits_with_chunking",
+)
+
+
+@pytest.fixture(scope="module")
+def peer():
+    """veRL's modules and its own functions, captured unpatched."""
+    ca = import_peer("verl.trainer.ppo.core_algos")
+    tf = import_peer("verl.utils.torch_functional")
+    assert _patching.active(pv.PEER) is None, "a previous test left veRL patched"
+    fns = {n: getattr(ca, n) for n in CORE_NAMES} | {n: getattr(tf, n) for n in TF_NAMES}
+    return SimpleNamespace(ca=ca, tf=tf, **fns)
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatch():
+    yield
+    if _patching.active(pv.PEER) is not None:
+        pv.unpatch()
+        pytest.fail("the test left veRL patched")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, g, dtype=torch.float32, scale=1.0, shift=0.0):
+    return (torch.randn(shape, generator=g, dtype=F64) * scale + shift).to(dtype)
+
+
+def make_mask(B, T, g, kind="holes", dtype=torch.int64):
+    """A response mask: right padding with random lengths, plus, for ``holes``, masked observation
+    spans inside rows (multi-turn tool outputs); ``empty_row``: row 0 all masked; ``leading``:
+    the first positions masked."""
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    m = torch.arange(T)[None, :] < lengths[:, None]
+    if kind in ("holes", "empty_row", "leading") and T >= 4:
+        for b in range(B):
+            a = int(torch.randint(1, T - 2, (1,), generator=g))
+            m[b, a : a + int(torch.randint(1, 3, (1,), generator=g))] = False
+    if kind == "leading":
+        m[:, : max(1, T // 4)] = False
+        m[:, -1] = True
+    if kind == "empty_row" and B >= 2:
+        m[0] = False
+    if kind == "full":
+        m[:] = True
+    if m.sum() < 2:
+        m.view(-1)[:2] = True
+    return m.to(dtype)
+
+
+def layout(x: torch.Tensor, how: str) -> torch.Tensor:
+    """``x``'s values in a non-contiguous layout of the same shape."""
+    if how == "transposed":
+        return x.transpose(0, -1).contiguous().transpose(0, -1)
+    if how == "sliced":
+        return torch.cat([x, torch.zeros_like(x)], -1)[..., : x.shape[-1]]
+    return x
+
+
+def assert_same(ours, theirs, *, rtol=None, atol=None):
+    """Same type, dtype, shape and (within tolerance) values, NaN where veRL has NaN."""
+    if isinstance(theirs, tuple):
+        assert isinstance(ours, tuple) and len(ours) == len(theirs)
+        for o, t in zip(ours, theirs):
+            assert_same(o, t, rtol=rtol, atol=atol)
+        return
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys()
+        for k in theirs:
+            assert type(ours[k]) is type(theirs[k]), k
+            assert ours[k] == pytest.approx(theirs[k], rel=rtol or 1e-5, abs=atol or 1e-7, nan_ok=True), k
+        return
+    assert isinstance(ours, torch.Tensor)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (ours.dtype, theirs.dtype, ours.shape)
+    if rtol is None:
+        rtol = {F64: 1e-9, torch.float32: 1e-5}.get(theirs.dtype, 2 * ULP.get(theirs.dtype, 1e-5) * 2)
+        atol = {F64: 1e-10, torch.float32: 1e-6}.get(theirs.dtype, rtol)
+    torch.testing.assert_close(ours.detach().double(), theirs.detach().double(), rtol=rtol, atol=atol, equal_nan=True)
+
+
+def assert_at_least_as_close(ours, theirs, ref, dtype):
+    """pyppo's half-precision result is no further from the float64 reference than veRL's (mean
+    error), and its worst error is within one output rounding of veRL's."""
+    assert ours.dtype == theirs.dtype
+    e_ours = (ours.double() - ref).abs()
+    e_theirs = (theirs.double() - ref).abs()
+    scale = ref.abs().max().item() + 1e-30
+    assert e_ours.mean() <= e_theirs.mean() + 1e-3 * ULP[dtype] * scale, (e_ours.mean(), e_theirs.mean())
+    assert e_ours.max() <= e_theirs.max() + 2 * ULP[dtype] * scale, (e_ours.max(), e_theirs.max())
+
+
+def grads(fn, inputs, outputs_weight_seed=0):
+    """Gradients of ``Σ w·out`` w.r.t. ``inputs`` (fresh leaves with the same values)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    w = torch.rand(out.shape, generator=gen(outputs_weight_seed), dtype=F64).to(out.dtype)
+    return torch.autograd.grad((out * w).sum(), leaves, allow_unused=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# signatures
+
+
+def test_signatures_match_the_peer(peer):
+    for target in pv.PEER.targets:
+        original = getattr(peer, target.name)
+        assert _patching._same_signature(original, target.adapter), target.name
+        doc = " ".join(target.adapter.__doc__.split())
+        assert target.adapter.__module__ == pv.__name__
+        assert f"Matches veRL 0.9.1 ``{target.module}.{target.name}``" in doc, target.name
+
+
+# ------------------------------------------------------------------------------------------------
+# GAE
+
+
+@pytest.mark.parametrize("kind", ["holes", "pad", "empty_row", "leading", "full"])
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.float32, F64])
+@pytest.mark.parametrize("B,T", [(4, 37), (1, 5), (6, 1), (3, 8)])
+def test_gae_matches(peer, kind, mask_dtype, B, T):
+    g = gen(B * 100 + T)
+    r, v = randn((B, T), g, scale=0.5), randn((B, T), g)
+    m = make_mask(B, T, g, kind, mask_dtype)
+    for gamma, lam in ((1.0, 0.95), (0.99, 0.9)):
+        theirs = peer.compute_gae_advantage_return(r, v, m, gamma, lam)
+        with pyppo_ops_called() as ops:
+            ours = pv.compute_gae_advantage_return(r, v, m, gamma, lam)
+        assert "pyppo::gae" in ops
+        assert_same(ours, theirs, rtol=1e-5 * max(1, T / 8), atol=2e-6 * max(1, T / 8))
+    # float64: the same numbers up to float64 rounding with a float64 mask. With an integer mask
+    # veRL's Bessel factor n / (n - 1) is an int / int division, rounded to float32 (pyppo's is
+    # exact): a relative difference below 6e-8.
+    r64, v64 = r.double(), v.double()
+    m64 = m.double()
+    assert_same(pv.compute_gae_advantage_return(r64, v64, m64, 0.97, 0.8),
+                peer.compute_gae_advantage_return(r64, v64, m64, 0.97, 0.8))
+    assert_same(pv.compute_gae_advantage_return(r64, v64, m, 0.97, 0.8),
+                peer.compute_gae_advantage_return(r64, v64, m, 0.97, 0.8), rtol=2e-7, atol=1e-7)
+
+
+def test_gae_masked_positions_carry_and_are_whitened(peer):
+    # One row, a hole at 2-3 and padding at 6-7: the hole carries position 4's advantage, the
+    # padding carries 0, and every position is whitened (not zeroed).
+    g = gen(3)
+    r, v = randn((1, 8), g), randn((1, 8), g)
+    m = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0]])
+    adv, ret = pv.compute_gae_advantage_return(r, v, m, 1.0, 0.95)
+    assert_same((adv, ret), peer.compute_gae_advantage_return(r, v, m, 1.0, 0.95))
+    assert adv[0, 2] == adv[0, 3] == adv[0, 4]
+    assert adv[0, 6] == adv[0, 7] != 0
+    assert torch.equal(ret[0, 6:], v[0, 6:])
+
+
+@pytest.mark.parametrize("how", ["transposed", "sliced"])
+def test_gae_non_contiguous(peer, how):
+    g = gen(11)
+    r, v = randn((5, 13), g), randn((5, 13), g)
+    m = make_mask(5, 13, g)
+    theirs = peer.compute_gae_advantage_return(r, v, m, 1.0, 0.95)
+    assert_same(pv.compute_gae_advantage_return(layout(r, how), layout(v, how), layout(m, how), 1.0, 0.95), theirs)
+
+
+def test_gae_bool_mask_and_tensor_gamma(peer):
+    # veRL's loop cannot take a bool mask (1 - bool raises); the adapter reads it as 0/1.
+    g = gen(5)
+    r, v = randn((3, 9), g), randn((3, 9), g)
+    m = make_mask(3, 9, g)
+    with pytest.raises(RuntimeError):
+        peer.compute_gae_advantage_return(r, v, m.bool(), 1.0, 0.95)
+    theirs = peer.compute_gae_advantage_return(r, v, m, torch.tensor(0.99), torch.tensor(0.9))
+    assert_same(pv.compute_gae_advantage_return(r, v, m.bool(), torch.tensor(0.99), torch.tensor(0.9)), theirs)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_gae_half_precision_at_least_as_close(peer, dtype):
+    # veRL runs its recursion in bf16/fp16; pyppo in float32 with one rounding at the end.
+    g = gen(7)
+    B, T = 8, 64
+    r, v = randn((B, T), g, dtype, 0.3), randn((B, T), g, dtype)
+    m = make_mask(B, T, g)
+    ref = peer.compute_gae_advantage_return(r.double(), v.double(), m, 1.0, 0.95)
+    theirs = peer.compute_gae_advantage_return(r, v, m, 1.0, 0.95)
+    ours = pv.compute_gae_advantage_return(r, v, m, 1.0, 0.95)
+    for o, t, rf in zip(ours, theirs, ref):
+        assert o.dtype == t.dtype == dtype
+        assert_at_least_as_close(o, t, rf, dtype)
+
+
+@HYP
+@given(
+    B=st.integers(1, 4),
+    T=st.integers(1, 24),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+    bits=st.integers(0, 2**96 - 1),
+    seed=st.integers(0, 2**16),
+)
+def test_gae_property_float64(peer, B, T, gamma, lam, bits, seed):
+    # Any mask pattern, float64: equal to veRL's recursion, or the same ValueError (fewer than 2
+    # valid positions cannot be whitened).
+    g = gen(seed)
+    r, v = randn((B, T), g, F64), randn((B, T), g, F64)
+    m = torch.tensor([(bits >> i) & 1 for i in range(B * T)], dtype=torch.int64).reshape(B, T)
+    if m.sum() < 2:
+        with pytest.raises(ValueError):
+            peer.compute_gae_advantage_return(r, v, m, gamma, lam)
+        with pytest.raises(ValueError, match="response_mask selects"):
+            pv.compute_gae_advantage_return(r, v, m, gamma, lam)
+        return
+    m = m.double()  # veRL's Bessel factor in float64 (an int mask rounds it to float32)
+    theirs = peer.compute_gae_advantage_return(r, v, m, gamma, lam)
+    assert_same(pv.compute_gae_advantage_return(r, v, m, gamma, lam), theirs, rtol=1e-9, atol=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------
+# masked_mean / masked_var / masked_whiten
+
+
+def _masked_inputs(dtype, mask_dtype, seed, shape=(5, 37), kind="holes"):
+    g = gen(seed)
+    x = randn(shape, g, dtype, 2.0, 0.5)
+    m = make_mask(*shape, g, kind, mask_dtype)
+    return x, m
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES, ids=str)
+def test_masked_stats_dtypes_and_values(peer, dtype, mask_dtype):
+    x, m = _masked_inputs(dtype, mask_dtype, FLOATS.index(dtype) * 10 + MASK_DTYPES.index(mask_dtype), kind="empty_row")
+    x64 = x.double()
+    cases = [
+        ("masked_mean", (), {}), ("masked_mean", (-1,), {}), ("masked_mean", (0,), {}), ("masked_mean", ((0, 1),), {}),
+        ("masked_var", (), {}), ("masked_var", (False,), {}),
+        ("masked_whiten", (), {}), ("masked_whiten", (), {"shift_mean": False}),
+    ]
+    for name, args, kw in cases:
+        theirs = getattr(peer, name)(x, m, *args, **kw)
+        with pyppo_ops_called() as ops:
+            ours = getattr(pv, name)(x, m, *args, **kw)
+        assert ops, name
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (name, args, ours.dtype, theirs.dtype)
+        if dtype in (torch.float32, F64) and mask_dtype != F64 or dtype == F64:
+            assert_same(ours, theirs, rtol=1e-5 if ours.dtype != F64 or dtype != F64 else 1e-9, atol=1e-5)
+        else:
+            # veRL rounds its sums (and, for a half-precision float mask, its statistics) to the
+            # input dtype: compare both with veRL's formula in float64.
+            ref = getattr(peer, name)(x64, m.double() if mask_dtype.is_floating_point else m, *args, **kw)
+            assert_at_least_as_close(ours, theirs, ref, dtype if ours.dtype in (BF16, F16) else torch.float32)
+
+
+def test_masked_mean_empty_selection_is_zero_with_gradient(peer):
+    x = torch.randn(3, 6, dtype=F64)
+    m = torch.ones(3, 6)
+    m[1] = 0
+    for axis in (-1, 1):
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        theirs = peer.masked_mean(xs[0], m, axis=axis)
+        ours = pv.masked_mean(xs[1], m, axis=axis)
+        assert ours[1] == 0
+        assert_same(ours, theirs)
+        theirs.sum().backward()
+        ours.sum().backward()
+        assert_same(xs[1].grad, xs[0].grad)
+    z = torch.zeros(3, 6)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    theirs, ours = peer.masked_mean(xs[0], z), pv.masked_mean(xs[1], z)
+    assert ours == 0 and ours.requires_grad
+    assert_same(ours, theirs)
+    ours.backward()
+    assert torch.equal(xs[1].grad, torch.zeros_like(x))
+    assert_same(pv.masked_var(x, z, unbiased=False), peer.masked_var(x, z, unbiased=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, BF16])
+def test_masked_stats_gradients(peer, dtype):
+    x, m = _masked_inputs(dtype, torch.float32, 3)
+    rtol = 1e-5 if dtype != BF16 else 2e-2
+    for name, kw in (("masked_mean", {}), ("masked_mean", {"axis": -1}), ("masked_var", {}), ("masked_whiten", {}),
+                     ("masked_whiten", {"shift_mean": False})):
+        theirs = grads(lambda t: getattr(peer, name)(t, m, **kw), [x])
+        ours = grads(lambda t: getattr(pv, name)(t, m, **kw), [x])
+        assert_same(ours[0], theirs[0], rtol=rtol, atol=rtol)
+
+
+def test_masked_stats_non_contiguous(peer):
+    x, m = _masked_inputs(torch.float32, torch.int64, 9, shape=(6, 10))
+    for how in ("transposed", "sliced"):
+        for name in ("masked_mean", "masked_var", "masked_whiten"):
+            assert_same(getattr(pv, name)(layout(x, how), layout(m, how)), getattr(peer, name)(x, m))
+
+
+def test_masked_stats_too_few_elements(peer):
+    x = torch.randn(2, 3)
+    for n in (0, 1):
+        m = torch.zeros(2, 3)
+        m.view(-1)[:n] = 1
+        for name in ("masked_var", "masked_whiten"):
+            with pytest.raises(ValueError):
+                getattr(peer, name)(x, m)
+            with pytest.raises(ValueError):
+                getattr(pv, name)(x, m)
+            with pytest.raises(ValueError):  # the differentiable path checks the count itself
+                getattr(pv, name)(x.clone().requires_grad_(True), m)
+    with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1"):
+        pv.masked_mean(x, torch.full((2, 3), 0.5))
+    with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1"):
+        pv.masked_mean(x, torch.tensor([[0.0, 0, 0], [0.5, 0, 0]]), axis=-1)  # not read as empty
+    with pytest.raises(ValueError, match="shape"):
+        pv.masked_mean(x, torch.ones(3, 2))
+    with pytest.raises(ValueError, match="axis"):
+        pv.masked_mean(x, torch.ones(2, 3), axis=(0, 5))
+
+
+# ------------------------------------------------------------------------------------------------
+# KL
+
+
+@pytest.mark.parametrize("name", KL_NAMES + tuple(k + "+" for k in KL_NAMES))
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (F64, F64), (torch.float32, BF16), (BF16, F64)],
+                         ids=str)
+def test_kl_penalty_matches(peer, name, dtypes):
+    g = gen(len(name))
+    shape = (4, 37)
+    lp = randn(shape, g, dtypes[0], 1.0, -2.0)
+    ref = randn(shape, g, dtypes[1], 1.0, -2.0)
+    lp.view(-1)[:4] = torch.tensor([-30.0, 30.0, -2.0, 0.0]).to(lp.dtype)  # beyond veRL's ±20 and its 10-clamp
+    theirs = peer.kl_penalty(lp, ref, name)
+    with pyppo_ops_called() as ops:
+        ours = pv.kl_penalty(lp, ref, name)
+    assert "pyppo::kl_penalty" in ops
+    assert_same(ours, theirs, rtol=1e-5, atol=1e-6)
+    g_theirs = grads(lambda a, b: peer.kl_penalty(a, b, name), [lp, ref])
+    g_ours = grads(lambda a, b: pv.kl_penalty(a, b, name), [lp, ref])
+    for o, t in zip(g_ours, g_theirs):
+        assert_same(o, t, rtol=1e-5, atol=1e-6)
+    if not name.endswith("+"):
+        assert_same(pv.kl_penalty_forward(lp, ref, name), peer.kl_penalty_forward(lp, ref, name), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["transposed", "sliced"])
+def test_kl_penalty_non_contiguous_and_odd_shapes(peer, how):
+    g = gen(2)
+    for shape in ((1, 1), (7,), (3, 5, 2)):
+        lp, ref = randn(shape, g, scale=0.3), randn(shape, g, scale=0.3)
+        for name in ("k3", "k3+", "abs"):
+            assert_same(pv.kl_penalty(layout(lp, how), layout(ref, how), name), peer.kl_penalty(lp, ref, name))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_kl_k3_half_precision_at_least_as_close(peer, dtype):
+    # k3 = exp(-d) + d - 1 cancels catastrophically in bf16 for the small d PPO sees.
+    g = gen(4)
+    lp = randn((8, 64), g, dtype, 0.05, -1.0)
+    ref = randn((8, 64), g, dtype, 0.05, -1.0)
+    exact = peer.kl_penalty(lp.double(), ref.double(), "k3")
+    for name in ("k3", "low_var_kl", "k3+"):
+        assert_at_least_as_close(pv.kl_penalty(lp, ref, name), peer.kl_penalty(lp, ref, name), exact, dtype)
+
+
+def test_kl_penalty_errors(peer):
+    x = torch.randn(2, 3)
+    for name in ("full", "full+", "k4", "K3", ""):
+        with pytest.raises(NotImplementedError):
+            peer.kl_penalty(x, x, name)
+        with pytest.raises(NotImplementedError, match="kl_penalty"):
+            pv.kl_penalty(x, x, name)
+    for name in ("k3+", "full"):
+        with pytest.raises(NotImplementedError):
+            peer.kl_penalty_forward(x, x, name)
+        with pytest.raises(NotImplementedError):
+            pv.kl_penalty_forward(x, x, name)
+    with pytest.raises(TypeError, match="kl_penalty must be an estimator name"):
+        pv.kl_penalty(x, x, None)
+    with pytest.raises(TypeError, match="ref_logprob"):
+        pv.kl_penalty(x, 1.0, "k1")
+    with pytest.raises(ValueError, match="shape"):
+        pv.kl_penalty(x, torch.randn(3, 2), "k3")
+
+
+# ------------------------------------------------------------------------------------------------
+# agg_loss
+
+
+AGG_KWARGS = [
+    {},
+    {"dp_size": 4, "batch_num_tokens": 113, "global_batch_size": 9, "loss_scale_factor": 64},
+    {"batch_num_tokens": torch.tensor(50), "global_batch_size": torch.tensor(6.0)},
+    {"loss_scale_factor": 3},
+]
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES, ids=str)
+@pytest.mark.parametrize("kwargs", range(len(AGG_KWARGS)))
+def test_agg_loss_matches(peer, mode, mask_dtype, kwargs):
+    kw = AGG_KWARGS[kwargs]
+    g = gen(AGG_MODES.index(mode) * 10 + kwargs)
+    L = randn((6, 37), g)
+    m = make_mask(6, 37, g, "empty_row", mask_dtype)
+    theirs = peer.agg_loss(L, m, mode, **kw)
+    ours = pv.agg_loss(L, m, mode, **kw)
+    assert_same(ours, theirs)
+    g_theirs = grads(lambda t: peer.agg_loss(t, m, mode, **kw), [L])
+    g_ours = grads(lambda t: pv.agg_loss(t, m, mode, **kw), [L])
+    assert_same(g_ours[0], g_theirs[0])
+    L64 = L.double()
+    assert_same(pv.agg_loss(L64, m, mode, **kw), peer.agg_loss(L64, m, mode, **kw))
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_agg_loss_half_precision(peer, mode, dtype):
+    g = gen(8)
+    L = randn((16, 200), g, dtype, 1.0, 0.5)
+    m = make_mask(16, 200, g)
+    theirs, ours = peer.agg_loss(L, m, mode), pv.agg_loss(L, m, mode)
+    assert ours.dtype == theirs.dtype
+    exact = peer.agg_loss(L.double(), m, mode)
+    assert abs(ours.double() - exact) <= abs(theirs.double() - exact) + ULP[ours.dtype] * abs(exact)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_agg_loss_all_masked_and_odd_shapes(peer, mode):
+    z = torch.zeros(3, 4, dtype=torch.bool)
+    L = torch.randn(3, 4)
+    assert_same(pv.agg_loss(L, z, mode), peer.agg_loss(L, z, mode))  # NaN in the mean modes, as veRL
+    for shape in ((1, 1), (1, 9), (7,), (2, 3, 5)):
+        g = gen(len(shape))
+        L = randn(shape, g)
+        m = (torch.rand(shape, generator=g) < 0.7).long()
+        m.view(-1)[0] = 1
+        assert_same(pv.agg_loss(layout(L, "sliced"), m, mode), peer.agg_loss(L, m, mode))
+
+
+def test_agg_loss_ignores_garbage_at_masked_positions(peer):
+    # veRL's seq-mean-* modes multiply the loss by the mask, so a NaN at a masked position makes
+    # the loss NaN; pyppo selects masked positions away (a deliberate difference).
+    g = gen(1)
+    L = randn((3, 8), g)
+    m = make_mask(3, 8, g, "pad")
+    dirty = torch.where(m.bool(), L, torch.tensor(float("nan")))
+    for mode in AGG_MODES:
+        assert_same(pv.agg_loss(dirty, m, mode), peer.agg_loss(L, m, mode))
+    assert torch.isnan(peer.agg_loss(dirty, m, "seq-mean-token-mean"))
+
+
+def test_agg_loss_errors(peer):
+    L, m = torch.randn(2, 3), torch.ones(2, 3)
+    for mode, kw in (("token-mean", {"dp_size": 2}), ("seq-mean-token-mean", {"dp_size": 2}), ("bogus", {})):
+        with pytest.raises(ValueError) as theirs:
+            peer.agg_loss(L, m, mode, **kw)
+        with pytest.raises(ValueError) as ours:
+            pv.agg_loss(L, m, mode, **kw)
+        assert str(ours.value) == str(theirs.value)
+    with pytest.raises(ValueError, match="loss_mask must be bool or hold only 0 and 1"):
+        pv.agg_loss(L, m * 0.5, "token-mean")
+    with pytest.raises(ValueError, match="loss_mask has shape"):
+        pv.agg_loss(L, torch.ones(3, 2), "token-mean")
+    with pytest.raises(ValueError, match="loss_mat must be a floating-point"):
+        pv.agg_loss(torch.ones(2, 3, dtype=torch.long), m, "token-mean")
+    with pytest.raises(TypeError, match="loss_mask must be a torch.Tensor"):
+        pv.agg_loss(L, [[1, 1, 1]] * 2, "token-mean")
+
+
+# ------------------------------------------------------------------------------------------------
+# policy and value losses
+
+
+def actor_config(**kw):
+    from verl.workers.config import ActorConfig
+
+    base = {"strategy": "fsdp", "rollout_n": 1, "ppo_micro_batch_size_per_gpu": 1}
+    return ActorConfig(**(base | kw))
+
+
+def dict_config(**kw):
+    from omegaconf import OmegaConf
+
+    base = {"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": 0.28, "clip_ratio_c": 2.5,
+            "global_batch_info": {}}
+    return OmegaConf.create(base | kw)
+
+
+def policy_inputs(B, T, seed, dtype=torch.float32, kind="holes", mask_dtype=torch.bool, spread=0.4):
+    g = gen(seed)
+    old = randn((B, T), g, dtype, 1.0, -2.0)
+    new = (old.double() + randn((B, T), g, F64, spread)).to(dtype)
+    adv = randn((B, T), g, dtype)
+    m = make_mask(B, T, g, kind, mask_dtype)
+    return old, new, adv, m
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
+@pytest.mark.parametrize("clips", [{"cliprange": 0.2}, {"cliprange": 0.1, "cliprange_high": 0.28, "clip_ratio_c": 2.0},
+                                   {"cliprange_low": 0.3, "cliprange_high": 0.2, "clip_ratio_c": 10.0}], ids=str)
+def test_compute_policy_loss_matches(peer, mode, mask_dtype, clips):
+    old, new, adv, m = policy_inputs(5, 37, AGG_MODES.index(mode), mask_dtype=mask_dtype, kind="empty_row")
+    old.view(-1)[:2] = torch.tensor([-40.0, 30.0])  # a log-ratio beyond the ±20 clamp
+    with pytest.warns(FutureWarning) as theirs_w:
+        theirs = peer.compute_policy_loss(old, new, adv, m, loss_agg_mode=mode, **clips)
+    with pytest.warns(FutureWarning) as ours_w:
+        ours = pv.compute_policy_loss(old, new, adv, m, loss_agg_mode=mode, **clips)
+    assert [str(w.message) for w in ours_w] == [str(w.message) for w in theirs_w]
+    assert ours_w[0].filename == __file__  # stacklevel: the caller, as veRL's decorator
+    assert_same(ours, theirs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        g_theirs = grads(lambda a: peer.compute_policy_loss(old, a, adv, m, loss_agg_mode=mode, **clips), [new])
+        g_ours = grads(lambda a: pv.compute_policy_loss(old, a, adv, m, loss_agg_mode=mode, **clips), [new])
+    assert_same(g_ours[0], g_theirs[0])
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("config", ["actor", "dict", "actor_global"])
+@pytest.mark.parametrize("weights", [False, True])
+def test_compute_policy_loss_vanilla_matches(peer, mode, config, weights):
+    old, new, adv, m = policy_inputs(6, 29, AGG_MODES.index(mode) + 50)
+    cfg = {
+        "actor": lambda: actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28),
+        "dict": lambda: dict_config(),
+        "actor_global": lambda: actor_config(
+            clip_ratio_c=4.0,
+            global_batch_info={"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 12, "loss_scale_factor": 32},
+        ),
+    }[config]()
+    w = None
+    if weights:  # truncated IS weights, zeros included (IcePop rejects tokens with weight 0)
+        w = torch.rand(6, 29, generator=gen(3)) * 2
+        w[torch.rand(6, 29, generator=gen(4)) < 0.2] = 0
+    theirs = peer.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg, w)
+    with pyppo_ops_called() as ops:
+        ours = pv.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg, w)
+    assert "pyppo::masked_mean" in ops
+    assert_same(ours, theirs)
+    g_theirs = grads(lambda a: peer.compute_policy_loss_vanilla(old, a, adv, m, mode, cfg, w), [new])
+    g_ours = grads(lambda a: pv.compute_policy_loss_vanilla(old, a, adv, m, mode, cfg, w), [new])
+    assert_same(g_ours[0], g_theirs[0])
+
+
+@pytest.mark.parametrize("dtypes", [(F64, F64, torch.bool), (BF16, BF16, torch.int64),
+                                    (BF16, torch.float32, torch.bool), (F16, F16, torch.float32)], ids=str)
+def test_policy_and_value_loss_dtypes(peer, dtypes):
+    lp_dtype, adv_dtype, mask_dtype = dtypes
+    old, new, adv, m = policy_inputs(4, 16, 1, dtype=lp_dtype, mask_dtype=mask_dtype, spread=0.05)
+    adv = adv.to(adv_dtype)
+    w = torch.rand(4, 16, generator=gen(1)).to(adv_dtype)
+    cfg = actor_config()
+    exact = peer.compute_policy_loss_vanilla(old.double(), new.double(), adv.double(), m, "token-mean", cfg, w.double())
+    for mode in AGG_MODES:
+        theirs = peer.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg, w)
+        ours = pv.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg, w)
+        assert ours[0].dtype == theirs[0].dtype and ours[1].keys() == theirs[1].keys()
+        assert all(type(v) is float for v in ours[1].values())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            t4 = peer.compute_policy_loss(old, new, adv, m, cliprange=0.2, loss_agg_mode=mode)
+            o4 = pv.compute_policy_loss(old, new, adv, m, cliprange=0.2, loss_agg_mode=mode)
+        assert [t.dtype for t in o4] == [t.dtype for t in t4]
+        vt = peer.compute_value_loss(new, adv, old, m, 0.5, mode)
+        vo = pv.compute_value_loss(new, adv, old, m, 0.5, mode)
+        assert [t.dtype for t in vo] == [t.dtype for t in vt]
+    if lp_dtype == F64:
+        assert_same(ours, theirs)
+        assert_same(vo, vt)
+    else:
+        theirs = peer.compute_policy_loss_vanilla(old, new, adv, m, "token-mean", cfg, w)
+        ours = pv.compute_policy_loss_vanilla(old, new, adv, m, "token-mean", cfg, w)
+        e_ours, e_theirs = abs(ours[0].double() - exact[0]), abs(theirs[0].double() - exact[0])
+        assert e_ours <= e_theirs + ULP[ours[0].dtype] * abs(exact[0]), (e_ours, e_theirs)
+        assert abs(ours[1]["actor/ppo_kl"] - exact[1]["actor/ppo_kl"]) <= abs(
+            theirs[1]["actor/ppo_kl"] - exact[1]["actor/ppo_kl"]
+        ) + 1e-6
+
+
+def test_loss_gradients_at_ties_and_wrt_old_log_prob(peer):
+    # The adapters compute torch's derivative of veRL's expression themselves; check it where
+    # torch splits a tie (maximum/minimum of equal terms) and at the clamp boundaries.
+    old = torch.zeros(2, 4)
+    lp = torch.tensor([[1.0, 0.0, -0.5, 25.0], [1.0, 0.1, -30.0, 0.9]])  # A = 0 outside the clip range last
+    adv = torch.tensor([[-1.0, 1.0, -2.0, -1.0], [1.0, -1.0, 1.0, 0.0]])
+    m = torch.ones(2, 4, dtype=torch.bool)
+    r = float(torch.exp(torch.tensor(1.0)))  # the float32 ratio at log-ratio 1
+    cfg_tie_dual = dict_config(clip_ratio_c=r)  # -A·c == clipped term for A < 0 at ratio r
+    cfg_tie_clip = dict_config(clip_ratio_high=r - 1, clip_ratio_c=10.0)  # ratio exactly at 1 + ε_high
+    for cfg in (cfg_tie_dual, cfg_tie_clip):
+        for fn_args in ((0,), (1,)):
+            def run(f, a):
+                inputs = [old, lp]
+                inputs[fn_args[0]] = a
+                return f(inputs[0], inputs[1], adv, m, "token-sum", cfg)
+            start = (old, lp)[fn_args[0]]
+            assert_same(grads(lambda a: run(pv.compute_policy_loss_vanilla, a), [start])[0],
+                        grads(lambda a: run(peer.compute_policy_loss_vanilla, a), [start])[0])
+    # Gradients w.r.t. the advantages too (PPO treats them as constants; veRL's autograd does not).
+    for cfg in (cfg_tie_dual, cfg_tie_clip):
+        assert_same(grads(lambda a: pv.compute_policy_loss_vanilla(old, lp, a, m, "token-sum", cfg), [adv])[0],
+                    grads(lambda a: peer.compute_policy_loss_vanilla(old, lp, a, m, "token-sum", cfg), [adv])[0])
+    values = torch.tensor([[0.0, 1.0, -1.0, 0.5, 0.3]])
+    returns = torch.tensor([[1.0, 0.0, 2.0, 0.5, 0.3]])
+    m1 = torch.ones(1, 5, dtype=torch.bool)
+    for vpreds in (values + 0.2, values - 0.2, values.clone(), values + 0.1, values + 0.5):
+        for i in range(3):
+            def run(f, a):
+                inputs = [vpreds, returns, values]
+                inputs[i] = a
+                return f(*inputs, m1, 0.2, "token-sum")
+            start = (vpreds, returns, values)[i]
+            assert_same(grads(lambda a: run(pv.compute_value_loss, a), [start])[0],
+                        grads(lambda a: run(peer.compute_value_loss, a), [start])[0])
+
+
+def test_policy_loss_all_masked(peer):
+    old, new, adv, _ = policy_inputs(3, 5, 2)
+    z = torch.zeros(3, 5, dtype=torch.bool)
+    cfg = actor_config()
+    assert_same(pv.compute_policy_loss_vanilla(old, new, adv, z, "token-mean", cfg),
+                peer.compute_policy_loss_vanilla(old, new, adv, z, "token-mean", cfg))
+    assert_same(pv.compute_value_loss(new, adv, old, z, 0.2), peer.compute_value_loss(new, adv, old, z, 0.2))
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
+def test_compute_value_loss_matches(peer, mode, mask_dtype):
+    g = gen(AGG_MODES.index(mode))
+    B, T = 5, 37
+    values, returns = randn((B, T), g), randn((B, T), g)
+    vpreds = (values.double() + randn((B, T), g, F64, 0.5)).float()
+    m = make_mask(B, T, g, "empty_row", mask_dtype)
+    for kw in ({}, {"dp_size": 3, "batch_num_tokens": 90, "global_batch_size": 7, "loss_scale_factor": 40}):
+        theirs = peer.compute_value_loss(vpreds, returns, values, m, 0.2, mode, **kw)
+        with pyppo_ops_called() as ops:
+            ours = pv.compute_value_loss(vpreds, returns, values, m, 0.2, mode, **kw)
+        assert "pyppo::masked_mean" in ops
+        assert_same(ours, theirs)
+        g_theirs = grads(lambda a: peer.compute_value_loss(a, returns, values, m, 0.2, mode, **kw), [vpreds])
+        g_ours = grads(lambda a: pv.compute_value_loss(a, returns, values, m, 0.2, mode, **kw), [vpreds])
+        assert_same(g_ours[0], g_theirs[0])
+    # Unclipped predictions: no token counts as clipped (veRL's clip_by_value returns V itself).
+    assert pv.compute_value_loss(vpreds, returns, values, m, 100.0)[1] == 0
+
+
+def test_policy_and_value_loss_errors(peer):
+    old, new, adv, m = policy_inputs(2, 4, 0)
+    cases = [
+        (AssertionError, "compute_policy_loss", (old, new, adv, m), {"cliprange": 0.2, "clip_ratio_c": 1.0}),
+        (TypeError, "compute_policy_loss", (old, new, adv, m), {}),
+        (AssertionError, "compute_policy_loss_vanilla", (old, new, adv, m), {}),
+        (AssertionError, "compute_policy_loss_vanilla",
+         (old, new, adv, m, "token-mean", actor_config(clip_ratio_c=0.5)), {}),
+        (ValueError, "compute_policy_loss_vanilla", (old, new, adv, m, "bogus", actor_config()), {}),
+        (TypeError, "compute_value_loss", (new, adv, old, m, None), {}),
+        (ValueError, "compute_value_loss", (new, adv, old, m, 0.2, "bogus"), {}),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for exc, name, args, kw in cases:
+            with pytest.raises(exc):
+                getattr(peer, name)(*args, **kw)
+            with pytest.raises(exc) as ours:
+                getattr(pv, name)(*args, **kw)
+            assert "Exception raised from" not in str(ours.value)
+        with pytest.raises(ValueError, match="response_mask must be bool or hold only 0 and 1"):
+            pv.compute_policy_loss(old, new, adv, m * 0.5, cliprange=0.2)
+        with pytest.raises(ValueError, match="advantages has shape"):
+            pv.compute_policy_loss(old, new, adv[:, :2], m, cliprange=0.2)
+        with pytest.raises(ValueError, match="returns has shape"):
+            pv.compute_value_loss(new, adv[:1], old, m, 0.2)
+
+
+# ------------------------------------------------------------------------------------------------
+# log-probs and entropy
+
+
+@HYP
+@given(
+    dtype=st.sampled_from(FLOATS),
+    shape=st.sampled_from([(1, 1), (2, 5), (3, 1), (7,), (2, 3, 4)]),
+    V=st.sampled_from([1, 7, 33, 257]),
+    how=st.sampled_from(["contiguous", "transposed", "sliced"]),
+    seed=st.integers(0, 2**16),
+)
+def test_logprobs_and_entropy_match(peer, dtype, shape, V, how, seed):
+    g = gen(seed)
+    z = randn((*shape, V), g, dtype, 3.0)
+    labels = torch.randint(0, V, shape, generator=g)
+    zl = layout(z, how)
+    for name, args in (("logprobs_from_logits", (labels,)), ("entropy_from_logits", ())):
+        theirs = getattr(peer, name)(z, *args)
+        with pyppo_ops_called() as ops:
+            ours = getattr(pv, name)(zl, *args)
+        assert "pyppo::gather_logprobs" in ops
+        g_theirs = grads(lambda t: getattr(peer, name)(t, *args), [z])[0]
+        g_ours = grads(lambda t: getattr(pv, name)(layout(t, how), *args), [z])[0]
+        if dtype in (torch.float32, F64):
+            assert_same(ours, theirs, rtol=1e-5, atol=2e-6)
+            assert_same(g_ours, g_theirs, rtol=1e-5, atol=2e-6)
+        else:
+            z64 = z.double()
+            assert_at_least_as_close(ours, theirs, getattr(peer, name)(z64, *args), dtype)
+            g_exact = grads(lambda t: getattr(peer, name)(t, *args), [z64])[0]
+            assert_at_least_as_close(g_ours, g_theirs, g_exact, dtype)
+    if len(shape) == 2:
+        assert_same(pv.entropy_from_logits_with_chunking(zl.flatten(0, 1), 3),
+                    peer.entropy_from_logits_with_chunking(z.flatten(0, 1), 3), rtol=1e-3 if dtype != F64 else 1e-5,
+                    atol=1e-3)
+
+
+def test_logprobs_from_logits_inplace_backward_and_errors(peer):
+    z = torch.randn(2, 3, 7)
+    labels = torch.randint(0, 7, (2, 3))
+    assert_same(pv.logprobs_from_logits(z, labels, inplace_backward=False), peer.logprobs_from_logits(z, labels))
+    bad = labels.clone()
+    bad[1, 2] = 7
+    with pytest.raises(RuntimeError):
+        peer.logprobs_from_logits(z, bad)  # veRL's gather: index out of bounds
+    with pytest.raises(ValueError, match="label") as e:
+        pv.logprobs_from_logits(z, bad)
+    assert "Exception raised from" not in str(e.value)
+    with pytest.raises(ValueError, match="labels"):
+        pv.logprobs_from_logits(z, labels[:, :2])
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor"):
+        pv.logprobs_from_logits(z, [0, 1])
+    with pytest.raises(ValueError):
+        peer.entropy_from_logits_with_chunking(z[0], 0)
+    for bad_chunk in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="chunk_size"):
+            pv.entropy_from_logits_with_chunking(z[0], bad_chunk)
+    with pytest.raises(ValueError, match="2-D"):
+        pv.entropy_from_logits_with_chunking(z, 4)
+
+
+def test_logprobs_dtype_follows_verl_dispatch(peer, monkeypatch):
+    # With flash-attn's cross-entropy veRL returns float32 log-probs, else the logits' dtype.
+    z = torch.randn(2, 3, 7, dtype=BF16)
+    labels = torch.randint(0, 7, (2, 3))
+    assert pv.logprobs_from_logits(z, labels).dtype == peer.logprobs_from_logits(z, labels).dtype == BF16
+    monkeypatch.setattr(peer.tf, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", True)
+    assert pv.logprobs_from_logits(z, labels).dtype == torch.float32
+    monkeypatch.setenv("VERL_DISABLE_FLASH_ATTN_CE", "1")
+    assert pv.logprobs_from_logits(z, labels).dtype == BF16
+
+
+# ------------------------------------------------------------------------------------------------
+# patch / unpatch
+
+
+def _call_sites(peer):
+    """Calls through veRL's own module paths, each with the pyppo op it must reach when patched."""
+    losses = import_peer("verl.workers.utils.losses")  # imported kl_penalty, agg_loss, masked_mean by name
+    naive = import_peer("verl.workers.rollout.naive.naive_rollout")  # imported logprobs_from_logits by name
+    ca, tf = peer.ca, peer.tf
+    old, new, adv, m = policy_inputs(3, 6, 0)
+    mi = m.long()
+    logits, labels = torch.randn(3, 6, 5), torch.randint(0, 5, (3, 6))
+    algo = SimpleNamespace(gamma=1.0)
+    return [
+        ("pyppo::gae", lambda: ca.compute_gae_advantage_return(adv, old, mi, 1.0, 0.95)),
+        ("pyppo::gae", lambda: ca.get_adv_estimator_fn("gae")(adv, old, mi, 1.0, 0.95)),
+        ("pyppo::masked_mean",
+         lambda: ca.get_policy_loss_fn("vanilla")(old, new, adv, m, "token-mean", actor_config())),
+        ("pyppo::masked_mean", lambda: ca.compute_value_loss(new, adv, old, m, 0.2)),
+        ("pyppo::kl_penalty", lambda: losses.kl_penalty(new, old, "low_var_kl")),
+        ("pyppo::kl_penalty", lambda: ca.kl_penalty_forward(new, old, "k1")),
+        ("pyppo::masked_mean", lambda: losses.masked_mean(new, m)),
+        ("pyppo::gather_logprobs", lambda: naive.logprobs_from_logits(logits, labels)),
+        ("pyppo::gather_logprobs", lambda: tf.entropy_from_logits(logits)),
+        # veRL functions that are not replaced but call replaced ones through their module
+        ("pyppo::masked_var", lambda: ca.compute_reinforce_plus_plus_outcome_advantage(adv, mi, algo)),
+        ("pyppo::masked_mean", lambda: ca.compute_policy_loss_gspo(old, new, adv, m, config=actor_config())),
+    ]
+
+
+def test_patch_routes_verl_through_pyppo(peer):
+    sites = _call_sites(peer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no version or signature warning for 0.9.1
+        p = pv.patch()
+    try:
+        assert p.version == "0.9.1" and pv.patch() is p
+        wheres = set(p.originals)
+        for name in CORE_NAMES:
+            assert getattr(peer.ca, name) is getattr(pv, name)
+        for name in TF_NAMES:
+            assert getattr(peer.tf, name) is getattr(pv, name)
+        assert "verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY['gae']" in wheres
+        assert "verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY['vanilla']" in wheres
+        assert "verl.workers.utils.losses.agg_loss" in wheres
+        assert "verl.workers.rollout.naive.naive_rollout.logprobs_from_logits" in wheres
+        gae_where = "verl.trainer.ppo.core_algos.compute_gae_advantage_return"
+        assert p.originals[gae_where] is peer.compute_gae_advantage_return
+        for op, call in sites:
+            with pyppo_ops_called() as ops:
+                call()
+            assert op in ops, (op, ops)
+        with pytest.warns(FutureWarning, match="compute_policy_loss' is deprecated"):
+            peer.ca.compute_policy_loss(*policy_inputs(2, 3, 0), cliprange=0.2)
+    finally:
+        assert pv.unpatch() is p
+    for name in CORE_NAMES:
+        assert getattr(peer.ca, name) is getattr(peer, name)
+    assert peer.ca.ADV_ESTIMATOR_REGISTRY["gae"] is peer.compute_gae_advantage_return
+    assert peer.ca.POLICY_LOSS_REGISTRY["vanilla"] is peer.compute_policy_loss_vanilla
+    for op, call in sites:
+        with pyppo_ops_called() as ops:
+            call()
+        assert ops == [], ops
+    assert pv.unpatch() is None
+
+
+def test_patched_context_and_package_entry_point(peer):
+    with pv.patched() as p:
+        assert p and peer.tf.masked_whiten is pv.masked_whiten
+    assert peer.tf.masked_whiten is peer.masked_whiten
+    with integrations.patched("verl"):
+        assert peer.ca.agg_loss is pv.agg_loss
+    assert peer.ca.agg_loss is peer.agg_loss
+    assert integrations.patch("verl") is _patching.active(pv.PEER)
+    integrations.unpatch("verl")
+    assert peer.ca.kl_penalty is peer.kl_penalty
+
+
+def test_other_release_is_not_patched(peer, monkeypatch):
+    monkeypatch.setattr(_patching, "installed_version", lambda p: "0.8.0")
+    with pytest.warns(PeerVersionWarning, match="0.9.1"):
+        p = pv.patch()
+    assert not p and peer.ca.compute_gae_advantage_return is peer.compute_gae_advantage_return
+    with pytest.warns(PeerVersionWarning):
+        p = pv.patch(force=True)
+    try:
+        assert p and peer.ca.compute_gae_advantage_return is pv.compute_gae_advantage_return
+    finally:
+        pv.unpatch()
+
+
+def test_deprecated_signature_is_read_through_the_wrapper(peer):
+    # veRL's @deprecated wrapper keeps __wrapped__, so the signature compared is the function's.
+    assert list(inspect.signature(peer.compute_policy_loss).parameters) == list(
+        inspect.signature(pv.compute_policy_loss).parameters
+    )
+
+
+def test_module_imported_while_patched_is_restored(peer):
+    late = "verl.trainer.distillation.losses"  # binds agg_loss and kl_penalty by name
+    if late in sys.modules:
+        pytest.skip(f"{late} is already imported")
+    with pv.patched():
+        mod = importlib.import_module(late)
+        assert mod.kl_penalty is pv.kl_penalty and mod.agg_loss is pv.agg_loss
+        x = torch.randn(2, 3)
+        with pyppo_ops_called() as ops:
+            mod.kl_penalty(x, x * 0.5, "k3")
+        assert "pyppo::kl_penalty" in ops
+    assert mod.kl_penalty is peer.kl_penalty and mod.agg_loss is peer.agg_loss
