@@ -9,6 +9,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 namespace pyppo {
@@ -28,6 +31,47 @@ auto typed(const MaskedArgs& a, const char* op, F&& f) {
   return f(static_cast<const float*>(a.x));
 }
 
+// v where b, else +0.0, without a branch (a random mask mispredicts half the time: 4x slower) and
+// without multiplying by the mask (NaN * 0 is NaN): the bits are ANDed with all-ones or zero.
+inline double keep_if(bool b, double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits &= 0 - static_cast<uint64_t>(b);
+  std::memcpy(&v, &bits, sizeof bits);
+  return v;
+}
+
+// Sum of term(x[i]) and count over the masked-in i of [i0, e). kLanes independent accumulators,
+// each taking every kLanes-th element, added in lane order at the end, so the compiler can
+// vectorise the loop, and since the order is written out (no -ffast-math reassociation) every
+// instruction set gives the same bits.
+constexpr int kLanes = 8;
+
+template <typename T, typename Term>
+inline std::pair<double, int64_t> lane_sum(const T* x, const bool* m, int64_t i0, int64_t e, Term term) {
+  double acc[kLanes] = {};
+  int64_t cnt[kLanes] = {};
+  int64_t i = i0;
+  for (; i + kLanes <= e; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const bool b = m[i + j];
+      acc[j] += keep_if(b, term(static_cast<double>(x[i + j])));
+      cnt[j] += b;
+    }
+  for (int j = 0; i < e; ++i, ++j)
+    if (m[i]) {
+      acc[j] += term(static_cast<double>(x[i]));
+      ++cnt[j];
+    }
+  double s = 0;
+  int64_t c = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    s += acc[j];
+    c += cnt[j];
+  }
+  return {s, c};
+}
+
 // One double per block (and a count), then the blocks in order.
 template <typename T, typename Term>
 std::vector<double> block_sums(const T* x, const bool* m, int64_t n, Term term, std::vector<int64_t>* counts) {
@@ -36,13 +80,7 @@ std::vector<double> block_sums(const T* x, const bool* m, int64_t n, Term term, 
   if (counts) counts->assign(nblocks, 0);
   at::parallel_for(0, nblocks, kBlocksPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      double s = 0;
-      int64_t c = 0;
-      for (int64_t i = k * kBlock, e = std::min(n, (k + 1) * kBlock); i < e; ++i)
-        if (m[i]) {
-          s += term(static_cast<double>(x[i]));
-          ++c;
-        }
+      auto [s, c] = lane_sum(x, m, k * kBlock, std::min(n, (k + 1) * kBlock), term);
       sums[k] = s;
       if (counts) (*counts)[k] = c;
     }
@@ -84,7 +122,7 @@ void masked_whiten(const MaskedArgs& a, double mean, double inv_std, double add_
     const bool* mp = a.mask;
     at::parallel_for(0, a.n, 65536, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        o[i] = mp[i] ? static_cast<T>((static_cast<double>(x[i]) - mean) * inv_std + add_back) : T(0);
+        o[i] = static_cast<T>(keep_if(mp[i], (static_cast<double>(x[i]) - mean) * inv_std + add_back));
     });
     return 0;
   });
@@ -105,13 +143,7 @@ int64_t masked_mean_rows(const MaskedArgs& a, int64_t L, void* out) {
     T* o = static_cast<T*>(out);
     at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(L, 1)), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        double s = 0;
-        int64_t c = 0;
-        for (int64_t j = 0; j < L; ++j)
-          if (mp[r * L + j]) {
-            s += static_cast<double>(x[r * L + j]);
-            ++c;
-          }
+        auto [s, c] = lane_sum(x + r * L, mp + r * L, 0, L, [](double v) { return v; });
         o[r] = static_cast<T>(s / static_cast<double>(c));
       }
     });
