@@ -108,7 +108,14 @@ def collect_info() -> dict:
         "compiler": getattr(_C, "compiler", "unknown"),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "integrations": _integrations(),
     }
+
+
+def _integrations() -> dict:
+    from pyppo.integrations import peer_status
+
+    return peer_status()
 
 
 def _cpu_capability(C) -> str:
@@ -144,6 +151,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("python", info["python"]),
         ("platform", info["platform"]),
     ]
+    for peer, st in info["integrations"].items():
+        written = ", ".join(st["written_for"])
+        if st["installed"] is None:
+            value = f"not installed (adapters written for {written})"
+        elif st["supported"]:
+            value = f"{st['installed']} (patch() supported)"
+        else:
+            value = f"{st['installed']} (adapters written for {written}: patch() needs force=True)"
+        rows.append((f"integration {peer}", value))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

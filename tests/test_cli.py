@@ -49,6 +49,15 @@ def test_info_json(capsys):
     assert {"pyppo", "torch_built_against", "torch_running", "cuda", "openmp", "num_threads",
             "build_type", "compiler", "python", "platform"} <= set(info)
     assert isinstance(info["cuda"], bool) and info["num_threads"] >= 1
+    import importlib.metadata as md
+
+    assert set(info["integrations"]) == {"verl", "openrlhf", "trl"}
+    for peer, st in info["integrations"].items():
+        try:
+            installed = md.version(peer)
+        except md.PackageNotFoundError:
+            installed = None
+        assert st["installed"] == installed and st["supported"] == (installed in st["written_for"])
 
 
 def test_python_dash_m_pyppo():

@@ -3,7 +3,8 @@ positions, gradients, in-place side effects, errors, and patch()/unpatch().
 
 Every comparison runs the peer's own function (captured before any patching) and the adapter on
 the same fresh inputs. Tolerances: bitwise where the adapter does the peer's arithmetic (k1, k2,
-compute_reward, the in-place temperature division, masked_mean and masked_normalize); float32 rounding
+compute_reward, the in-place temperature division, masked_mean with a non-bool mask,
+masked_normalize); float32 rounding
 otherwise. Where the peer itself computes in bf16/fp16 (its row-wise ``log_softmax``, its
 entropy), both are compared against float64 math on the same rounded inputs, and pyppo must be
 at least as close (or within one rounding of the output dtype).
@@ -33,8 +34,8 @@ from peer_support import import_peer, pyppo_ops_called
 
 F64 = torch.float64
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-PATCHED = ("compute_approx_kl", "compute_reward", "log_probs_from_logits", "compute_entropy")
-NAMES = PATCHED + ("masked_mean", "masked_normalize")  # the last two: the peer's formula, not patched
+PATCHED = ("compute_approx_kl", "compute_reward", "log_probs_from_logits", "compute_entropy", "masked_mean")
+NAMES = PATCHED + ("masked_normalize",)  # the peer's formula, not patched
 HYP = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Relative error of one rounding to the dtype (unit roundoff, doubled: one ulp).
@@ -355,9 +356,10 @@ def test_log_probs_from_logits_errors(peer):
     empty_row=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_masked_mean_and_normalize_are_the_peers_bitwise(peer, dtype, kind, dim, B, T, empty_row, seed):
-    # The peer's formula (not pyppo's op: see the docstring), so bit for bit, NaN of an
-    # all-masked slice and weighted masks included.
+def test_masked_mean_and_normalize_match_the_peer(peer, dtype, kind, dim, B, T, empty_row, seed):
+    # A bool mask with an int/None dim runs pyppo's op (float64 sums): within one rounding of the
+    # output dtype of the peer, and at least as close to float64 math; an all-masked slice is the
+    # peer's NaN. Every other case is the peer's formula, bit for bit (weighted masks included).
     g = gen(seed)
     x = (torch.randn(B, T, generator=g, dtype=F64) * 3 + 1).to(dtype)
     if kind == "weights":
@@ -368,15 +370,41 @@ def test_masked_mean_and_normalize_are_the_peers_bitwise(peer, dtype, kind, dim,
     if not isinstance(dim, tuple):
         calls.append(("masked_normalize", (mask, dim)))
     for name, args in calls:
+        via_op = name == "masked_mean" and kind == "bool" and args[0] is not None and not isinstance(dim, tuple)
         leaves = [x.clone().requires_grad_() for _ in range(2)]
         theirs = getattr(peer, name)(leaves[0], *args)
         ours = getattr(O, name)(leaves[1], *args)
         assert ours.dtype == theirs.dtype
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+        if via_op:
+            exact = (x.double() * mask).sum(dim=dim) / mask.sum(dim=dim)
+            assert torch.equal(ours.isnan(), theirs.isnan())
+            ok = ~exact.isnan()
+            tol = 4 * ULP[dtype] * exact.abs().clamp_min(1.0)
+            err_ours = (ours.double() - exact).abs()[ok]
+            err_theirs = (theirs.double() - exact).abs()[ok]
+            assert (err_ours <= tol[ok]).all() and (err_ours <= err_theirs + tol[ok]).all()
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
         w = torch.randn(theirs.shape, generator=g, dtype=F64)
         for out in (theirs, ours):
             (out.double() * w).nan_to_num(0.0).sum().backward()
-        torch.testing.assert_close(leaves[1].grad, leaves[0].grad, rtol=0, atol=0, equal_nan=True)
+        if via_op:
+            torch.testing.assert_close(leaves[1].grad, leaves[0].grad, rtol=4 * ULP[dtype], atol=4 * ULP[dtype], equal_nan=True)
+        else:
+            torch.testing.assert_close(leaves[1].grad, leaves[0].grad, rtol=0, atol=0, equal_nan=True)
+
+
+def test_masked_mean_with_a_bool_mask_runs_the_op_and_ignores_masked_nans(peer):
+    g = gen(0)
+    x = torch.randn(4, 9, generator=g)
+    mask = torch.rand(4, 9, generator=g) > 0.3
+    mask[:, 0], mask[:, 1] = True, False  # every row: some valid values, and a masked NaN
+    x[~mask] = float("nan")
+    with pyppo_ops_called() as ops:
+        ours = O.masked_mean(x, mask, -1)
+    assert ops == ["pyppo::masked_mean"]
+    torch.testing.assert_close(ours, torch.where(mask, x, 0).sum(-1) / mask.sum(-1))
+    assert peer.masked_mean(x, mask, -1).isnan().all()  # the peer's NaN·0 propagates
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +435,7 @@ def test_patch_routes_openrlhf_through_pyppo(peer):
             assert p.originals[f"openrlhf.models.utils.{n}"] is originals[n]
         assert actor.log_probs_from_logits is O.log_probs_from_logits
         assert actor.compute_entropy is O.compute_entropy
-        assert loss.masked_mean is originals["masked_mean"] and utils.masked_mean is originals["masked_mean"]
+        assert loss.masked_mean is O.masked_mean and utils.masked_normalize is originals["masked_normalize"]
         assert "openrlhf.models.actor.compute_entropy" in p.originals
 
         lp = torch.randn(2, 5, requires_grad=True)

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 
 from ._patching import Patch, PeerVersionWarning
 
-__all__ = ["PEERS", "Patch", "PeerVersionWarning", "patch", "unpatch", "patched"]
+__all__ = ["PEERS", "Patch", "PeerVersionWarning", "patch", "unpatch", "patched", "peer_status"]
 
 PEERS = ("verl", "openrlhf", "trl")
 
@@ -46,3 +46,20 @@ def unpatch(peer: str) -> Patch | None:
 def patched(peer: str, *, force: bool = False) -> AbstractContextManager[Patch]:
     """``with patched("verl"): ...`` patches for the block only."""
     return _peer_module(peer).patched(force=force)
+
+
+def peer_status() -> dict[str, dict[str, object]]:
+    """For each peer: the installed release (None if absent), the releases the adapters reproduce,
+    and whether ``patch()`` would patch without ``force``. Imports no peer package."""
+    import importlib.metadata
+
+    status = {}
+    for peer in PEERS:
+        spec = _peer_module(peer).PEER
+        try:
+            installed = importlib.metadata.version(spec.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        status[peer] = {"installed": installed, "written_for": list(spec.versions),
+                        "supported": installed in spec.versions}
+    return status

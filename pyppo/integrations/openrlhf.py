@@ -1,12 +1,12 @@
 """Drop-in adapters for OpenRLHF 0.11.2's ``openrlhf.models.utils``, computed with pyppo's ops.
 
 Patched: ``compute_approx_kl`` (``pyppo.ops.kl_penalty``), ``log_probs_from_logits`` and
-``compute_entropy`` (``pyppo.ops.gather_logprobs``), and ``compute_reward`` (plain torch, two
-passes fewer than the peer's: see its docstring). ``masked_mean`` and ``masked_normalize`` are
-here with the peer's exact formula for direct callers, but not patched: pyppo's ``masked_mean``
-is slower than that formula (a host sync per call on CUDA, a slower CPU kernel), and replacing
-a function by its own code would only make the patch report claim more than it does. Each
-adapter has the peer's signature, return types, output dtypes and masking conventions;
+``compute_entropy`` (``pyppo.ops.gather_logprobs``), ``masked_mean`` (``pyppo.ops.masked_mean``
+for bool masks, the peer's formula otherwise) and ``compute_reward`` (plain torch, two passes
+fewer than the peer's: see its docstring). ``masked_normalize`` is here with the peer's exact
+formula for direct callers, but not patched (OpenRLHF 0.11.2 never calls it, and pyppo's
+``masked_whiten`` is another statistic). Each adapter has the peer's signature, return types,
+output dtypes and masking conventions;
 ``docs/integrations.md`` lists every place where plain torch around an op keeps the peer's
 result, and the tolerances tested.
 
@@ -23,6 +23,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from pyppo.ops import kl_penalty
+from pyppo.ops import masked_mean as _masked_mean
 
 from . import _patching
 from ._logits import check_temperature, gather_raw, zero_labels
@@ -229,8 +230,7 @@ def compute_entropy(logits: torch.Tensor):
 
 def masked_mean(tensor: torch.Tensor, mask: Optional[torch.Tensor], dim: int = None) -> torch.Tensor:
     r"""Mean of ``tensor`` where ``mask`` is set, over ``dim`` (everything when None). Matches
-    OpenRLHF 0.11.2 ``openrlhf.models.utils.masked_mean`` bit for bit:
-    ``(tensor·mask).sum(dim) / mask.sum(dim)``.
+    OpenRLHF 0.11.2 ``openrlhf.models.utils.masked_mean``: ``(tensor·mask).sum(dim) / mask.sum(dim)``.
 
     Args:
         tensor: ``[*]``; mask: broadcastable to it, bool/int/float (a float mask weights the
@@ -238,18 +238,34 @@ def masked_mean(tensor: torch.Tensor, mask: Optional[torch.Tensor], dim: int = N
 
     Returns:
         ``tensor``'s shape without ``dim``, dtype ``torch.result_type(tensor, mask)``; an
-        all-masked slice is NaN, a NaN at a masked position propagates (``NaN·0``), as in the
-        peer. Differentiable w.r.t. ``tensor`` (and ``mask``).
+        all-masked slice is NaN, as in the peer. Differentiable w.r.t. ``tensor`` (and a float
+        ``mask``).
 
-    Plain torch, no pyppo op (measured, see ``docs/integrations.md``): ``pyppo.ops.masked_mean``
-    raises on an all-masked slice, so on CUDA it reads a flag back to the host on every call (one
-    sync, two for a non-bool mask, whose 0/1 values it validates), where the peer's four small
-    kernels never block the host; on CPU its float64-accumulating kernel measured 1.4x slower
-    than this formula with a bool mask and over 10x slower with a float mask. The peer's formula
-    is exact by definition, so it is kept, and :func:`patch` leaves the peer's own in place.
+    A bool mask of ``tensor``'s shape (OpenRLHF's ``action_mask``) with an int or None ``dim``
+    goes through ``pyppo.ops.masked_mean``: one pass, summed in float64 (the peer sums in the
+    tensor's dtype, in bf16 for bf16), deterministic, and a NaN or inf at a masked position
+    stays out of the mean (the peer's ``NaN·0`` propagates it). An all-masked slice, which the
+    op refuses, falls back to the peer's formula and its NaN. Any other mask (weights, 0/1
+    numbers, a broadcast shape) or a tuple ``dim`` is the peer's formula, bit for bit: on CPU
+    that is faster than converting and validating a non-bool mask (measured in
+    ``docs/integrations.md``).
     """
     if mask is None:
         return tensor.mean(dim=dim)
+    if (
+        isinstance(tensor, torch.Tensor)
+        and isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and tensor.is_floating_point()
+        and mask.shape == tensor.shape
+        and mask.device == tensor.device
+        and (dim is None or isinstance(dim, int))
+        and tensor.dim() > 0
+    ):
+        try:
+            return _masked_mean(tensor, mask, dim).to(tensor.dtype)
+        except ValueError:
+            pass  # an all-masked slice (or a bad dim): the peer's formula says what happens
     return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
@@ -269,8 +285,7 @@ def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, dim: int = 1, eps
         ``tensor``'s shape, dtype ``torch.result_type(tensor, mask)``, 0 at masked positions.
         Differentiable.
 
-    Plain torch, for :func:`masked_mean`'s reasons (two of its calls would be two host syncs on
-    CUDA); pyppo's ``masked_whiten`` whitens over the whole batch with the Bessel-corrected
+    Plain torch: pyppo's ``masked_whiten`` whitens over the whole batch with the Bessel-corrected
     variance plus ``eps``, a different statistic. OpenRLHF 0.11.2 itself never calls it. Not
     patched.
     """
@@ -291,6 +306,7 @@ PEER = _patching.Peer(
         _patching.Target("openrlhf.models.utils", "compute_reward", compute_reward),
         _patching.Target("openrlhf.models.utils", "log_probs_from_logits", log_probs_from_logits),
         _patching.Target("openrlhf.models.utils", "compute_entropy", compute_entropy),
+        _patching.Target("openrlhf.models.utils", "masked_mean", masked_mean),
     ),
     import_help=(
         "openrlhf.models imports flash_attn at module level (openrlhf/models/ring_attn_utils.py); "
