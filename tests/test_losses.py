@@ -502,3 +502,18 @@ def test_shape_dtype_mask_errors():
         ppo_value_loss(lp, old, adv, mask, loss_agg="sum")
     with pytest.raises(ValueError, match="loss_agg"):
         aggregate_loss(lp, mask, "nope")
+
+
+def test_value_clipfrac_counts_no_clip_where_nothing_is_clipped():
+    # V_old + clamp(V - V_old) differs from V by a rounding even inside the clip range; that
+    # rounding used to be counted as a clip (2% of tokens here).
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(64, 128, generator=g) * 1e-3
+    old_values = values + torch.randn(64, 128, generator=g) * 0.3  # |V - V_old| << 1 = ε_v
+    returns = torch.randn(64, 128, generator=g)
+    mask = torch.ones(64, 128, dtype=torch.bool)
+    loss, stats = ppo_value_loss(values, old_values, returns, mask, cliprange_value=3.0)
+    assert stats["vf_clipfrac"].item() == 0.0
+    torch.testing.assert_close(loss, 0.5 * ((values - returns) ** 2).mean())
+    _, stats = ppo_value_loss(values, old_values, returns, mask, cliprange_value=0.1)
+    assert stats["vf_clipfrac"].item() > 0  # and real clips are still counted

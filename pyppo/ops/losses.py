@@ -21,11 +21,10 @@ fp16 logprobs do not lose the small differences the PPO ratio is made of.
 * ``"seq-mean-token-sum-norm"``: ``(1/|S|) Σ_{b∈S} Σ_t m·L / loss_agg_norm`` (default
   ``loss_agg_norm = T``): each sequence's token sum over a constant instead of its own length, so
   long and short responses are not weighted by a length-dependent denominator (Dr. GRPO, Liu et
-  al. 2025, "Understanding R1-Zero-Like Training"). Not veRL's mode of the same name: veRL's
-  ``agg_loss`` (``verl/trainer/ppo/core_algos.py``) computes ``Σ_b Σ_t m·L / loss_scale_factor``
-  (default ``T = loss_mask.shape[-1]``), the **sum** over the micro-batch's sequences rather than
-  their mean, so veRL's value is ``|S|`` times pyppo's. TRL's GRPO ``dr_grpo`` divides by
-  ``B · max_completion_length``, which is pyppo's mode when every row has a valid token.
+  al. 2025, "Understanding R1-Zero-Like Training"). veRL 0.9.1's mode of the same name computes
+  the same without ``global_batch_size`` (older veRL summed over the sequences instead). TRL's
+  GRPO ``dr_grpo`` divides by ``B · max_completion_length``, which is pyppo's mode when every
+  row has a valid token.
 
 Under gradient accumulation the trainer passes ``normalizer`` (the whole minibatch's number of
 valid tokens, or of sequences with a valid token), so that summing the micro-batch losses gives
@@ -360,7 +359,7 @@ def ppo_value_loss(
 
     Per valid token::
 
-        V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
+        V_clip = clip(V, V_old − ε_v, V_old + ε_v)
         L      = ½ · max((V − R)², (V_clip − R)²)
 
     then reduced with ``loss_agg``. ``cliprange_value=None`` disables clipping (``L = ½(V − R)²``).
@@ -403,7 +402,9 @@ def ppo_value_loss(
 
     err_unclipped = (v - ret) ** 2
     if cliprange_value is not None:
-        v_clip = v_old + torch.clamp(v - v_old, -cliprange_value, cliprange_value)
+        # Clamping V itself (not V_old + clamp(V − V_old)) leaves V_clip == V bit for bit where
+        # nothing is clipped, so vf_clipfrac counts only real clips, not roundings.
+        v_clip = torch.clamp(v, v_old - cliprange_value, v_old + cliprange_value)
         err_clipped = (v_clip - ret) ** 2
         vf_loss_mat = 0.5 * torch.maximum(err_unclipped, err_clipped)
         clipped = err_clipped > err_unclipped
