@@ -9,6 +9,7 @@
 #   openrlhf.models.utils, openrlhf.models.actor               (OpenRLHF 0.11.2; flash_attn stubbed in tests)
 #   trl.trainer.utils                                          (TRL 1.16.0)
 # and torch stays the release installed before (the constraint file forbids replacing it).
+# Note: the veRL and OpenRLHF wheels install their test suites as a top-level `tests` package.
 #
 #   PYTHON=python3.11 bash scripts/install_peers.sh
 set -euo pipefail

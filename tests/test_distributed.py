@@ -131,7 +131,7 @@ def test_two_process_fsdp_lora_train_exports_and_resumes(tmp_path):
     model = save_tiny_causal_lm(tmp_path / "tiny")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:10]) + "\n")
-    flags = ["--model", str(model), "--reward", "tests.test_trainer:count_e", "--prompts", str(prompts),
+    flags = ["--model", str(model), "--reward", f"{HERE / 'test_trainer.py'}:count_e", "--prompts", str(prompts),
              "--device", "cpu", "--batch-size", "4", "--mini-batch-size", "4", "--ppo-epochs", "1",
              "--max-new-tokens", "6", "--lr", "1e-2", "--seed", "3", "--fsdp", "--lora-rank", "4",
              "--save-every", "1", "--eval-prompts", str(prompts), "--eval-every", "1"]
