@@ -4,8 +4,17 @@ cases carry the ``cuda`` mark, so ``pytest -m cuda`` selects them; elsewhere the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# CI draws the same hypothesis examples on every run (a red CI run must be reproducible and must
+# not depend on luck); a developer's run explores new ones unless HYPOTHESIS_PROFILE=ci.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
 
 
 def _cuda_usable() -> bool:

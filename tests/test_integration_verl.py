@@ -131,7 +131,10 @@ def assert_at_least_as_close(ours, theirs, ref, dtype):
     e_ours = (ours.double() - ref).abs()
     e_theirs = (theirs.double() - ref).abs()
     scale = ref.abs().max().item() + 1e-30
-    assert e_ours.mean() <= e_theirs.mean() + 1e-3 * ULP[dtype] * scale, (e_ours.mean(), e_theirs.mean())
+    # A mean over a handful of elements is one or two roundings, which either side can win by
+    # luck: the mean must then only be within half an output rounding.
+    slack = (0.5 if e_ours.numel() < 256 else 1e-3) * ULP[dtype] * scale
+    assert e_ours.mean() <= e_theirs.mean() + slack, (e_ours.mean(), e_theirs.mean())
     assert e_ours.max() <= e_theirs.max() + 2 * ULP[dtype] * scale, (e_ours.max(), e_theirs.max())
 
 
