@@ -514,3 +514,24 @@ import pyppo.integrations.openrlhf as O
 O.compute_approx_kl(torch.randn(3), torch.randn(3), kl_estimator='k3'); O.log_probs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), 0.5); O.compute_entropy(torch.randn(2, 5))
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_user_facing_flash_attn_stub_lets_openrlhf_import_and_patch(peer):
+    # What docs/integrations.md tells a CPU user to run, in a fresh interpreter.
+    code = (
+        "import pyppo.integrations.openrlhf as o\n"
+        "assert o.install_flash_attn_stub() and o.install_flash_attn_stub()\n"
+        "import openrlhf.models.utils as u\n"
+        "p = o.patch()\n"
+        "assert u.compute_approx_kl is o.compute_approx_kl and p\n"
+        "import flash_attn.bert_padding as bp\n"
+        "try:\n"
+        "    bp.pad_input()\n"
+        "except NotImplementedError as e:\n"
+        "    assert 'install_flash_attn_stub' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('the stub ran')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

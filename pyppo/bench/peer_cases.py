@@ -15,15 +15,15 @@ Masks are int64, as both veRL (``attention_mask`` slices) and OpenRLHF (``action
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
 import importlib.util
 import os
 import sys
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from pyppo.integrations._flash_attn_stub import flash_attn_is_stub, install_flash_attn_stub
 
 from .case import Inputs
 from .inputs import bt_inputs, nbytes
@@ -204,51 +204,9 @@ def _available_bytes(device: torch.device) -> int | None:
 # --------------------------------------------------------------------------- flash-attn
 
 
-_FLASH_ATTN_NAMES = {
-    "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
-    "flash_attn.utils.distributed": ("all_gather",),
-}
-
-
-def _unavailable(name: str):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(f"{name}: flash-attn is not installed (pyppo bench put a stub in its place)")
-
-    fn.__name__ = name.rsplit(".", 1)[-1]
-    return fn
-
-
-def install_flash_attn_stub() -> bool:
-    """OpenRLHF's ``openrlhf.models`` imports ``flash_attn`` at module level, and flash-attn does
-    not install on a machine without CUDA. Unless a real one is importable, put a stub that binds
-    only those names in ``sys.modules``: OpenRLHF's ``log_probs_from_logits`` then finds no
-    ``flash_attn.ops.triton.cross_entropy`` and takes its torch path, which is what OpenRLHF
-    runs without flash-attn. Returns True when a stub is (now) in place."""
-    if "flash_attn" in sys.modules:
-        return bool(getattr(sys.modules["flash_attn"], "__pyppo_stub__", False))
-    if importlib.util.find_spec("flash_attn") is not None:
-        return False
-    packages = {"flash_attn", "flash_attn.utils"}
-    for name in sorted(packages | set(_FLASH_ATTN_NAMES)):
-        mod = types.ModuleType(name)
-        # transformers probes find_spec("flash_attn") and rejects a module without a spec.
-        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name in packages)
-        if name in packages:
-            mod.__path__ = []
-        mod.__pyppo_stub__ = True
-        for attr in _FLASH_ATTN_NAMES.get(name, ()):
-            setattr(mod, attr, _unavailable(f"{name}.{attr}"))
-        sys.modules[name] = mod
-    sys.modules["flash_attn"].bert_padding = sys.modules["flash_attn.bert_padding"]
-    sys.modules["flash_attn"].utils = sys.modules["flash_attn.utils"]
-    sys.modules["flash_attn.utils"].distributed = sys.modules["flash_attn.utils.distributed"]
-    return True
-
-
 def flash_attn_state() -> str:
     """What OpenRLHF's log-prob path ran on, as the table and JSON say it."""
-    mod = sys.modules.get("flash_attn")
-    if mod is None or getattr(mod, "__pyppo_stub__", False):
+    if sys.modules.get("flash_attn") is None or flash_attn_is_stub():
         return "flash-attn not installed: OpenRLHF's torch fallback path was timed (what a CPU user of OpenRLHF runs)"
     return "flash-attn installed: OpenRLHF's flash-attn path was timed where it takes one"
 

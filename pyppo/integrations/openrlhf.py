@@ -12,7 +12,8 @@ result, and the tolerances tested.
 
 Usage: ``import pyppo.integrations.openrlhf as o; o.patch()`` (``o.unpatch()`` restores, or
 ``with o.patched(): ...``). ``openrlhf.models`` imports ``flash_attn`` at module level, so the
-peer must be importable first. This module never imports OpenRLHF: the adapters also work
+peer must be importable first: on a machine without CUDA call :func:`install_flash_attn_stub`
+before importing OpenRLHF. This module never imports OpenRLHF: the adapters also work
 called directly.
 """
 
@@ -26,6 +27,7 @@ from pyppo.ops import kl_penalty
 from pyppo.ops import masked_mean as _masked_mean
 
 from . import _patching
+from ._flash_attn_stub import install_flash_attn_stub
 from ._logits import check_temperature, gather_raw, zero_labels
 from ._patching import Patch
 
@@ -37,6 +39,7 @@ __all__ = [
     "compute_entropy",
     "masked_mean",
     "masked_normalize",
+    "install_flash_attn_stub",
     "PEER",
     "patch",
     "unpatch",
@@ -310,9 +313,8 @@ PEER = _patching.Peer(
     ),
     import_help=(
         "openrlhf.models imports flash_attn at module level (openrlhf/models/ring_attn_utils.py); "
-        "install flash-attn, or on a machine without CUDA put a stub providing "
-        "flash_attn.bert_padding and flash_attn.utils.distributed in sys.modules first "
-        "(tests/peer_support.py: install_flash_attn_stub)."
+        "install flash-attn, or on a machine without CUDA call "
+        "pyppo.integrations.openrlhf.install_flash_attn_stub() before importing OpenRLHF."
     ),
 )
 
