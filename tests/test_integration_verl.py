@@ -902,3 +902,43 @@ def test_module_imported_while_patched_is_restored(peer):
             mod.kl_penalty(x, x * 0.5, "k3")
         assert "pyppo::kl_penalty" in ops
     assert mod.kl_penalty is peer.kl_penalty and mod.agg_loss is peer.agg_loss
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0, 0)])
+def test_empty_batches_give_verls_results(peer, shape):
+    # veRL's 0 / (0 + 1e-8) is 0 for an empty selection; pyppo's op refuses size-0 slices, so
+    # the adapters must not pass them on (the error used to name the op's x and dim).
+    x, m = torch.randn(shape), torch.ones(shape)
+    for axis in (None, 0, 1, -1):
+        ours, theirs = pv.masked_mean(x, m, axis), peer.masked_mean(x, m, axis)
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs)
+    cfg = actor_config()
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        ours = pv.compute_policy_loss_vanilla(x, x, x, m, mode, cfg)
+        theirs = peer.compute_policy_loss_vanilla(x, x, x, m, mode, cfg)
+        torch.testing.assert_close(ours[0], theirs[0], equal_nan=True)
+        assert ours[1] == theirs[1]
+
+
+def test_seq_mean_token_mean_drops_an_empty_row_under_a_float16_mask(peer):
+    # In float16 the 1e-8 of count + 1e-8 underflows: an empty row's 0 / 0 must be dropped, as
+    # veRL's masked_sum over the sequences drops it.
+    loss_mat = torch.randn(3, 5, generator=gen(0))
+    mask = torch.ones(3, 5, dtype=torch.float16)
+    mask[1] = 0
+    ours = pv.agg_loss(loss_mat, mask, "seq-mean-token-mean")
+    theirs = peer.agg_loss(loss_mat, mask, "seq-mean-token-mean")
+    assert torch.isfinite(ours) and ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_chunk_size_takes_any_integer_veRL_takes(peer):
+    import numpy as np
+
+    logits = torch.randn(4, 9, generator=gen(1))
+    for n in (2, np.int64(2), torch.tensor(2)):
+        torch.testing.assert_close(pv.entropy_from_logits_with_chunking(logits, n),
+                                   peer.entropy_from_logits_with_chunking(logits, n))
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        pv.entropy_from_logits_with_chunking(logits, 2.0)

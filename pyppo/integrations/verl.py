@@ -24,6 +24,7 @@ difference from veRL is listed in ``docs/integrations.md``.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import sys
 import warnings
@@ -145,6 +146,16 @@ def _bool_mask(fn: str, name: str, mask: Any, like: torch.Tensor) -> torch.Tenso
     return mask.bool()
 
 
+def _positive_index(n: Any) -> bool:
+    """An integer > 0 as veRL's slicing takes it: int, numpy integer or 0-d integer tensor."""
+    if isinstance(n, bool):
+        return False
+    try:
+        return operator.index(n) > 0
+    except TypeError:
+        return False
+
+
 def _count(m: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Number of set positions of the bool mask ``m`` (an int32 sum of bools is several times
     faster than the default int64 one on CPU)."""
@@ -175,6 +186,13 @@ def _mean_impl(
     veRL's epsilon (``mask_dtype``: the dtype of the caller's mask)."""
     if mask_dtype == torch.float64:
         x = x.to(torch.float64)  # veRL's products with a float64 mask are float64
+    if x.numel() == 0 and mask.shape == x.shape:
+        # Nothing to select (an empty batch, or a size-0 axis): veRL's 0 / (0 + 1e-8) is 0 for
+        # every output element, which pyppo's op refuses as an empty slice.
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        total = torch.where(mask != 0, x, zero)
+        total = total.sum() if dim is None else total.sum(dim)
+        return total.to(_acc(x.dtype))
     try:
         result = _masked_mean(x, mask, dim)
     except ValueError:
@@ -444,7 +462,7 @@ def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     Matches veRL 0.9.1 ``verl.utils.torch_functional.entropy_from_logits_with_chunking``.
     """
     fn = "entropy_from_logits_with_chunking"
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+    if not _positive_index(chunk_size):
         raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
     _tensor(fn, "logits", logits)
     if logits.dim() != 2:
@@ -674,7 +692,10 @@ def _agg_impl(
         # multiply by the mask and sums accumulated in float32 at least.
         den_dtype = mask_dtype if mask_dtype.is_floating_point else torch.get_default_dtype()
         row_sum = torch.where(m, lm, 0.0).sum(dim=-1, dtype=_acc(s_dtype))
-        total = (row_sum / (tokens_per_row.to(den_dtype) + 1e-8)).sum()
+        # An empty row is dropped with where(), as veRL's masked_sum over the sequences does: in
+        # float16 the epsilon underflows and its 0 / 0 would be NaN.
+        row_mean = row_sum / (tokens_per_row.to(den_dtype) + 1e-8)
+        total = torch.where(tokens_per_row > 0, row_mean, 0.0).sum()
         sum_dtype = _promote(s_dtype, den_dtype, torch.float32)
     else:
         # Σ over the sequences of their token sums: the token sum of the whole batch.
