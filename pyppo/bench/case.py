@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Inputs", "Target", "Case", "Sweep"]
+__all__ = ["Inputs", "Target", "RowLabels", "Case", "Sweep"]
 
 Inputs = dict[str, Any]
 
@@ -35,8 +35,21 @@ class Target:
         return None if self.goal is None else self._holds(value, self.goal)
 
 
+class RowLabels:
+    """How a row with ``shape`` and ``dtype`` fields names them in the table (``4x512x49152``,
+    ``bfloat16``); shared by :class:`Case` and the peer rows."""
+
+    @property
+    def shape_str(self) -> str:
+        return "x".join(str(s) for s in self.shape)
+
+    @property
+    def dtype_str(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+
 @dataclass
-class Case:
+class Case(RowLabels):
     """One table row: one op, one shape and dtype, three callables over the same inputs.
 
     ``pyppo`` is the compiled op, ``eager`` the PyTorch a user of the peers writes today
@@ -61,14 +74,6 @@ class Case:
     # row reports achieved bandwidth and pyppo's share of the floor's.
     bytes_moved: Callable[[Inputs], int] | None = None
     floor_bytes_moved: Callable[[Inputs], int] | None = None
-
-    @property
-    def shape_str(self) -> str:
-        return "x".join(str(s) for s in self.shape)
-
-    @property
-    def dtype_str(self) -> str:
-        return str(self.dtype).replace("torch.", "")
 
 
 @dataclass

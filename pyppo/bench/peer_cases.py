@@ -25,7 +25,7 @@ import torch
 
 from pyppo.integrations._flash_attn_stub import flash_attn_is_stub, install_flash_attn_stub
 
-from .case import Inputs
+from .case import Inputs, RowLabels
 from .inputs import bt_inputs, nbytes
 
 __all__ = ["PeerCase", "PEERS", "PINS", "SHAPES", "cases", "functions", "logits_shape", "input_sets",
@@ -57,7 +57,7 @@ _PROCESS_BYTES = 2 * 2**30  # the peers' imports, the rollout inputs, the alloca
 
 
 @dataclass(frozen=True)
-class PeerCase:
+class PeerCase(RowLabels):
     """One row: ``call(fn, inputs)`` runs the peer function or its adapter ``fn``; in ``fwd+bwd``
     mode the outputs that require grad are back-propagated too, and the gradients of ``wrt``
     are part of what the check compares."""
@@ -76,14 +76,6 @@ class PeerCase:
     # Back-propagate only the first output (a loss), as the trainer does: the losses' metrics
     # (veRL's ppo_kl) may carry a graph in the peer and none in the adapter.
     loss_first: bool = False
-
-    @property
-    def shape_str(self) -> str:
-        return "x".join(str(s) for s in self.shape)
-
-    @property
-    def dtype_str(self) -> str:
-        return str(self.dtype).replace("torch.", "")
 
     @property
     def tol(self) -> float:

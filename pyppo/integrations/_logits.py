@@ -1,9 +1,11 @@
-"""What the OpenRLHF and TRL adapters share around ``torch.ops.pyppo.gather_logprobs``: the raw
-op call with the peers' conventions (no ignored label value, errors in the adapter's own words)."""
+"""What the adapters share around ``torch.ops.pyppo.gather_logprobs``: the raw op call with the
+peers' conventions (no ignored label value, errors in the adapter's own words), and the checks of
+its peers' arguments."""
 
 from __future__ import annotations
 
 import math
+import operator
 import re
 
 import torch
@@ -26,6 +28,17 @@ def check_temperature(fn: str, temperature) -> float:
     if not math.isfinite(t):
         raise ValueError(f"{fn}: temperature must be finite, got {temperature}")
     return t
+
+
+def positive_index(n) -> bool:
+    """``n`` is an integer > 0 as the peers' slicing and ``split`` take it (int, numpy integer,
+    0-d integer tensor; not bool): their ``chunk_size``."""
+    if isinstance(n, bool):
+        return False
+    try:
+        return operator.index(n) > 0
+    except TypeError:
+        return False
 
 
 def gather_raw(

@@ -73,10 +73,14 @@ class Replacement:
         return self.container.get(self.key)
 
     def put(self, value: Any) -> None:
-        if self.is_attribute:
-            setattr(self.container, self.key, value)
-        else:
-            self.container[self.key] = value
+        _put(self.container, self.key, self.is_attribute, value)
+
+
+def _put(container: Any, key: Any, is_attribute: bool, value: Any) -> None:
+    if is_attribute:
+        setattr(container, key, value)
+    else:
+        container[key] = value
 
 
 @dataclass
@@ -259,7 +263,7 @@ def unpatch(peer: Peer) -> Patch | None:
     modules = _package_modules(peer.package)
     for key, adapter in adapters.items():
         for _, container, attr, is_attribute in _find_references(modules, adapter):
-            Replacement("", originals[key], adapter, container, attr, is_attribute).put(originals[key])
+            _put(container, attr, is_attribute, originals[key])
     if moved:
         warnings.warn(
             f"pyppo.integrations.{peer.name}.unpatch: left as found, re-assigned after patch(): "

@@ -15,23 +15,13 @@ directly.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _patching
-from ._logits import NO_IGNORE_INDEX, check_temperature, gather_raw, zero_labels
+from ._logits import NO_IGNORE_INDEX, check_temperature, gather_raw, positive_index, zero_labels
 from ._patching import Patch
 
-
-def _is_index(n) -> bool:
-    """An integer as TRL's ``split`` takes it: int, numpy integer or 0-d integer tensor."""
-    try:
-        operator.index(n)
-    except TypeError:
-        return False
-    return True
 
 __all__ = [
     "selective_log_softmax",
@@ -184,7 +174,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
     Deliberate difference: a ``−inf`` logit (probability 0) contributes 0, where TRL's
     ``exp(logp)·logp = 0·(−inf)`` makes the row NaN.
     """
-    if isinstance(chunk_size, bool) or not _is_index(chunk_size) or operator.index(chunk_size) <= 0:
+    if not positive_index(chunk_size):
         raise ValueError(f"entropy_from_logits: chunk_size must be a positive int, got {chunk_size!r}")
     _, entropy, _ = gather_raw("entropy_from_logits", "labels", logits, zero_labels(logits), None, 1.0, True)
     return entropy.to(logits.dtype)

@@ -24,7 +24,6 @@ difference from veRL is listed in ``docs/integrations.md``.
 from __future__ import annotations
 
 import functools
-import operator
 import os
 import sys
 import warnings
@@ -40,6 +39,7 @@ from pyppo.ops import masked_mean as _masked_mean
 from pyppo.ops import masked_var as _masked_var
 
 from . import _patching
+from ._logits import positive_index
 from ._patching import Patch
 
 __all__ = [
@@ -146,16 +146,6 @@ def _bool_mask(fn: str, name: str, mask: Any, like: torch.Tensor) -> torch.Tenso
     return mask.bool()
 
 
-def _positive_index(n: Any) -> bool:
-    """An integer > 0 as veRL's slicing takes it: int, numpy integer or 0-d integer tensor."""
-    if isinstance(n, bool):
-        return False
-    try:
-        return operator.index(n) > 0
-    except TypeError:
-        return False
-
-
 def _count(m: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Number of set positions of the bool mask ``m`` (an int32 sum of bools is several times
     faster than the default int64 one on CPU)."""
@@ -182,8 +172,9 @@ def _verl_eps_scale(mask: torch.Tensor, mask_dtype: torch.dtype, dim: Optional[i
 def _mean_impl(
     x: torch.Tensor, mask: torch.Tensor, dim: Optional[int], mask_dtype: torch.dtype = torch.bool
 ) -> torch.Tensor:
-    """pyppo's masked mean with veRL's convention for an empty selection (0, not an error) and
-    veRL's epsilon (``mask_dtype``: the dtype of the caller's mask)."""
+    """pyppo's masked mean of ``x`` over the bool ``mask`` (from :func:`_bool_mask`) with veRL's
+    convention for an empty selection (0, not an error) and veRL's epsilon (``mask_dtype``: the
+    dtype of the caller's mask)."""
     if mask_dtype == torch.float64:
         x = x.to(torch.float64)  # veRL's products with a float64 mask are float64
     if x.numel() == 0 and mask.shape == x.shape:
@@ -204,12 +195,11 @@ def _mean_impl(
     return result if scale is None else result * scale
 
 
-def _empty_selection_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int]) -> Optional[torch.Tensor]:
-    if mask.shape != x.shape or (dim is not None and not -x.dim() <= dim < max(x.dim(), 1)):
+def _empty_selection_mean(x: torch.Tensor, m: torch.Tensor, dim: Optional[int]) -> Optional[torch.Tensor]:
+    """veRL's 0 where the bool mask ``m`` (checked by :func:`_bool_mask`) selects nothing; None
+    when the op's error had another cause (a bad dim, a mask of another shape)."""
+    if m.shape != x.shape or (dim is not None and not -x.dim() <= dim < max(x.dim(), 1)):
         return None
-    if mask.dtype != torch.bool and (mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all())):
-        return None
-    m = mask != 0
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     if dim is None:
         if bool(m.any()):
@@ -462,7 +452,7 @@ def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     Matches veRL 0.9.1 ``verl.utils.torch_functional.entropy_from_logits_with_chunking``.
     """
     fn = "entropy_from_logits_with_chunking"
-    if not _positive_index(chunk_size):
+    if not positive_index(chunk_size):
         raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
     _tensor(fn, "logits", logits)
     if logits.dim() != 2:
