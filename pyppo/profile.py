@@ -10,10 +10,38 @@ the seconds and share of it spent inside pyppo ops (profiler events whose name s
 ``torch.profiler.record_function("pyppo/<phase>")``, so the phases also show up as ranges in the
 trace and in any profiler a user runs around their own training loop.
 
+Per phase the table also gives the model work done in it:
+
+* ``GFLOP``: model FLOPs (forward + backward matmuls) counted analytically by :mod:`pyppo.flops`
+  from each model's config and the shapes it was actually fed during the profiled step — forward
+  pre-hooks on the policy's, the reference's and the value model's decoders and heads record every
+  call's batch, new positions and keys (attention mask or KV cache), so trimmed micro-batches, the
+  KV-cached decode steps and skipped phases are counted as they ran, not as the batch suggests.
+  Causal attention; backward 2× the forward for trained weights, 1× for frozen (LoRA) ones;
+  recomputation (gradient checkpointing, the attention kernel's scores, ``linear_logprobs``'
+  logits) is not in it but is given as ``recompute_flops`` and HFU. A model whose config is not
+  understood (not a Llama / Qwen2 / SmolLM2-style decoder: missing names, mixture of experts,
+  blocks that do not match the config) gets a note and no FLOPs; the reward model is not counted.
+* ``GFLOP/s`` (over the phase's wall seconds) and ``MFU %`` = GFLOP/s / peak, the model FLOPs
+  utilization of PaLM (Chowdhery et al. 2022, appendix B). The peak is measured after the step on
+  the models' device with the run's threads: the median of timed ``torch.mm`` calls on
+  ``--peak-size`` square matrices (default 2048) in the compute dtype (float32, or bfloat16 with
+  ``--dtype bfloat16``, float32 shown beside it), and at the policy's own GEMM shapes (below the
+  table). ``--peak-size 0`` skips it (no MFU).
+* ``tokens``, ``pad`` and ``tokens/s``: generate: tokens sampled, ``B × T`` (pad: sampled after a
+  row's EOS; the prompt positions prefilled and their padding are given below the table); a
+  forward: positions fed, ``B × (P + T)`` as the micro-batches were fed (pad: padding positions);
+  update: those × ``ppo_epochs`` (each through the policy and the value model). The step row:
+  total FLOPs, the step's MFU, tokens sampled per step second.
+
 Files written to ``--output DIR`` (default: the current directory):
 
 * ``trace.json``: the Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
-* ``profile.json``: the table, the pyppo ops by time, the step's metrics and the settings.
+* ``profile.json``: the table (each phase row with ``flops``, ``forward_flops``,
+  ``backward_flops``, ``recompute_flops``, ``flops_per_s``, ``mfu``, ``hfu``, ``tokens``,
+  ``padding_tokens``, ``tokens_per_s``; ``null`` where unknown), ``flops`` (the step's totals,
+  the peak measurements, each model's shape, notes), the pyppo ops by time, the step's metrics
+  and the settings.
 
 Times include the profiler's own overhead (a few percent for a model forward; more for phases
 made of many tiny ops, e.g. token-by-token generation). On CUDA the pyppo seconds are host-side
@@ -28,10 +56,19 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import sys
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
+
+from .flops import (Flops, TransformerShape, UnsupportedConfig, backward_flops, block_flops, check_against_model,
+                    head_flops, measure_matmul_flops, recompute_flops, transformer_shape)
+from .stats import current_phase
 
 __all__ = ["add_arguments", "run", "main", "profile_step", "phase_table", "format_table", "PHASE_TITLES"]
 
@@ -142,18 +179,86 @@ def phase_table(events, metrics: dict) -> dict:
     }
 
 
+def _sig(x: Optional[float], digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, without an exponent."""
+    if x is None:
+        return "-"
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.0f}" if x == 0 else str(x)
+    return f"{x:.{max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))}f}"
+
+
+def _flop_cells(r: dict) -> tuple:
+    """GFLOP, GFLOP/s, MFU %, tokens, pad, tokens/s of a row (a phase's or the step's)."""
+    if r.get("tokens") is None:  # no model work in it
+        return ("-",) * 6
+    if r.get("flops") is None:  # a model whose config is not understood
+        flops = ("n/a",) * 3
+    else:
+        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
+        flops = (_sig(r["flops"] / 1e9), _sig(r["flops_per_s"] / 1e9 if r["flops_per_s"] else None), _sig(mfu))
+    return flops + (str(r["tokens"]), str(r["padding_tokens"]), _sig(r["tokens_per_s"]))
+
+
+def _flop_notes(table: dict) -> List[str]:
+    info = table["flops"]
+    rows = {r["phase"]: r for r in table["phases"]}
+    lines = list(info["notes"])
+    described = "; ".join(f"{name}: {d}" for name, d in info["models"].items() if d)
+    if described:
+        lines.append(f"FLOPs: model FLOPs (matmuls; forward + backward) from each model's config ({described}) "
+                     "and the shapes it was fed in this step (forward hooks); causal attention; "
+                     "backward 2x the forward for trained weights, 1x for frozen ones (pyppo.flops).")
+    recompute = info["step"]["recompute_flops"]
+    if recompute:
+        hfu = info["step"]["hfu"]
+        hfu = _sig(None if hfu is None else 100 * hfu)
+        what = "gradient checkpointing's second forward, " if info["gradient_checkpointing"] else ""
+        lines.append(f"MFU = GFLOP/s / peak (PaLM's definition: model FLOPs only). The step's backwards also "
+                     f"recompute {_sig(recompute / 1e9)} GFLOP ({what}the scores of the attention kernel, the "
+                     f"logits of linear_logprobs): hardware FLOPs utilization {hfu} %.")
+    peak = info["peak"]
+    if peak:
+        others = [f"{k} {_sig(v / 1e9)}" for k, v in peak["by_dtype"].items() if k != peak["dtype"]]
+        line = (f"peak: torch.mm {peak['size']}x{peak['size']} {peak['dtype']} on {peak['device']}, {peak['threads']} "
+                f"thread(s): {_sig(peak['flops_per_s'] / 1e9)} GFLOP/s" + (f" ({', '.join(others)})" if others else ""))
+        if peak["model_shapes"]:
+            line += "; at the policy's shapes: " + ", ".join(
+                f"[{s['m']}x{s['k']}]x[{s['k']}x{s['n']}] {_sig(s['flops_per_s'] / 1e9)} ({s['what']})"
+                for s in peak["model_shapes"])
+        lines.append(line)
+    else:
+        lines.append("peak: not measured (--peak-size 0), so no MFU")
+    gen = rows.get("generate", {})
+    if gen.get("tokens") is not None:
+        lines.append(
+            f"tokens: generate = tokens sampled, B x T (pad: sampled after the row's EOS), after a prefill of "
+            f"{gen['prefill_tokens']} prompt positions ({gen['prefill_padding_tokens']} padding) and "
+            f"{gen['decode_forwards']} decode forwards; a forward = positions fed, B x (P + T) (pad: padding "
+            f"positions); update = those x {info['ppo_epochs']} epoch(s), through the policy and the value model "
+            "each; step = tokens sampled per step second.")
+    lines.append("score and advantages: no model FLOPs (the reward function's own model is not counted).")
+    return lines
+
+
 def format_table(table: dict, header: str = "") -> str:
+    with_flops = "flops" in table
     cols = ("phase", "ms", "% of step", "pyppo ops ms", "pyppo % of phase")
+    if with_flops:
+        cols += ("GFLOP", "GFLOP/s", "MFU %", "tokens", "pad", "tokens/s")
+    extra = _flop_cells if with_flops else (lambda r: ())
     body = []
     for r in table["phases"]:
         share = "-" if r["share_of_step"] is None else f"{100 * r['share_of_step']:.1f}"
         body.append((r["title"], f"{1e3 * r['seconds']:.2f}", share, f"{1e3 * r['pyppo_seconds']:.3f}",
-                     f"{100 * r['pyppo_share']:.1f}"))
+                     f"{100 * r['pyppo_share']:.1f}") + extra(r))
     step = table["step_seconds"]
     body.append(("(outside phases)", f"{1e3 * table['other_seconds']:.2f}",
-                 f"{100 * table['other_seconds'] / step:.1f}" if step > 0 else "-", "", ""))
+                 f"{100 * table['other_seconds'] / step:.1f}" if step > 0 else "-", "", "")
+                + (("",) * 6 if with_flops else ()))
     body.append(("step", f"{1e3 * step:.2f}", "100.0", f"{1e3 * table['pyppo_seconds']:.3f}",
-                 f"{100 * table['pyppo_seconds'] / step:.1f}" if step > 0 else "-"))
+                 f"{100 * table['pyppo_seconds'] / step:.1f}" if step > 0 else "-")
+                + (extra(table["flops"]["step"]) if with_flops else ()))
     widths = [max(len(c), *(len(row[i]) for row in body)) for i, c in enumerate(cols)]
 
     def fmt(cells):
@@ -164,6 +269,9 @@ def format_table(table: dict, header: str = "") -> str:
     lines += [fmt(row) for row in body[:-2]]
     lines.append(fmt(["-" * w for w in widths]))
     lines += [fmt(row) for row in body[-2:]]
+    if with_flops:
+        lines.append("")
+        lines += _flop_notes(table)
     if table["pyppo_ops"]:
         lines.append("")
         lines.append("pyppo ops: " + ", ".join(
@@ -172,13 +280,354 @@ def format_table(table: dict, header: str = "") -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# FLOPs, MFU and tokens
+
+#: The phases whose work is model forwards (and, in the update, backwards).
+MODEL_PHASES = ("generate", "policy_forward", "ref_forward", "value_forward", "update")
+# A model phase that took longer than this with no call seen by the hooks gets a note: its model
+# was called some way the hooks miss (a compiled or custom sampler), not merely skipped.
+_UNSEEN_PHASE_SECONDS = 1e-3
+
+
+@dataclass(frozen=True)
+class Call:
+    """One model call of a step. ``kind == "blocks"``: a model's decoder on ``[batch, q_len]`` new
+    positions attending over ``kv_len`` keys per row, with ``adapter_params`` LoRA weights enabled.
+    ``kind == "head"``: an output head ``[in_features, out_features]`` on ``positions`` positions;
+    ``recomputed``: its backward recomputes it (``linear_logprobs``). ``grad``: a backward follows."""
+
+    phase: str
+    model: str
+    kind: str
+    batch: int = 0
+    q_len: int = 0
+    kv_len: int = 0
+    positions: int = 0
+    in_features: int = 0
+    out_features: int = 0
+    grad: bool = False
+    adapter_params: int = 0
+    recomputed: bool = False
+
+
+@dataclass
+class CountedModel:
+    """A model of the step as the count sees it: its shape (``None`` with a ``note`` when its
+    config is not understood), which weights train, its LoRA layers and its head's size."""
+
+    name: str
+    shape: Optional[TransformerShape]
+    note: Optional[str]
+    weights_trained: bool
+    head_trained: bool
+    head_size: Tuple[int, int]  # (in_features, out_features); (0, 0) = no head
+    lora_layers: List[nn.Module] = field(default_factory=list)
+    adapter_params: int = 0  # LoRA A and B elements of all blocks, while enabled
+    scores_recomputed: bool = True  # a fused attention kernel: not transformers' "eager" attention
+
+    def enabled_adapter_params(self) -> int:
+        # peft disables (or merges) every adapter layer of a model at once, so one tells for all
+        first = self.lora_layers[0] if self.lora_layers else None
+        if first is None or getattr(first, "disable_adapters", False) or getattr(first, "merged", False):
+            return 0
+        return self.adapter_params
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _lora_layers(module: nn.Module) -> Tuple[List[nn.Module], int]:
+    layers, params = [], 0
+    for m in module.modules():
+        a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
+        if isinstance(a, nn.ModuleDict) and isinstance(b, nn.ModuleDict) and len(a):
+            layers.append(m)
+            for name in getattr(m, "active_adapters", list(a)):
+                if name in a and name in b:
+                    params += a[name].weight.numel() + b[name].weight.numel()
+    return layers, params
+
+
+def _counted_model(name: str, config, body: nn.Module, head: Optional[nn.Module]) -> CountedModel:
+    """``body``: the module holding the decoder blocks (peft unwrapped)."""
+    try:
+        shape, note = check_against_model(transformer_shape(config), body), None
+    except UnsupportedConfig as exc:
+        shape, note = None, str(exc)
+    weight = getattr(head, "weight", None)
+    layers, adapter_params = _lora_layers(body)
+    return CountedModel(
+        name=name, shape=shape, note=note,
+        weights_trained=any(p.requires_grad for n, p in body.named_parameters() if "lora_" not in n),
+        head_trained=bool(weight is not None and weight.requires_grad),
+        head_size=(int(weight.shape[1]), int(weight.shape[0])) if isinstance(weight, torch.Tensor) else (0, 0),
+        lora_layers=layers, adapter_params=adapter_params,
+        scores_recomputed=getattr(config, "_attn_implementation", None) != "eager")
+
+
+def _decoder(model: nn.Module) -> Optional[nn.Module]:
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+class ShapeRecorder:
+    """Forward pre-hooks that note, as :class:`Call` s, what each model of a step was fed, by phase
+    (:func:`pyppo.stats.current_phase`): the decoder of the policy, of the reference and of the
+    value model (batch, new positions, keys from the attention mask or the KV cache), the LM and
+    value heads (positions), and the trainer's ``LogprobHead`` s, whose hidden-state path feeds
+    the LM head's weight to ``linear_logprobs`` directly (``b × T`` response positions). Hooks
+    read shapes only: no device sync, no copy. Use as a context manager around the step.
+
+    Attributes:
+        calls: the :class:`Call` s recorded so far.
+        models: name -> :class:`CountedModel`, for ``"policy"``, ``"reference"`` (its own model;
+            with LoRA the reference is the policy with its adapters disabled, so its calls are the
+            policy's) and ``"value"``.
+    """
+
+    def __init__(self, trainer):
+        self.calls: List[Call] = []
+        self.models: Dict[str, CountedModel] = {}
+        self._targets: list = []  # (module, hook, with_kwargs)
+        self._handles: list = []
+        self._add_lm("policy", trainer.policy, trainer.policy_logprobs)
+        if trainer.ref_policy is not None:
+            ref_head = trainer.ref_logprobs if isinstance(trainer.ref_logprobs, nn.Module) else None
+            self._add_lm("reference", trainer.ref_policy, ref_head)
+        self._add_value(trainer.value_model)
+
+    def _add_lm(self, name: str, model: nn.Module, logprob_head: Optional[nn.Module]) -> None:
+        base = _unwrap_peft(model)
+        decoder = _decoder(base)
+        get_head = getattr(base, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        counted = _counted_model(name, base.config, base, head)
+        if decoder is None and counted.note is None:
+            counted.shape, counted.note = None, f"{type(base).__name__} has no get_decoder(): its calls cannot be seen"
+        self.models[name] = counted
+        if decoder is not None:
+            self._targets.append((decoder, partial(self._on_blocks, name), True))
+        if isinstance(head, nn.Module):
+            self._targets.append((head, partial(self._on_head, name), False))
+            if logprob_head is not None:
+                self._targets.append((logprob_head, partial(self._on_logprob_head, name, head), True))
+
+    def _add_value(self, value_model: nn.Module) -> None:
+        backbone = getattr(value_model, "backbone", None)
+        head = getattr(value_model, "head", None)
+        if not isinstance(backbone, nn.Module):
+            self.models["value"] = CountedModel("value", None, f"{type(value_model).__name__} has no .backbone (not a "
+                                                "pyppo ValueModel): not counted", False, False, (0, 0))
+            return
+        body = _unwrap_peft(backbone)
+        config = getattr(value_model, "config", None) or getattr(body, "config", None)
+        self.models["value"] = _counted_model("value", config, body, head)
+        self._targets.append((backbone, partial(self._on_blocks, "value"), True))  # what ValueModel calls
+        if isinstance(head, nn.Module):
+            self._targets.append((head, partial(self._on_head, "value"), False))
+
+    def __enter__(self) -> "ShapeRecorder":
+        self._handles = [module.register_forward_pre_hook(hook, with_kwargs=kw) for module, hook, kw in self._targets]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _on_blocks(self, name, module, args, kwargs) -> None:
+        phase = current_phase()
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args:
+            x = args[0]
+        if phase is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return
+        b, q = int(x.shape[0]), int(x.shape[1])
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= q:
+            kv = int(mask.shape[1])  # generate's mask covers the cached positions too
+        else:
+            cache = kwargs.get("past_key_values", kwargs.get("cache"))
+            kv = q + (int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0)
+        self.calls.append(Call(phase, name, "blocks", batch=b, q_len=q, kv_len=kv, grad=torch.is_grad_enabled(),
+                               adapter_params=self.models[name].enabled_adapter_params()))
+
+    def _on_head(self, name, module, args) -> None:
+        phase = current_phase()
+        x = args[0] if args else None
+        if phase is None or not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.shape[-1]:
+            return
+        out_features, in_features = module.weight.shape
+        self.calls.append(Call(phase, name, "head", positions=x.numel() // x.shape[-1], in_features=int(in_features),
+                               out_features=int(out_features), grad=torch.is_grad_enabled()))
+
+    def _on_logprob_head(self, name, head, module, args, kwargs) -> None:
+        phase = current_phase()
+        mb = args[0] if args else kwargs.get("mb")
+        if phase is None or mb is None or kwargs.get("sample") is not None or not getattr(module, "uses_hidden", False):
+            return
+        # linear_logprobs recomputes the logits in its backward; a fused loss computes the head's
+        # gradients in its forward instead: the same products, none twice.
+        fused = bool(getattr(kwargs.get("objective"), "fused", False))
+        out_features, in_features = head.weight.shape
+        self.calls.append(Call(phase, name, "head", positions=len(mb) * mb.response_length,
+                               in_features=int(in_features), out_features=int(out_features),
+                               grad=torch.is_grad_enabled(), recomputed=not fused))
+
+
+def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpointing: bool = False,
+                 causal: bool = True) -> Dict[str, dict]:
+    """Per phase: ``forward``, ``backward`` and ``recompute`` :class:`~pyppo.flops.Flops`
+    (recompute: :func:`~pyppo.flops.recompute_flops` of the trained blocks, and the logits
+    ``linear_logprobs`` recomputes in its backward), ``omitted`` (the models whose config is not understood; the
+    phase's FLOPs are then unknown), ``positions`` (name -> positions fed to that model's
+    decoder), ``forwards`` (decoder calls), ``prefill`` (positions of calls without cached keys)
+    and ``sampled`` (rows of all decoder calls, which in ``generate`` is one token each)."""
+    out: Dict[str, dict] = {}
+    for call in calls:
+        row = out.setdefault(call.phase, {"forward": Flops(), "backward": Flops(), "recompute": Flops(),
+                                          "omitted": set(), "positions": {}, "forwards": 0, "prefill": 0,
+                                          "sampled": 0})
+        model = models[call.model]
+        if call.kind == "blocks":
+            row["positions"][call.model] = row["positions"].get(call.model, 0) + call.batch * call.q_len
+            row["forwards"] += 1
+            row["sampled"] += call.batch
+            if call.kv_len == call.q_len:
+                row["prefill"] += call.batch * call.q_len
+        if model.shape is None:
+            row["omitted"].add(call.model)
+            continue
+        if call.kind == "blocks":
+            fwd = block_flops(model.shape, batch=call.batch, q_len=call.q_len, kv_len=call.kv_len,
+                              adapter_params=call.adapter_params, causal=causal)
+            bwd = backward_flops(fwd, weights_trained=model.weights_trained, head_trained=False)
+            again = recompute_flops(fwd, model.shape, call.batch * call.q_len, checkpointing=checkpointing,
+                                    scores_recomputed=model.scores_recomputed)
+        else:
+            fwd = head_flops(call.positions, call.in_features, call.out_features)
+            bwd = backward_flops(fwd, weights_trained=False, head_trained=model.head_trained)
+            again = fwd if call.recomputed else Flops()
+        row["forward"] += fwd
+        if call.grad:
+            row["backward"] += bwd
+            row["recompute"] += again
+    return out
+
+
+def measure_peak(trainer, batch, models: Dict[str, CountedModel], size: int = 2048) -> dict:
+    """The matmul peak the MFU divides by, measured here, on the step's device and threads:
+    ``torch.mm`` of ``size²`` float32 (and in the compute dtype when it is another,
+    e.g. bfloat16: under autocast the matmuls run in it), and the same at the policy's own GEMM
+    shapes (a training micro-batch's ``[b·(P+T), hidden] × [hidden, intermediate]``, a decode
+    step's ``[B, hidden] × [hidden, intermediate]``, the LM head's ``[b·T, hidden] × [hidden,
+    vocab]``). FLOP/s throughout."""
+    device, dtype = trainer.device, trainer.dtype
+    name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+    by_dtype = {"float32": measure_matmul_flops(size, device=device)}
+    if dtype != torch.float32:
+        by_dtype[name(dtype)] = measure_matmul_flops(size, dtype=dtype, device=device)
+    peak = {"size": size, "dtype": name(dtype), "flops_per_s": by_dtype[name(dtype)], "by_dtype": by_dtype,
+            "threads": torch.get_num_threads(), "device": str(device), "model_shapes": []}
+    shape = models["policy"].shape
+    if shape is not None:
+        B, P, T = len(batch), batch.prompt_length, batch.response_length
+        b = min(B, trainer.micro_batch_size)
+        for what, m, k, n in (("blocks, a training micro-batch", b * (P + T), shape.hidden, shape.intermediate),
+                              ("blocks, a decode step", B, shape.hidden, shape.intermediate),
+                              ("LM head, a micro-batch's responses", b * T, shape.hidden, shape.vocab)):
+            peak["model_shapes"].append({"what": what, "m": m, "k": k, "n": n,
+                                         "flops_per_s": measure_matmul_flops(m, k, n, dtype=dtype, device=device,
+                                                                             max_seconds=1.0)})
+    return peak
+
+
+def _ratio(num, den):
+    return num / den if num is not None and den else None
+
+
+def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optional[dict]) -> dict:
+    """The FLOP, MFU and token columns of :func:`phase_table`'s ``table`` (its rows are updated in
+    place) and the step's totals. Each row gains ``flops`` (model FLOPs: forward + backward),
+    ``forward_flops``, ``backward_flops``, ``recompute_flops``, ``flops_per_s``, ``mfu``, ``hfu``,
+    ``tokens``, ``padding_tokens`` and ``tokens_per_s``; ``generate`` also
+    ``prefill_tokens``, ``prefill_padding_tokens`` and ``decode_forwards``. ``None`` where unknown
+    or not applicable. Returns ``{"step": ..., "peak": peak, "models": ..., "notes": [...]}``."""
+    c, models = trainer.config, recorder.models
+    counted = count_phases(recorder.calls, models, checkpointing=c.gradient_checkpointing)
+    peak_fps = peak["flops_per_s"] if peak else None
+    real_prompt, real_response = int(batch.query_mask.sum()), int(batch.response_mask.sum())
+    sampled_total = None
+    total = recompute_total = 0
+    known = True
+    for row in table["phases"]:
+        phase, seconds = row["phase"], row["seconds"]
+        n = counted.get(phase)
+        cols = dict.fromkeys(("flops", "forward_flops", "backward_flops", "recompute_flops", "flops_per_s", "mfu",
+                              "hfu", "tokens", "padding_tokens", "tokens_per_s"))
+        if n is not None:
+            flops = None if n["omitted"] else n["forward"].total + n["backward"].total
+            recompute = None if n["omitted"] else n["recompute"].total
+            if phase == "generate":
+                tokens, padding = n["sampled"], n["sampled"] - real_response
+                cols.update(prefill_tokens=n["prefill"], prefill_padding_tokens=max(0, n["prefill"] - real_prompt),
+                            decode_forwards=max(0, n["forwards"] - 1))
+                sampled_total = (tokens, padding)
+            else:
+                passes = c.ppo_epochs if phase == "update" else 1
+                tokens = max(n["positions"].values(), default=0)
+                padding = max(0, tokens - passes * (real_prompt + real_response))
+            cols.update(flops=flops, forward_flops=None if flops is None else n["forward"].total,
+                        backward_flops=None if flops is None else n["backward"].total, recompute_flops=recompute,
+                        flops_per_s=_ratio(flops, seconds), tokens=tokens, padding_tokens=padding,
+                        tokens_per_s=_ratio(tokens, seconds))
+            cols["mfu"] = _ratio(cols["flops_per_s"], peak_fps)
+            cols["hfu"] = None if flops is None else _ratio(_ratio(flops + recompute, seconds), peak_fps)
+            if flops is None:
+                known = False
+            else:
+                total += flops
+                recompute_total += recompute
+        row.update(cols)
+    step_s = table["step_seconds"]
+    step_flops = total if known else None
+    tokens, padding = sampled_total or (None, None)
+    step = {"flops": step_flops, "recompute_flops": recompute_total if known else None,
+            "flops_per_s": _ratio(step_flops, step_s), "tokens": tokens, "padding_tokens": padding,
+            "tokens_per_s": _ratio(tokens, step_s)}
+    step["mfu"] = _ratio(step["flops_per_s"], peak_fps)
+    step["hfu"] = None if step_flops is None else _ratio(_ratio(step_flops + recompute_total, step_s), peak_fps)
+
+    notes = [f"FLOPs/MFU omitted for the {m.name} model: its config is not understood ({m.note})"
+             for m in models.values() if m.note]
+    notes += [f"{row['title']}: the hooks saw no model call in its {1e3 * row['seconds']:.1f} ms, so none is counted"
+              for row in table["phases"] if row["phase"] in MODEL_PHASES and row["phase"] not in counted
+              and row["seconds"] > _UNSEEN_PHASE_SECONDS]
+    return {
+        "step": step, "peak": peak, "attention": "causal", "ppo_epochs": c.ppo_epochs,
+        "gradient_checkpointing": c.gradient_checkpointing,
+        "models": {m.name: (m.shape.describe() if m.shape else None) for m in models.values()},
+        "trained": {m.name: {"weights": m.weights_trained, "head": m.head_trained, "lora_params": m.adapter_params}
+                    for m in models.values()},
+        "notes": notes,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # the run
 
 
 def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_shapes: bool = False,
-                 with_stack: bool = False) -> dict:
-    """Run ``warmup_steps`` unprofiled steps, then one step under the profiler; write
-    ``trace.json`` to ``output_dir`` and return ``{"metrics": ..., **phase_table(...)}``."""
+                 with_stack: bool = False, peak_size: int = 2048) -> dict:
+    """Run ``warmup_steps`` unprofiled steps, then one step under the profiler (and a
+    :class:`ShapeRecorder`); measure the matmul peak (:func:`measure_peak`, ``size = peak_size``;
+    0 skips it, and the MFU); write ``trace.json`` to ``output_dir`` and return ``{"metrics": ...,
+    "flops": flop_table(...), **phase_table(...)}``."""
     from torch.profiler import ProfilerActivity, profile
 
     from .bench import quiet_stderr
@@ -189,19 +638,23 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     if trainer.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities, record_shapes=record_shapes, with_stack=with_stack)
-    with quiet_stderr():  # kineto prints profiler_start / profiler_stop lines on stderr
-        prof.start()
-    try:
-        metrics = trainer.step().metrics
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
-    finally:
-        with quiet_stderr():
-            prof.stop()
+    with ShapeRecorder(trainer) as recorder:
+        with quiet_stderr():  # kineto prints profiler_start / profiler_stop lines on stderr
+            prof.start()
+        try:
+            result = trainer.step()
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            with quiet_stderr():
+                prof.stop()
+    metrics = result.metrics
     output_dir.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(output_dir / "trace.json"))
     table = phase_table(prof.events(), metrics)
     table["metrics"] = {k: float(v) for k, v in metrics.items()}
+    peak = measure_peak(trainer, result.batch, recorder.models, peak_size) if peak_size else None
+    table["flops"] = flop_table(trainer, result.batch, recorder, table, peak)
     return table
 
 
@@ -220,6 +673,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="unprofiled steps first, so one-time costs stay out (default 1)")
     prof.add_argument("--threads", type=int, default=None, metavar="N",
                       help="torch.set_num_threads(N) first (default: torch's choice)")
+    prof.add_argument("--peak-size", type=int, default=2048, metavar="N",
+                      help="the MFU's peak: torch.mm of N x N matrices, measured after the step (default 2048; "
+                           "0 = no peak, no MFU)")
     prof.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
     prof.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
     prof.add_argument("--output", metavar="DIR", default=".",
@@ -236,6 +692,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.warmup_steps < 0:
         raise ValueError("--warmup-steps must be >= 0")
+    if args.peak_size < 0:
+        raise ValueError("--peak-size must be >= 0")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError("--threads must be >= 1")
@@ -251,7 +709,7 @@ def run(args: argparse.Namespace) -> int:
                             before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr))
     print(f"pyppo profile: {args.warmup_steps} warm-up step(s), then one profiled step ...", file=sys.stderr)
     table = profile_step(trainer, output, warmup_steps=args.warmup_steps,
-                         record_shapes=args.record_shapes, with_stack=args.with_stack)
+                         record_shapes=args.record_shapes, with_stack=args.with_stack, peak_size=args.peak_size)
 
     device = trainer.device
     env = {

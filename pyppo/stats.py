@@ -6,18 +6,27 @@ mean over everything the update saw (tokens, or minibatches), whatever the micro
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, Iterator, Mapping
+from typing import Dict, Iterator, Mapping, Optional
 
 import torch
 
-__all__ = ["PHASES", "RunningStats", "PhaseTimer"]
+__all__ = ["PHASES", "RunningStats", "PhaseTimer", "current_phase"]
 
 #: The phases of a step, each a ``record_function("pyppo/<phase>")`` range and a ``time_<phase>`` metric.
 PHASES = ("generate", "policy_forward", "ref_forward", "value_forward", "score", "advantages", "update")
+
+_CURRENT_PHASE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("pyppo_phase", default=None)
+
+
+def current_phase() -> Optional[str]:
+    """The phase a :class:`PhaseTimer` is timing now (``None`` outside every phase), so that a
+    model hook can say which phase its call belongs to (``pyppo profile``'s FLOP count)."""
+    return _CURRENT_PHASE.get()
 
 
 class RunningStats:
@@ -65,8 +74,12 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        with torch.profiler.record_function(f"pyppo/{name}"):
-            yield
+        token = _CURRENT_PHASE.set(name)
+        try:
+            with torch.profiler.record_function(f"pyppo/{name}"):
+                yield
+        finally:
+            _CURRENT_PHASE.reset(token)
         self.seconds[name] += time.perf_counter() - start
 
     def metrics(self) -> Dict[str, float]:
