@@ -181,6 +181,10 @@ class PPOConfig:
     max_grad_norm: Optional[float] = knob(
         1.0, "clip each model's gradient norm to this; None = no clipping", number(0.0, lo_open=True),
         group="optimisation", optional=True)
+    fused_policy_loss: bool = knob(
+        False, "on the hidden-state path, compute the policy loss and its gradient in one pass "
+        "(linear_ppo_loss: no recompute in the backward); false = from the log-probs, same result",
+        boolean(), group="optimisation")
     logprobs_from_hidden: bool = knob(
         True, "log-probs from the last hidden states with linear_logprobs (no [B, T, V] logits); "
         "falls back to full logits when the model's head is not a plain linear map", boolean(),
@@ -228,6 +232,12 @@ class PPOConfig:
                              group="KL penalty")
     kl_estimator: str = knob("k1", "per-token KL estimator (Schulman 2020)", one_of(KL_ESTIMATORS),
                              group="KL penalty")
+    kl_loss_coef: float = knob(
+        0.0, "weight of a KL term in the policy loss (veRL's use_kl_loss): kl_loss_estimator of the policy "
+        "against the reference, aggregated like the loss; beside or instead of the KL in the reward (kl_coef)",
+        number(0.0), group="KL penalty")
+    kl_loss_estimator: str = knob("k3", "per-token KL estimator of the loss's KL term (k3: unbiased, "
+                                  "non-negative, low variance)", one_of(KL_ESTIMATORS), group="KL penalty")
     score_clip: Optional[float] = knob(
         None, "clip raw scores to [-score_clip, score_clip] (before missing_eos_penalty); None = no clip",
         number(0.0, lo_open=True), group="KL penalty", optional=True)

@@ -14,15 +14,16 @@ the value of the state before token ``t``.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .buffer import RolloutBuffer
-from .ops import gather_logprobs, linear_logprobs
+from .ops import aggregate_loss, gather_logprobs, kl_penalty, linear_logprobs, ppo_policy_loss
 
-__all__ = ["LogprobHead", "AdaptersDisabled", "response_values", "autocast"]
+__all__ = ["LogprobHead", "AdaptersDisabled", "PolicyObjective", "policy_objective", "response_values", "autocast"]
 
 # The head path is kept when it reproduces model(...).logits to float32 rounding (relative to the
 # logits' scale); a transform after the head (scale, soft-cap) is far outside this.
@@ -78,6 +79,59 @@ def _head_matches_logits(model: nn.Module, backbone: nn.Module, head: nn.Linear,
     return bool((via_head - logits).abs().max() <= _HEAD_RTOL * scale)
 
 
+@dataclass
+class PolicyObjective:
+    """What a micro-batch's policy loss needs besides its log-probs (``docs/trainer.md``, the
+    update): the rollout's ``old_logprobs``, ``advantages`` and ``ref_logprobs`` of ``mb``, and
+    the loss settings of :class:`~pyppo.config.PPOConfig`. ``normalizer`` is the minibatch's
+    :func:`~pyppo.ops.losses.loss_normalizer` (gradient accumulation)."""
+
+    cliprange_low: float
+    cliprange_high: float
+    dual_clip: Optional[float]
+    loss_agg: str
+    loss_agg_norm: Optional[float]
+    normalizer: float
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
+    fused: bool = True
+
+    def loss_args(self) -> dict:
+        return dict(cliprange_low=self.cliprange_low, cliprange_high=self.cliprange_high, dual_clip=self.dual_clip,
+                    loss_agg=self.loss_agg, loss_agg_norm=self.loss_agg_norm, normalizer=self.normalizer)
+
+
+def policy_objective(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], mb: RolloutBuffer,
+                     objective: PolicyObjective) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The policy's loss from its log-probs: ``policy_loss + kl_loss_coef · kl_loss −
+    entropy_coef · entropy_loss``, each term aggregated with ``loss_agg`` over ``mb``'s
+    ``response_mask`` (the clipped surrogate of Schulman et al. 2017, eq. 7, in
+    :func:`~pyppo.ops.ppo_policy_loss`; the KL term is veRL's ``use_kl_loss``: the
+    ``kl_loss_estimator`` of ``logprobs`` against ``ref_logprobs``, in the loss instead of, or as
+    well as, in the reward).
+
+    Args:
+        logprobs: ``[b, T]`` float32, differentiable. entropy: ``[b, T]`` or ``None`` (needed
+            when ``entropy_coef > 0``).
+
+    Returns:
+        ``(loss 0-d float32, stats)``: :func:`~pyppo.ops.ppo_policy_loss`'s statistics plus
+        ``policy_loss`` and, when on, ``kl_loss`` and ``entropy_loss`` (detached).
+    """
+    o, m = objective, mb.response_mask
+    pg_loss, stats = ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, m, **o.loss_args())
+    agg = dict(loss_agg=o.loss_agg, loss_agg_norm=o.loss_agg_norm, normalizer=o.normalizer)
+    loss, stats = pg_loss, {**stats, "policy_loss": pg_loss.detach()}
+    if o.kl_loss_coef > 0:
+        kl_loss = aggregate_loss(kl_penalty(logprobs, mb.ref_logprobs, estimator=o.kl_loss_estimator), m, **agg)
+        loss, stats["kl_loss"] = loss + o.kl_loss_coef * kl_loss, kl_loss.detach()
+    if o.entropy_coef > 0:
+        entropy_loss = aggregate_loss(entropy, m, **agg)
+        loss, stats["entropy_loss"] = loss - o.entropy_coef * entropy_loss, entropy_loss.detach()
+    return loss, stats
+
+
 class LogprobHead(nn.Module):
     """Response log-probs of one causal LM, from hidden states when that is exact.
 
@@ -107,7 +161,7 @@ class LogprobHead(nn.Module):
         self._head = head  # a tuple: not registered again as submodules (the model owns them)
 
     def forward(self, mb: Optional[RolloutBuffer], return_entropy: bool = False, reference: bool = False, *,
-                sample: Optional[tuple] = None):
+                sample: Optional[tuple] = None, objective: Optional[PolicyObjective] = None):
         """``(logprobs [b, T], entropy [b, T] or None)`` float32, 0 at masked positions.
 
         ``reference=True`` runs a ``peft`` model with its adapters disabled: the frozen base, which
@@ -115,6 +169,12 @@ class LogprobHead(nn.Module):
         kwargs)`` instead returns :func:`pyppo.rollout.generate`'s sequences: sampling also goes
         through this ``forward``, so that FSDP2 gathers the weights it owns (embeddings, head)
         for it as it does for the training passes.
+
+        ``objective`` instead returns ``(loss, stats, logprobs, entropy)``: the policy loss of
+        :func:`policy_objective` on ``mb`` (log-probs and entropy detached). On the hidden-state
+        path with ``objective.fused`` it comes from :func:`pyppo.ops.linear_ppo_loss`, which
+        computes the loss's gradient w.r.t. the hidden states and the head inside its forward
+        (no ``[b, T, V]`` logits, no recompute in the backward); otherwise from the log-probs.
         """
         if sample is not None:
             from .rollout import generate
@@ -124,29 +184,52 @@ class LogprobHead(nn.Module):
         if reference:
             with self.model.disable_adapter():
                 return self._logprobs(mb, return_entropy)
+        if objective is not None:
+            return self._objective(mb, objective, return_entropy)
         return self._logprobs(mb, return_entropy)
+
+    def _inputs(self, mb: RolloutBuffer) -> dict:
+        return dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                    use_cache=False)
+
+    def _hidden_and_head(self, mb: RolloutBuffer):
+        backbone, head = self._head
+        hidden = backbone(**self._inputs(mb)).last_hidden_state[:, -(mb.response_length + 1):-1]
+        weight, bias = head.weight, head.bias
+        low = _autocast_dtype(hidden.device)
+        if low is not None:
+            # The head's GEMM in the autocast dtype, as the sampler's lm_head call; the ops
+            # accumulate in float32 and keep the logits unrounded.
+            hidden, weight = hidden.to(low), weight.to(low)
+            bias = None if bias is None else bias.to(low)
+        return hidden, weight, bias
 
     def _logprobs(self, mb: RolloutBuffer, return_entropy: bool):
         T = mb.response_length
-        inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                      use_cache=False)
         kwargs = dict(temperature=self.temperature, return_entropy=return_entropy)
         if self._head is not None:
-            backbone, head = self._head
-            hidden = backbone(**inputs).last_hidden_state[:, -(T + 1):-1]
-            weight, bias = head.weight, head.bias
-            low = _autocast_dtype(hidden.device)
-            if low is not None:
-                # The head's GEMM in the autocast dtype, as the sampler's lm_head call; the op
-                # accumulates in float32 and keeps the logits unrounded.
-                hidden, weight = hidden.to(low), weight.to(low)
-                bias = None if bias is None else bias.to(low)
+            hidden, weight, bias = self._hidden_and_head(mb)
             out = linear_logprobs(hidden, weight, mb.response_ids, mb.response_mask, bias=bias, **kwargs)
         else:
             # Slicing from the end works whether or not the model honours logits_to_keep.
-            logits = self.model(**inputs, logits_to_keep=T + 1).logits[:, -(T + 1):-1]
+            logits = self.model(**self._inputs(mb), logits_to_keep=T + 1).logits[:, -(T + 1):-1]
             out = gather_logprobs(logits, mb.response_ids, mb.response_mask, **kwargs)
         return out if return_entropy else (out, None)
+
+    def _objective(self, mb: RolloutBuffer, o: PolicyObjective, return_entropy: bool):
+        want_entropy = return_entropy or o.entropy_coef > 0
+        if self._head is not None and o.fused:
+            from .ops import linear_ppo_loss
+
+            hidden, weight, bias = self._hidden_and_head(mb)
+            return linear_ppo_loss(
+                hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages, mb.response_mask, bias=bias,
+                ref_logprobs=mb.ref_logprobs, kl_loss_coef=o.kl_loss_coef, kl_loss_estimator=o.kl_loss_estimator,
+                entropy_coef=o.entropy_coef, temperature=self.temperature, return_entropy=want_entropy,
+                **o.loss_args())
+        logprobs, entropy = self._logprobs(mb, want_entropy)
+        loss, stats = policy_objective(logprobs, entropy, mb, o)
+        return loss, stats, logprobs.detach(), None if entropy is None else entropy.detach()
 
 
 class AdaptersDisabled:

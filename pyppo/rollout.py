@@ -10,13 +10,14 @@ neutral value and hides the model's own config for the duration of the call. See
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["NEUTRAL_SAMPLING", "encode_prompts", "generation_config", "generate", "response_mask_from_eos"]
+__all__ = ["NEUTRAL_SAMPLING", "encode_prompts", "generation_config", "generate", "packed_linear_weights",
+           "response_mask_from_eos"]
 
 #: Every field of ``GenerationConfig`` that filters or reshapes the sampling distribution, at the
 #: value that leaves ``softmax(z / temperature)`` untouched. (Fields whose neutral value is None,
@@ -69,10 +70,75 @@ def _only_this_generation_config(model: nn.Module, gen_config) -> Iterator[None]
         model.generation_config = saved
 
 
+def _packable(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    # Plain CPU float32 weights only: not FSDP's DTensors, not quantised or half-precision layers.
+    return (isinstance(module, nn.Linear) and type(w.data) is torch.Tensor and w.device.type == "cpu"
+            and w.dtype == torch.float32)
+
+
+def _packed_forward(packed: torch.Tensor, bias):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return torch.nn.functional.linear(x, forward.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return forward
+
+
+def packing_available(model: nn.Module, device: torch.device) -> bool:
+    """Whether :func:`packed_linear_weights` applies: a float32 run on a CPU torch with oneDNN,
+    outside autocast (under autocast the sampler must run the GEMMs in the autocast dtype, as the
+    log-prob forwards do)."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and not torch.is_autocast_enabled("cpu")
+            and any(_packable(m) for m in model.modules()))
+
+
+@contextmanager
+def packed_linear_weights(model: nn.Module, batch_size: int) -> Iterator[int]:
+    """While sampling on a CPU, run every float32 ``nn.Linear`` of ``model`` (the LM head
+    included) on a copy of its weight pre-packed by oneDNN for ``batch_size`` rows.
+
+    Token-by-token decoding multiplies ``[B, H]`` activations by every weight matrix: a GEMM
+    with few rows, which is bound by reading the weights. MKL's ``sgemm`` re-packs the weight on
+    every call at these shapes and reads it at a fraction of the memory bandwidth; a weight packed
+    once per rollout (the weights do not change while sampling) is read at close to it. This is
+    the packing ``torch.compile`` applies to frozen CPU inference graphs, done here for the one
+    phase where the weights are frozen. The packed copies (one more copy of the linear weights)
+    are freed on exit.
+
+    The outputs equal ``F.linear``'s to float32 rounding (a different summation order), so the
+    sampled tokens follow the same distribution; the log-probs PPO trains on are computed again
+    by the training-layout forwards in any case.
+
+    Yields:
+        the number of layers packed (0 when nothing applies; the model is then unchanged).
+    """
+    if not packing_available(model, next(model.parameters()).device):
+        yield 0
+        return
+    patched = []
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if _packable(module) and "forward" not in module.__dict__:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), max(1, batch_size))
+                    forward = _packed_forward(packed, None if module.bias is None else module.bias.detach())
+                    forward.weight = module.weight
+                    module.forward = forward
+                    patched.append(module)
+        yield len(patched)
+    finally:
+        for module in patched:
+            del module.forward
+
+
 @torch.no_grad()
 def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config,
              **kwargs: Any) -> Any:
-    """``model.generate`` on left-padded prompts with exactly ``gen_config``.
+    """``model.generate`` on left-padded prompts with exactly ``gen_config``; on a CPU in float32,
+    with the linear layers' weights pre-packed for the batch (:func:`packed_linear_weights`).
 
     Args:
         model: a ``transformers`` causal LM.
@@ -84,7 +150,9 @@ def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor
     Returns:
         what ``generate`` returns: by default ``[B, P + T]`` int64 (prompt then response).
     """
-    with _only_this_generation_config(model, gen_config):
+    with ExitStack() as stack:
+        stack.enter_context(_only_this_generation_config(model, gen_config))
+        stack.enter_context(packed_linear_weights(model, query_ids.shape[0]))
         return model.generate(input_ids=query_ids, attention_mask=query_mask.long(),
                               generation_config=gen_config, **kwargs)
 

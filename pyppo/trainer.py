@@ -41,11 +41,11 @@ from torch import nn
 from . import checkpoint, distributed
 from .buffer import RolloutBuffer
 from .config import PPOConfig
-from .forward import AdaptersDisabled, LogprobHead, autocast, response_values
+from .forward import AdaptersDisabled, LogprobHead, PolicyObjective, autocast, policy_objective, response_values
 from .kl_control import AdaptiveKLController, FixedKLController
 from .lora import add_lora
 from .ops import gae, kl_penalty, masked_mean, shape_rewards
-from .ops.losses import LOG_RATIO_CLAMP, aggregate_loss, loss_normalizer, ppo_policy_loss, ppo_value_loss
+from .ops.losses import LOG_RATIO_CLAMP, loss_normalizer, ppo_value_loss
 from .prompts import PromptSampler
 from .rewards import score_responses
 from .rollout import encode_prompts, generation_config, response_mask_from_eos
@@ -109,6 +109,15 @@ def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Modu
         enable_gradient_checkpointing(policy, "policy")
         enable_gradient_checkpointing(getattr(value_model, "backbone", value_model), "value model")
     return policy, ref, value_model
+
+
+def make_adamw(model: nn.Module, lr: float, c: PPOConfig) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters; the fused kernel where it applies (plain CPU
+    or CUDA tensors): one pass over each parameter's state instead of the multi-tensor
+    implementation's temporaries, each as large as the parameters (faster, and a smaller peak)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, eps=c.adam_eps, weight_decay=c.weight_decay, fused=fused or None)
 
 
 def enable_gradient_checkpointing(model: nn.Module, what: str) -> None:
@@ -231,11 +240,8 @@ class PPOTrainer:
             if not any(p.requires_grad for p in model.parameters()):
                 raise ValueError(f"the {what} has no trainable parameter (lora_target_modules = "
                                  f"{c.lora_target_modules!r}, lora_rank = {c.lora_rank})")
-        adamw = dict(eps=c.adam_eps, weight_decay=c.weight_decay)
-        self.policy_optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad],
-                                                  lr=c.lr, **adamw)
-        self.value_optimizer = torch.optim.AdamW([p for p in self.value_model.parameters() if p.requires_grad],
-                                                 lr=c.effective_value_lr, **adamw)
+        self.policy_optimizer = make_adamw(self.policy, c.lr, c)
+        self.value_optimizer = make_adamw(self.value_model, c.effective_value_lr, c)
         self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.kl_horizon) if c.target_kl is not None
                        else FixedKLController(c.kl_coef))
         # Minibatch shuffles have their own stream, independent of how much sampling consumed.
@@ -266,12 +272,16 @@ class PPOTrainer:
         with timer.phase("score"):
             batch.raw_scores, batch.scores = self.score(batch)                           # 3
         first_perm = batch.epoch_permutation(self.shuffle_generator)
-        self.evaluate(batch, first_perm, timer)                                           # 4
         kl_coef = float(self.kl_ctl.value)
-        with timer.phase("advantages"):
-            self.advantages(batch, kl_coef)                                               # 5
+        # When the first update's single micro-batch is the whole batch, its training forwards
+        # are the rollout's policy and value forwards: points 4 and 5 then happen inside it.
+        first_pass = self.first_pass_is_rollout_pass()
+        self.evaluate(batch, first_perm, timer, reference_only=first_pass)                # 4
+        if not first_pass:
+            with timer.phase("advantages"):
+                self.advantages(batch, kl_coef)                                           # 5
         with timer.phase("update"):
-            update_metrics = self.update(batch, first_perm)                              # 6
+            update_metrics = self.update(batch, first_perm, kl_coef if first_pass else None)  # 6
         kl_sum = float((batch.kl * batch.response_mask).sum())
         kl_mean = distributed.all_sum([kl_sum], self.world)[0] / c.batch_size
         self.update_kl_coef(kl_mean)                                                     # 7
@@ -329,23 +339,35 @@ class PPOTrainer:
         if c.whiten_advantages and valid >= 2:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
 
+    def first_pass_is_rollout_pass(self) -> bool:
+        """Whether the first epoch trains on the whole (local) batch as one micro-batch, so that
+        its forwards, before any optimizer step, are exactly the rollout's policy and value
+        forwards and need not run twice. Not with dropout on: the rollout's forwards run without it."""
+        n = len(self.local_share(list(range(self.config.batch_size))))
+        return self.config.disable_dropout and self.local_mini_batch_size == self.micro_batch_size == n
+
     @torch.no_grad()
-    def evaluate(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer) -> None:
+    def evaluate(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer, *,
+                 reference_only: bool = False) -> None:
         """Fill ``old_logprobs``, ``entropy``, ``ref_logprobs`` and ``values`` (point 4), on the
-        micro-batches of the first epoch's layout."""
+        micro-batches of the first epoch's layout (``reference_only``: only ``ref_logprobs``; the
+        first update pass fills the others)."""
         B, T = len(batch), batch.response_length
         for name in ("old_logprobs", "entropy", "ref_logprobs", "values"):
             setattr(batch, name, torch.zeros(B, T, device=self.device))
         self.value_model.eval()
         for idx in first_perm.split(self.micro_batch_size):
-            mb, ix = batch.select(idx), idx.to(self.device)
+            mb, ix = batch.select(idx).trimmed(), idx.to(self.device)
+            t = mb.response_length  # columns past every row's response were trimmed away
             with autocast(self.device, self.dtype):
-                with timer.phase("policy_forward"):
-                    batch.old_logprobs[ix], batch.entropy[ix] = self.policy_module(mb, return_entropy=True)
+                if not reference_only:
+                    with timer.phase("policy_forward"):
+                        batch.old_logprobs[ix, :t], batch.entropy[ix, :t] = self.policy_module(mb, return_entropy=True)
                 with timer.phase("ref_forward"):
-                    batch.ref_logprobs[ix] = self.ref_logprobs(mb)[0]
-                with timer.phase("value_forward"):
-                    batch.values[ix] = response_values(self.value_module, mb)
+                    batch.ref_logprobs[ix, :t] = self.ref_logprobs(mb)[0]
+                if not reference_only:
+                    with timer.phase("value_forward"):
+                        batch.values[ix, :t] = response_values(self.value_module, mb)
 
     def update_kl_coef(self, kl_mean: float) -> None:
         """Feed this step's KL (nats per sequence) to the controller (point 7)."""
@@ -356,8 +378,10 @@ class PPOTrainer:
                           "not updated", RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------------------ the update
-    def update(self, batch: RolloutBuffer, first_perm: torch.Tensor) -> Dict[str, float]:
+    def update(self, batch: RolloutBuffer, first_perm: torch.Tensor, kl_coef: Optional[float] = None) -> Dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches, one optimizer step each (point 6).
+        ``kl_coef`` given: the first pass is also the rollout's policy and value forwards, and
+        computes the advantages with this coefficient (:meth:`first_pass_is_rollout_pass`).
 
         Returns:
             token-weighted means of the loss statistics and minibatch means of the losses and
@@ -373,21 +397,28 @@ class PPOTrainer:
             perm = first_perm if epoch == 0 else batch.epoch_permutation(self.shuffle_generator)
             for index, mb in enumerate(batch.minibatches(self.local_mini_batch_size, permutation=perm)):
                 where = f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"
-                seen_mb = self.minibatch_step(mb, stats, where)
+                rollout = (batch, perm, kl_coef) if epoch == 0 and kl_coef is not None else None
+                seen_mb = self.minibatch_step(mb, stats, where, rollout=rollout)
                 first = first or ratio_stats(seen_mb)
                 seen += seen_mb
         self.policy.eval()
         self.value_model.eval()
+        # The gradients are not needed until the next update: freed now, they do not add to the
+        # memory of the next rollout.
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        self.value_optimizer.zero_grad(set_to_none=True)
         out = {k: math.nan for k in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "ratio_max")}
         values, returns, mask = (torch.cat(t) for t in zip(*[s[2:] for s in seen]))
         out.update(stats.means(), explained_variance=distributed.explained_variance(values, returns, mask, self.world),
                    skipped_updates=self.skips.total - skipped_before)
         return {**out, **{f"first_{k}": v for k, v in first.items()}}
 
-    def minibatch_step(self, mb: RolloutBuffer, stats: RunningStats, where: str) -> list:
+    def minibatch_step(self, mb: RolloutBuffer, stats: RunningStats, where: str, *,
+                       rollout: Optional[tuple] = None) -> list:
         """One optimizer step of both models on a minibatch, accumulated over its micro-batches;
         skipped when a loss or gradient norm is not finite. Its statistics go into ``stats``
-        when applied. Returns the micro-batches' :meth:`micro_step` results."""
+        when applied. Returns the micro-batches' :meth:`micro_step` results. ``rollout``: see
+        :meth:`micro_step` (the minibatch is then one micro-batch)."""
         self.policy_optimizer.zero_grad(set_to_none=True)
         self.value_optimizer.zero_grad(set_to_none=True)
         token_stats, losses = RunningStats(), RunningStats()
@@ -400,7 +431,7 @@ class PPOTrainer:
         for i, mu in enumerate(micros):
             sync = i == len(micros) - 1  # gradients are reduced once, after the last micro-batch
             with distributed.gradient_sync(self.policy_module, sync), distributed.gradient_sync(self.value_module, sync):
-                seen.append(self.micro_step(mu, normalizer, token_stats, losses))
+                seen.append(self.micro_step(mu, normalizer, token_stats, losses, rollout=rollout))
         # The micro losses sum to this rank's share; the ranks' shares average to the minibatch's.
         totals = distributed.reduce_metrics({k: losses.total(k) for k in losses.means()}, self.world)
         totals.update(policy_grad_norm=self.clip_grad_norm(self.policy),
@@ -416,27 +447,58 @@ class PPOTrainer:
         return seen
 
     def micro_step(self, mu: RolloutBuffer, normalizer: float, token_stats: RunningStats,
-                   losses: RunningStats) -> tuple:
+                   losses: RunningStats, *, rollout: Optional[tuple] = None) -> tuple:
         """Forward and backward of one micro-batch. The losses are divided by the minibatch's
         ``normalizer``, so the accumulated gradient (and the sum of the micro-batch losses) is the
-        minibatch's. Returns the detached ``(logprobs, old_logprobs, values, returns, mask)``."""
-        c = self.config
-        agg = dict(loss_agg=c.loss_agg, loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer)
-        with autocast(self.device, self.dtype):
-            logprobs, entropy = self.policy_module(mu, return_entropy=c.entropy_coef > 0)
-            values = response_values(self.value_module, mu)
-        pg_loss, pg_stats = ppo_policy_loss(logprobs, mu.old_logprobs, mu.advantages, mu.response_mask,
-                                            cliprange_low=c.cliprange, cliprange_high=c.effective_cliprange_high,
-                                            dual_clip=c.dual_clip, **agg)
+        minibatch's. The policy's backward runs before the value model's forward, so the two
+        models' activations are never held at once.
+
+        ``rollout = (batch, rows, kl_coef)``: ``mu`` is ``batch``'s ``rows``, in that order, and
+        this pass, before any optimizer step, is also the rollout's policy and value forward: it
+        fills ``batch``'s ``old_logprobs``, ``entropy`` and ``values`` and computes the advantages
+        (points 4 and 5) before its losses. Both models' activations are then held together.
+
+        Returns the detached ``(logprobs, old_logprobs, values, returns, mask)``, ``[b, T]``."""
+        c, T = self.config, mu.response_length
+        mu = mu.trimmed()  # the micro-batch's own padding only (as the rollout's forwards saw it)
+        objective = PolicyObjective(
+            cliprange_low=c.cliprange, cliprange_high=c.effective_cliprange_high, dual_clip=c.dual_clip,
+            loss_agg=c.loss_agg, loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer,
+            entropy_coef=c.entropy_coef, kl_loss_coef=c.kl_loss_coef, kl_loss_estimator=c.kl_loss_estimator,
+            fused=c.fused_policy_loss)
+        if rollout is None:
+            with autocast(self.device, self.dtype):
+                pg_loss, pg_stats, logprobs, _ = self.policy_module(mu, objective=objective)
+            pg_loss.backward()
+            with autocast(self.device, self.dtype):
+                values = response_values(self.value_module, mu)
+        else:
+            with autocast(self.device, self.dtype):
+                logprobs, entropy = self.policy_module(mu, return_entropy=True)
+                values = response_values(self.value_module, mu)
+            self.fill_rollout(rollout, mu, logprobs.detach(), entropy.detach(), values.detach())
+            pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, objective)
+            pg_loss.backward()
+            logprobs = logprobs.detach()
         vf_loss, vf_stats = ppo_value_loss(values, mu.values, mu.returns, mu.response_mask,
-                                           cliprange_value=c.cliprange_value, **agg)
-        terms = {"policy_loss": pg_loss, "value_loss": vf_loss}
-        if c.entropy_coef > 0:
-            terms["entropy_loss"] = aggregate_loss(entropy, mu.response_mask, **agg)
-        (pg_loss + c.vf_coef * vf_loss - c.entropy_coef * terms.get("entropy_loss", 0.0)).backward()
-        losses.add({k: float(v.detach()) for k, v in terms.items()})
+                                           cliprange_value=c.cliprange_value, loss_agg=c.loss_agg,
+                                           loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer)
+        (c.vf_coef * vf_loss).backward()
+        terms = {k: pg_stats.pop(k) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
+        losses.add({"value_loss": float(vf_loss.detach()), **{k: float(v) for k, v in terms.items()}})
         record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.response_mask.sum()))
-        return logprobs.detach(), mu.old_logprobs, values.detach(), mu.returns, mu.response_mask
+        return tuple(pad_to(x, T) for x in (logprobs, mu.old_logprobs, values.detach(), mu.returns, mu.response_mask))
+
+    def fill_rollout(self, rollout: tuple, mu: RolloutBuffer, logprobs: torch.Tensor, entropy: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """Points 4 and 5 from the first pass's own forwards (see :meth:`micro_step`): write them
+        into the batch, compute its advantages, and give ``mu`` its rows of the results."""
+        batch, rows, kl_coef = rollout
+        ix, t = rows.to(self.device), mu.response_length
+        batch.old_logprobs[ix, :t], batch.entropy[ix, :t], batch.values[ix, :t] = logprobs, entropy, values
+        self.advantages(batch, kl_coef)
+        for name in ("old_logprobs", "entropy", "values", "rewards", "kl", "advantages", "returns"):
+            setattr(mu, name, getattr(batch, name)[ix, :t])
 
     def clip_grad_norm(self, model: nn.Module) -> float:
         """Clip ``model``'s gradient norm to ``max_grad_norm``; returns the norm before clipping."""
@@ -647,6 +709,11 @@ class PPOTrainer:
         self.skips.load_state_dict(st)
         self.step_count = int(st["step"])
         return d
+
+
+def pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``x [b, t]`` right-padded with zeros (``False`` for a mask) to ``[b, T]``."""
+    return x if x.shape[1] == T else torch.cat([x, x.new_zeros(x.shape[0], T - x.shape[1])], dim=1)
 
 
 def rollout_metrics(batch: RolloutBuffer) -> Dict[str, float]:

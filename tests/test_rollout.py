@@ -68,3 +68,80 @@ def test_encode_prompts_left_pads_and_cuts_from_the_left():
     assert tok.decode(ids[0]) == "efgh"  # the end of the prompt, next to the response, is kept
     with pytest.raises(ValueError, match="zero tokens"):
         encode_prompts(tok, [""], use_chat_template=False, max_prompt_length=None, device="cpu")
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def test_packed_linear_weights_match_f_linear_and_are_removed_on_exit():
+    from pyppo.rollout import packed_linear_weights
+
+    model = tiny_causal_lm()
+    x = torch.randn(3, 5, model.config.hidden_size)
+    layers = _linears(model)
+    before = [layer(x if layer.in_features == x.shape[-1] else torch.randn(3, 5, layer.in_features))
+              for layer in layers[:1]]
+    with torch.no_grad(), packed_linear_weights(model, 3) as n:
+        assert n == len(layers) > 0
+        for layer in layers:
+            inp = torch.randn(3, 5, layer.in_features)
+            torch.testing.assert_close(layer(inp), torch.nn.functional.linear(inp, layer.weight, layer.bias),
+                                       rtol=1e-5, atol=1e-5)
+            assert "forward" in layer.__dict__
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert torch.equal(layers[0](x), before[0])  # the original forward is back
+
+
+def test_packed_linear_weights_are_removed_when_sampling_raises():
+    from pyppo.rollout import packed_linear_weights
+
+    model = tiny_causal_lm()
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), packed_linear_weights(model, 2):
+        raise RuntimeError("boom")
+    assert all("forward" not in layer.__dict__ for layer in _linears(model))
+
+
+def test_packing_is_off_under_autocast_and_for_half_precision_weights():
+    from pyppo.rollout import packed_linear_weights
+
+    model = tiny_causal_lm()
+    with torch.autocast("cpu", dtype=torch.bfloat16), packed_linear_weights(model, 2) as n:
+        assert n == 0
+    with packed_linear_weights(model.to(torch.bfloat16), 2) as n:
+        assert n == 0
+
+
+def test_sampling_with_packed_weights_draws_the_same_tokens(monkeypatch):
+    # The packed GEMMs differ from MKL's only in float32 rounding: with one seed the draws agree.
+    from contextlib import contextmanager
+
+    import pyppo.rollout as rollout
+
+    model, tok = tiny_causal_lm(), tiny_tokenizer()
+    tok.padding_side = "left"
+    gen = generation_config(PPOConfig(max_new_tokens=12), eos_token_id=2, pad_token_id=2)
+    ids, mask = encode_prompts(tok, ["hello there", "a b", "the quick brown fox"], use_chat_template=True,
+                               max_prompt_length=None, device="cpu")
+    packed_layers = []
+    real = rollout.packed_linear_weights
+
+    @contextmanager
+    def counting(m, b):
+        with real(m, b) as n:
+            packed_layers.append(n)
+            yield n
+
+    monkeypatch.setattr(rollout, "packed_linear_weights", counting)
+    torch.manual_seed(0)
+    packed = generate(model, ids, mask, gen)
+
+    @contextmanager
+    def unpacked(m, b):
+        yield 0
+
+    monkeypatch.setattr(rollout, "packed_linear_weights", unpacked)
+    torch.manual_seed(0)
+    plain = generate(model, ids, mask, gen)
+    assert packed_layers == [len(_linears(model))]
+    assert torch.equal(packed, plain)
