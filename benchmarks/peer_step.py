@@ -1,14 +1,15 @@
 """One PPO step of pyppo against TRL 0.19.1's ``PPOTrainer``, on the same workload, side by side:
 seconds per step (and per phase) and peak resident memory, each trainer in its own process.
 
-    python benchmarks/peer_step.py                       # both, 4 steps: ~6 minutes on 2 cores (+3 the first time)
+    python benchmarks/peer_step.py                       # both, 4 steps: ~4 min on 2 idle cores (+3 the first time)
     python benchmarks/peer_step.py --steps 1 --skip-trl  # pyppo alone, one step
     python benchmarks/peer_step.py --json                # also benchmarks/results/peer_step-<date>.json
 
 TRL runs in its own virtualenv (``--venv``, default ``<pyppo cache>/peer-step-venv``), built on
 first use with ``trl==0.19.1 transformers==4.53.2 accelerate==1.8.1 datasets==3.6.0`` and torch
 pinned to 2.13.0 by a constraint file (so nothing pulls a CUDA torch); an existing venv with those
-versions and torch ``2.13.0+cpu`` is reused. pyppo runs under the interpreter running this script.
+versions and torch ``2.13.0+cpu`` is reused. pyppo runs under the interpreter running this script,
+which also prepares the models and prompts of both sides (``--skip-pyppo`` needs pyppo too).
 
 The workload, on both sides: SmolLM2-135M-Instruct in float32 as the policy, a frozen reference,
 a value model and a reward model; 64 of pyppo's default prompts through the chat template; a step
