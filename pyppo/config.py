@@ -176,6 +176,10 @@ class PPOConfig:
     value_lr: Optional[float] = knob(
         None, "AdamW learning rate of the value model; None = lr", number(0.0, lo_open=True),
         group="optimisation", optional=True)
+    lr_warmup_steps: int = knob(
+        0, "optimizer steps over which both learning rates rise linearly to lr and value_lr (Adam's first "
+        "step moves every weight by about lr; a warm-up keeps the first PPO steps proximal); 0 = none",
+        integer(0), group="optimisation")
     weight_decay: float = knob(0.0, "AdamW weight decay of both models", number(0.0), group="optimisation")
     adam_eps: float = knob(1e-8, "AdamW epsilon of both models", number(0.0, lo_open=True), group="optimisation")
     max_grad_norm: Optional[float] = knob(

@@ -248,6 +248,7 @@ class PPOTrainer:
         self.shuffle_generator = torch.Generator().manual_seed(c.seed + 1)
         self.skips = SkipPolicy(c.max_consecutive_skips)
         self.step_count = 0
+        self.optimizer_steps = 0  # applied ones (skipped updates do not count): the warm-up's clock
         self.base_model_source: Optional[str] = None
         if self.world.active:
             torch.manual_seed(c.seed + 1_000_003 * self.world.rank)  # each rank samples its own responses
@@ -437,14 +438,26 @@ class PPOTrainer:
         totals.update(policy_grad_norm=self.clip_grad_norm(self.policy),
                       value_grad_norm=self.clip_grad_norm(self.value_model))
         if self.skips.allows(totals, where):
+            self.warm_up_learning_rates()
             self.policy_optimizer.step()
             self.value_optimizer.step()
+            self.optimizer_steps += 1
             stats.merge(token_stats)
             stats.add(totals)
         else:
             self.policy_optimizer.zero_grad(set_to_none=True)
             self.value_optimizer.zero_grad(set_to_none=True)
         return seen
+
+    def warm_up_learning_rates(self) -> None:
+        """Set both learning rates for the next optimizer step: ``lr · min(1, (n + 1) /
+        lr_warmup_steps)`` after ``n`` applied steps (Goyal et al. 2017, "Accurate, Large Minibatch
+        SGD", §2.2), then constant."""
+        c = self.config
+        scale = min(1.0, (self.optimizer_steps + 1) / c.lr_warmup_steps) if c.lr_warmup_steps else 1.0
+        for opt, lr in ((self.policy_optimizer, c.lr), (self.value_optimizer, c.effective_value_lr)):
+            for group in opt.param_groups:
+                group["lr"] = lr * scale
 
     def micro_step(self, mu: RolloutBuffer, normalizer: float, token_stats: RunningStats,
                    losses: RunningStats, *, rollout: Optional[tuple] = None) -> tuple:
@@ -658,7 +671,7 @@ class PPOTrainer:
         :mod:`pyppo.checkpoint`): the trained weights of both models (every weight, or only the
         LoRA adapters and the value head), both AdamW states, and the trainer state (step, KL
         controller, prompt position, shuffle generator, every rank's RNGs, skip counters, config).
-        The learning rates are constant, so there is no scheduler to save. Every rank calls it;
+        The warm-up's learning rate is a function of the applied optimizer steps, which are saved. Every rank calls it;
         rank 0 writes and gets the directory, the others ``None``."""
         policy_state, policy_optim = checkpoint.training_state(self.policy_module, self.policy_optimizer,
                                                                prefix="model.")
@@ -666,7 +679,8 @@ class PPOTrainer:
         rngs = distributed.gather_objects(checkpoint.capture_rng(), self.world)
         saved = None
         if self.world.is_main:
-            state = {"format": 2, "step": self.step_count, "kl_ctl": self.kl_ctl.state_dict(),
+            state = {"format": 2, "step": self.step_count, "optimizer_steps": self.optimizer_steps,
+                     "kl_ctl": self.kl_ctl.state_dict(),
                      "sampler": self.sampler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
                      **rngs[0], "world_size": self.world.size, "rank_rng": rngs, **self.skips.state_dict(),
                      "config": self.config.to_dict()}
@@ -708,6 +722,8 @@ class PPOTrainer:
         checkpoint.restore_rng(st["rank_rng"][self.world.rank] if "rank_rng" in st else st)
         self.skips.load_state_dict(st)
         self.step_count = int(st["step"])
+        # Checkpoints from before the warm-up existed: their runs are past any warm-up.
+        self.optimizer_steps = int(st.get("optimizer_steps", 2**62))
         return d
 
 

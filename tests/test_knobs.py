@@ -121,12 +121,70 @@ def check_device(tmp_path, monkeypatch):
 
 
 def check_policy_loss_knobs(tmp_path, monkeypatch):
-    calls = _spy(monkeypatch, "ppo_policy_loss")
+    import pyppo.forward as forward_mod
+
+    calls = []
+    real = forward_mod.ppo_policy_loss
+    monkeypatch.setattr(forward_mod, "ppo_policy_loss", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
     cfg = small_config(steps=1, cliprange=0.15, cliprange_high=0.28, dual_clip=2.5,
-                       loss_agg="seq-mean-token-sum-norm", loss_agg_norm=5.0)
+                       loss_agg="seq-mean-token-sum-norm", loss_agg_norm=5.0, fused_policy_loss=False)
     make_trainer(cfg).step()
     assert calls and all((c["cliprange_low"], c["cliprange_high"], c["dual_clip"], c["loss_agg"], c["loss_agg_norm"])
                          == (0.15, 0.28, 2.5, "seq-mean-token-sum-norm", 5.0) for c in calls)
+
+
+def check_fused_policy_loss(tmp_path, monkeypatch):
+    import pyppo.ops as ops
+
+    calls = []
+    real = ops.linear_ppo_loss
+    monkeypatch.setattr(ops, "linear_ppo_loss", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+
+    def policy_after(fused):
+        tr = make_trainer(small_config(steps=1, ppo_epochs=2, fused_policy_loss=fused, entropy_coef=0.01,
+                                       kl_loss_coef=0.1, dual_clip=3.0))
+        m = tr.step().metrics
+        return [p.detach().clone() for p in tr.policy.parameters()], m
+
+    fused, m_fused = policy_after(True)
+    n = len(calls)
+    plain, m_plain = policy_after(False)
+    assert n > 0 and len(calls) == n  # only the fused run called the op
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for k in ("policy_loss", "kl_loss", "entropy_loss", "clipfrac", "approx_kl"):
+        assert m_fused[k] == pytest.approx(m_plain[k], rel=1e-4, abs=1e-7), k
+
+
+def check_lr_warmup_steps(tmp_path, monkeypatch):
+    def lrs(tr):
+        seen = []
+        for opt in (tr.policy_optimizer, tr.value_optimizer):
+            opt.register_step_pre_hook(lambda o, *a: seen.append(o.param_groups[0]["lr"]))
+        return seen
+
+    cfg = small_config(steps=2, ppo_epochs=1, mini_batch_size=4, lr=1e-3, value_lr=2e-3, lr_warmup_steps=3)
+    tr = make_trainer(cfg)
+    seen = lrs(tr)
+    tr.step()  # two optimizer steps of each model
+    tr.save_checkpoint(tmp_path / "ckpt")
+    resumed = make_trainer(cfg)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    seen_after = lrs(resumed)
+    resumed.step()
+    assert seen == pytest.approx([1e-3 / 3, 2e-3 / 3, 2e-3 / 3, 4e-3 / 3])
+    assert seen_after == pytest.approx([1e-3, 2e-3, 1e-3, 2e-3])
+
+
+def check_kl_loss(tmp_path, monkeypatch):
+    import pyppo.forward as forward_mod
+
+    calls = []
+    real = forward_mod.kl_penalty
+    monkeypatch.setattr(forward_mod, "kl_penalty", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    m = make_trainer(small_config(steps=1, kl_loss_coef=0.5, kl_loss_estimator="k2",
+                                  fused_policy_loss=False)).step().metrics
+    assert calls and all(c["estimator"] == "k2" for c in calls) and "kl_loss" in m
 
 
 def check_cliprange_value(tmp_path, monkeypatch):
@@ -188,7 +246,8 @@ CHECKS = {
     "cliprange": check_policy_loss_knobs, "cliprange_high": check_policy_loss_knobs,
     "dual_clip": check_policy_loss_knobs, "loss_agg": check_policy_loss_knobs,
     "loss_agg_norm": check_policy_loss_knobs, "cliprange_value": check_cliprange_value,
-    "vf_coef": check_vf_coef, "entropy_coef": check_entropy_coef, "seed": check_seed,
+    "vf_coef": check_vf_coef, "kl_loss_coef": check_kl_loss, "kl_loss_estimator": check_kl_loss,
+    "fused_policy_loss": check_fused_policy_loss, "lr_warmup_steps": check_lr_warmup_steps, "entropy_coef": check_entropy_coef, "seed": check_seed,
     "save_every": check_save_every, "log_samples": check_log_samples,
 }
 
