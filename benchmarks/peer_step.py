@@ -62,8 +62,9 @@ loading included). What each step does differs by design:
   (``linear_logprobs``) and skips the entropy in the update (``entropy_coef = 0``).
 * TRL's reward forward runs on the token ids (chat template included); pyppo decodes the responses
   and its classifier reward scores ``prompt + response`` text without the template (fewer tokens).
-* pyppo clips each model's gradient norm to 1.0 (``max_grad_norm``), two AdamW optimizers; TRL's
-  PPO loop does not clip, one AdamW over policy and value model. Both non-fused ``torch.optim.AdamW``.
+* pyppo clips each model's gradient norm to 1.0 (``max_grad_norm``) and steps one AdamW per model
+  (its trainer picks the implementation, fused where it applies); TRL's PPO loop does not clip and
+  steps one non-fused ``torch.optim.AdamW`` (``optim="adamw_torch"``) over policy and value model.
 * TRL pads with ``<|endoftext|>`` (id 0): it derives attention masks from ``token != pad`` and
   SmolLM2's pad token is its EOS, which stands twice in every chat prompt.
 
