@@ -274,10 +274,10 @@ class PPOTrainer:
             batch.raw_scores, batch.scores = self.score(batch)                           # 3
         first_perm = batch.epoch_permutation(self.shuffle_generator)
         kl_coef = float(self.kl_ctl.value)
-        # When the first update's single micro-batch is the whole batch, its training forwards
-        # are the rollout's policy and value forwards: points 4 and 5 then happen inside it.
+        # When the first update's single micro-batch is the whole batch, its policy forward is
+        # the rollout's: point 4's policy forward and point 5 then happen inside it.
         first_pass = self.first_pass_is_rollout_pass()
-        self.evaluate(batch, first_perm, timer, reference_only=first_pass)                # 4
+        self.evaluate(batch, first_perm, timer, policy=not first_pass)                    # 4
         if not first_pass:
             with timer.phase("advantages"):
                 self.advantages(batch, kl_coef)                                           # 5
@@ -342,17 +342,17 @@ class PPOTrainer:
 
     def first_pass_is_rollout_pass(self) -> bool:
         """Whether the first epoch trains on the whole (local) batch as one micro-batch, so that
-        its forwards, before any optimizer step, are exactly the rollout's policy and value
-        forwards and need not run twice. Not with dropout on: the rollout's forwards run without it."""
+        its policy forward, before any optimizer step, is exactly the rollout's and need not run
+        twice. Not with dropout on: the rollout's forwards run without it."""
         n = len(self.local_share(list(range(self.config.batch_size))))
         return self.config.disable_dropout and self.local_mini_batch_size == self.micro_batch_size == n
 
     @torch.no_grad()
     def evaluate(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer, *,
-                 reference_only: bool = False) -> None:
+                 policy: bool = True) -> None:
         """Fill ``old_logprobs``, ``entropy``, ``ref_logprobs`` and ``values`` (point 4), on the
-        micro-batches of the first epoch's layout (``reference_only``: only ``ref_logprobs``; the
-        first update pass fills the others)."""
+        micro-batches of the first epoch's layout (``policy=False``: all but the policy's
+        ``old_logprobs`` and ``entropy``, which the first update pass fills)."""
         B, T = len(batch), batch.response_length
         for name in ("old_logprobs", "entropy", "ref_logprobs", "values"):
             setattr(batch, name, torch.zeros(B, T, device=self.device))
@@ -361,14 +361,13 @@ class PPOTrainer:
             mb, ix = batch.select(idx).trimmed(), idx.to(self.device)
             t = mb.response_length  # columns past every row's response were trimmed away
             with autocast(self.device, self.dtype):
-                if not reference_only:
+                if policy:
                     with timer.phase("policy_forward"):
                         batch.old_logprobs[ix, :t], batch.entropy[ix, :t] = self.policy_module(mb, return_entropy=True)
                 with timer.phase("ref_forward"):
                     batch.ref_logprobs[ix, :t] = self.ref_logprobs(mb)[0]
-                if not reference_only:
-                    with timer.phase("value_forward"):
-                        batch.values[ix, :t] = response_values(self.value_module, mb)
+                with timer.phase("value_forward"):
+                    batch.values[ix, :t] = response_values(self.value_module, mb)
 
     def update_kl_coef(self, kl_mean: float) -> None:
         """Feed this step's KL (nats per sequence) to the controller (point 7)."""
@@ -381,8 +380,8 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------ the update
     def update(self, batch: RolloutBuffer, first_perm: torch.Tensor, kl_coef: Optional[float] = None) -> Dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches, one optimizer step each (point 6).
-        ``kl_coef`` given: the first pass is also the rollout's policy and value forwards, and
-        computes the advantages with this coefficient (:meth:`first_pass_is_rollout_pass`).
+        ``kl_coef`` given: the first pass is also the rollout's policy forward, and computes the
+        advantages with this coefficient (:meth:`first_pass_is_rollout_pass`).
 
         Returns:
             token-weighted means of the loss statistics and minibatch means of the losses and
@@ -467,9 +466,10 @@ class PPOTrainer:
         models' activations are never held at once.
 
         ``rollout = (batch, rows, kl_coef)``: ``mu`` is ``batch``'s ``rows``, in that order, and
-        this pass, before any optimizer step, is also the rollout's policy and value forward: it
-        fills ``batch``'s ``old_logprobs``, ``entropy`` and ``values`` and computes the advantages
-        (points 4 and 5) before its losses. Both models' activations are then held together.
+        this pass, before any optimizer step, is also the rollout's policy forward: it fills
+        ``batch``'s ``old_logprobs`` and ``entropy`` and computes the advantages (points 4 and 5)
+        before its loss. (The value model's rollout forward stays separate: reusing it too would
+        hold both models' activations at once.)
 
         Returns the detached ``(logprobs, old_logprobs, values, returns, mask)``, ``[b, T]``."""
         c, T = self.config, mu.response_length
@@ -488,11 +488,12 @@ class PPOTrainer:
         else:
             with autocast(self.device, self.dtype):
                 logprobs, entropy = self.policy_module(mu, return_entropy=True)
-                values = response_values(self.value_module, mu)
-            self.fill_rollout(rollout, mu, logprobs.detach(), entropy.detach(), values.detach())
+            self.fill_rollout(rollout, mu, logprobs.detach(), entropy.detach())
             pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, objective)
             pg_loss.backward()
             logprobs = logprobs.detach()
+            with autocast(self.device, self.dtype):
+                values = response_values(self.value_module, mu)
         vf_loss, vf_stats = ppo_value_loss(values, mu.values, mu.returns, mu.response_mask,
                                            cliprange_value=c.cliprange_value, loss_agg=c.loss_agg,
                                            loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer)
@@ -502,15 +503,14 @@ class PPOTrainer:
         record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.response_mask.sum()))
         return tuple(pad_to(x, T) for x in (logprobs, mu.old_logprobs, values.detach(), mu.returns, mu.response_mask))
 
-    def fill_rollout(self, rollout: tuple, mu: RolloutBuffer, logprobs: torch.Tensor, entropy: torch.Tensor,
-                     values: torch.Tensor) -> None:
-        """Points 4 and 5 from the first pass's own forwards (see :meth:`micro_step`): write them
-        into the batch, compute its advantages, and give ``mu`` its rows of the results."""
+    def fill_rollout(self, rollout: tuple, mu: RolloutBuffer, logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
+        """Points 4 and 5 from the first pass's own policy forward (see :meth:`micro_step`): write
+        it into the batch, compute the advantages, and give ``mu`` its rows of the results."""
         batch, rows, kl_coef = rollout
         ix, t = rows.to(self.device), mu.response_length
-        batch.old_logprobs[ix, :t], batch.entropy[ix, :t], batch.values[ix, :t] = logprobs, entropy, values
+        batch.old_logprobs[ix, :t], batch.entropy[ix, :t] = logprobs, entropy
         self.advantages(batch, kl_coef)
-        for name in ("old_logprobs", "entropy", "values", "rewards", "kl", "advantages", "returns"):
+        for name in ("old_logprobs", "entropy", "rewards", "kl", "advantages", "returns"):
             setattr(mu, name, getattr(batch, name)[ix, :t])
 
     def clip_grad_norm(self, model: nn.Module) -> float:
