@@ -441,3 +441,26 @@ def test_errors_are_the_same_on_every_path(path, case):
     inp = _inputs(seed=111, garbage=False)
     over = {k: f(inp) for k, f in _RAW_BAD[case].items()}
     assert_same_error(path, lambda *a: OP(*a), *_raw_args(inp, **over))
+
+
+def test_peak_memory_is_one_chunk_and_the_gradients():
+    # Nothing of size [N, V]: the forward holds one [chunk, V] buffer and the accumulating
+    # grad_weight, the backward the saved grad_weight and its scaled copy (torch's allocator
+    # counts, outputs included).
+    from pyppo.bench.memory import peak_extra_bytes
+
+    B, T, H, V, C = 4, 64, 64, 8192, 32
+    inp = _inputs(seed=120, B=B, T=T, H=H, V=V, with_bias=False)
+    h, w = inp["hidden"].requires_grad_(), inp["weight"].requires_grad_()
+
+    def step(_):
+        loss, *_ = ops.linear_ppo_loss(**inp, chunk_size=C)
+        loss.backward()
+        out = (h.grad, w.grad)
+        h.grad = w.grad = None
+        return out
+
+    peak = peak_extra_bytes(step, None, torch.device("cpu"), "alloc")["alloc"]
+    chunk, grad_w, grad_h = C * V * 4, V * H * 4, B * T * H * 4
+    assert peak <= max(chunk + grad_w, 2 * grad_w) + grad_h + 256 * 1024
+    assert peak < B * T * V * 4  # less than the logits alone

@@ -178,6 +178,9 @@ def _setup_context(ctx, inputs, output):
     hidden = inputs[0]
     _, logprobs, entropy, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(logprobs, entropy, grad_hidden, grad_weight, grad_bias)
+    # Otherwise autograd would hand the backward a zero "gradient" for each of those outputs: a
+    # [V, H] grad_weight-sized tensor of zeros, allocated for nothing.
+    ctx.set_materialize_grads(False)
     # hidden is saved only to tie the gradients to it, so that a second derivative raises.
     ctx.save_for_backward(hidden, grad_hidden, grad_weight, grad_bias)
     ctx.want = inputs[-1]
@@ -187,6 +190,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, *_):
     hidden, *saved = ctx.saved_tensors
     grads = [None] * ctx.n_inputs
+    if grad_loss is None:
+        return tuple(grads)
     for (i, name), wanted, g in zip(_DIFFERENTIABLE, ctx.want, saved):
         if ctx.needs_input_grad[i] and not wanted:
             raise RuntimeError(
