@@ -59,7 +59,8 @@ TokenTerms token_terms(const ChunkTokens& t, const PpoScalars& s, c10::string_vi
 
   // ppo_policy_loss, operation for operation, so that every comparison below sees its bits.
   const at::Tensor raw = t.lp.to(t.old_logprobs.scalar_type()) - t.old_logprobs;
-  const at::Tensor log_ratio = at::where(m, at::clamp(raw, at::Scalar(-kLogRatioClamp), at::Scalar(kLogRatioClamp)), zero);
+  const at::Tensor log_ratio =
+      at::where(m, at::clamp(raw, at::Scalar(-kLogRatioClamp), at::Scalar(kLogRatioClamp)), zero);
   const at::Tensor ratio = at::exp(log_ratio);
   const at::Tensor adv = at::where(m, t.advantages, zero);
   const at::Tensor nadv = adv.neg();
@@ -142,8 +143,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const TokenTerms terms = token_terms(t, s, kl_loss_estimator, grads.any());
     loss.add_(terms.loss);
     if (!grads.any()) continue;
-    at::Tensor g = logits_grad(logits, f, a, b, terms.g_lp, terms.g_ent, lse, terms.g_ent.defined() ? ent : at::Tensor(),
-                               temperature, ignore_index);
+    const at::Tensor saved_ent = terms.g_ent.defined() ? ent : at::Tensor();
+    at::Tensor g = logits_grad(logits, f, a, b, terms.g_lp, terms.g_ent, lse, saved_ent, temperature, ignore_index);
     grads.add_chunk(g, h, weight, a, b);
   }
   auto [gh, gw, gb] = grads.finish(hidden, weight);

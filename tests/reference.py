@@ -302,7 +302,8 @@ def gen(seed: int) -> torch.Generator:
 # ---------------------------------------------------------------------------------------------
 
 
-def ref_aggregate_loss(rows: list, mode: str, norm: float | None, normalizer: float | None = None) -> torch.Tensor:
+def ref_aggregate_loss(rows: list, mode: str, norm: float | None,
+                       normalizer: float | None = None) -> torch.Tensor:
     """rows: one list per sequence of its valid tokens' float64 losses (0-d tensors; may be empty).
 
     token-mean: mean over all tokens. seq-*: over the sequences with at least one token, the
