@@ -302,24 +302,47 @@ def gen(seed: int) -> torch.Generator:
 # ---------------------------------------------------------------------------------------------
 
 
-def ref_aggregate_loss(rows: list, mode: str, norm: float | None) -> torch.Tensor:
+def ref_aggregate_loss(rows: list, mode: str, norm: float | None,
+                       normalizer: float | None = None) -> torch.Tensor:
     """rows: one list per sequence of its valid tokens' float64 losses (0-d tensors; may be empty).
 
     token-mean: mean over all tokens. seq-*: over the sequences with at least one token, the
-    mean of (token mean | token sum | token sum / norm).
+    mean of (token mean | token sum | token sum / norm). ``normalizer`` replaces the count of
+    tokens (token-mean) or sequences (seq-*) the mean divides by.
     """
     if mode == "token-mean":
         toks = [x for r in rows for x in r]
-        return sum(toks) / len(toks)
+        return sum(toks) / (normalizer if normalizer is not None else len(toks))
     kept = [r for r in rows if len(r) > 0]
+    count = normalizer if normalizer is not None else len(kept)
     if mode == "seq-mean-token-mean":
-        return sum(sum(r) / len(r) for r in kept) / len(kept)
-    seq_mean = sum(sum(r) for r in kept) / len(kept)
+        return sum(sum(r) / len(r) for r in kept) / count
+    seq_mean = sum(sum(r) for r in kept) / count
     if mode == "seq-mean-token-sum":
         return seq_mean
     if mode == "seq-mean-token-sum-norm":
         return seq_mean / norm
     raise ValueError(mode)
+
+
+def ref_pg_token(lp, old, a, lo=0.2, hi=0.2, dual=None, log_ratio_clamp=20.0):
+    """One valid token's clipped surrogate (0-d float64 tensors in, differentiable w.r.t. ``lp``):
+    ``(loss, {"d", "r", "clamped", "clipped", "lower"})``, d the (clamped) log-ratio, r the ratio."""
+    d = lp - old
+    clamped = 0
+    if log_ratio_clamp is not None:
+        clamped = int(abs(float(d.detach())) > log_ratio_clamp)
+        d = torch.clamp(d, -log_ratio_clamp, log_ratio_clamp)
+    r = torch.exp(d)
+    l1 = -a * r
+    l2 = -a * min(max(r, 1 - lo), 1 + hi)
+    l = l1 if l1 >= l2 else l2
+    lower = 0
+    if dual is not None and a < 0:
+        l3 = -a * dual
+        lower = int(l3 < l)
+        l = l if l <= l3 else l3
+    return l, dict(d=d, r=r, clamped=clamped, clipped=int(l2 > l1), lower=lower)
 
 
 def ref_ppo_policy_loss(
@@ -348,28 +371,49 @@ def ref_ppo_policy_loss(
         for t in range(T):
             if not mask[b, t]:
                 continue
-            d = lp64[b, t] - old64[b, t]
-            if log_ratio_clamp is not None:
-                clamped += int(abs(float(d.detach())) > log_ratio_clamp)
-                d = torch.clamp(d, -log_ratio_clamp, log_ratio_clamp)
-            r = torch.exp(d)
-            a = adv64[b, t]
-            l1 = -a * r
-            l2 = -a * min(max(r, 1 - lo), 1 + hi)
-            l = l1 if l1 >= l2 else l2
-            clipped += int(l2 > l1)
-            if dual is not None and a < 0:
-                l3 = -a * dual
-                lower += int(l3 < l)
-                l = l if l <= l3 else l3
+            l, tok = ref_pg_token(lp64[b, t], old64[b, t], adv64[b, t], lo, hi, dual, log_ratio_clamp)
+            clamped += tok["clamped"]
+            clipped += tok["clipped"]
+            lower += tok["lower"]
             row.append(l)
             n += 1
-            kl += float((r - 1 - d).detach())
-            ratios.append(float(r.detach()))
+            kl += float((tok["r"] - 1 - tok["d"]).detach())
+            ratios.append(float(tok["r"].detach()))
         rows.append(row)
     stats = dict(clipfrac=clipped / n, clipfrac_lower=lower / n, approx_kl=kl / n,
                  ratio_mean=sum(ratios) / n, ratio_max=max(ratios), logratio_clampfrac=clamped / n)
     return ref_aggregate_loss(rows, mode, norm), stats
+
+
+def ref_linear_ppo_loss(
+    hidden, weight, labels, old, adv, mask, *, bias=None, ref=None, kl_coef=0.0, estimator="k3", entropy_coef=0.0,
+    lo=0.2, hi=0.2, dual=None, mode="token-mean", norm=None, normalizer=None, temperature=1.0, logits_dtype=None,
+):
+    """linear_ppo_loss in float64, token by token: ``(loss, logprobs, entropy)``.
+
+    ``ℓ = L_pg + kl_coef·KL − entropy_coef·H`` per valid token (ref_pg_token, ref_kl_unclamped,
+    the entropy of ref_linear_logprobs), reduced with ``mode`` (``norm`` defaults to T).
+    Differentiable w.r.t. hidden, weight and bias.
+    """
+    lp, ent = ref_linear_logprobs(hidden, weight, labels, mask, bias=bias, temperature=temperature,
+                                  logits_dtype=logits_dtype)
+    kl = ref_kl_unclamped(lp, ref, estimator) if kl_coef > 0 else None
+    old64, adv64 = old.to(F64), adv.to(F64)
+    rows = []
+    for b in range(lp.shape[0]):
+        row = []
+        for t in range(lp.shape[1]):
+            if not mask[b, t]:
+                continue
+            l, _ = ref_pg_token(lp[b, t], old64[b, t], adv64[b, t], lo, hi, dual)
+            if kl_coef > 0:
+                l = l + kl_coef * kl[b, t]
+            if entropy_coef > 0:
+                l = l - entropy_coef * ent[b, t]
+            row.append(l)
+        rows.append(row)
+    loss = ref_aggregate_loss(rows, mode, norm if norm is not None else lp.shape[1], normalizer)
+    return loss, lp, ent
 
 
 def ref_explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

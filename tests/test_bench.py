@@ -19,11 +19,11 @@ import pyppo.ops as ops
 from pyppo import bench, cli
 from pyppo.bench import eager
 from pyppo.bench.environment import cuda_usable
-from pyppo.bench.inputs import bt_inputs
+from pyppo.bench.inputs import bt_inputs, linear_ppo_inputs
 from pyppo.bench.memory import peak_extra_bytes
 from pyppo.bench.timing import HostClock, measure
 
-OPS = {"gather_logprobs", "linear_logprobs", "kl_penalty", "shape_rewards", "gae", "masked_whiten"}
+OPS = {"gather_logprobs", "linear_logprobs", "linear_ppo_loss", "kl_penalty", "shape_rewards", "gae", "masked_whiten"}
 
 
 # --------------------------------------------------------------------------- the harness
@@ -140,7 +140,7 @@ def test_memory_suite_runs_in_the_same_harness(tmp_path):
     result = json.loads(path.read_text())
     assert result["suites"] == ["memory"] and "suite memory:" in stdout
     rows = result["rows"]
-    assert {r["op"] for r in rows} == {"linear_logprobs", "gather_logprobs"}
+    assert {r["op"] for r in rows} == {"linear_logprobs", "linear_ppo_loss", "gather_logprobs"}
     assert len({r["shape_str"] for r in rows if r["label"] == "linear_logprobs fwd+bwd"}) >= 2  # over N
     for r in rows:
         assert r["suite"] == "memory" and r["agree"], r
@@ -307,3 +307,19 @@ def test_eager_masked_whiten_matches_pyppo(shift_mean):
     want = ops.masked_whiten(inp["x"], inp["mask"], shift_mean=shift_mean)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(eager.masked_mean(inp["x"], inp["mask"]), ops.masked_mean(inp["x"], inp["mask"]))
+
+
+def test_eager_linear_ppo_loss_matches_pyppo():
+    # The eager full-logits PPO loss and the fused op compute the same loss and gradients, with
+    # clipped and unclipped tokens both present in the bench's inputs.
+    inp = linear_ppo_inputs((2, 16, 8, 300), torch.float32, torch.device("cpu"), 3)
+    h, w = inp["hidden"], inp["weight"]
+    args = (inp["labels"], inp["old_logprobs"], inp["advantages"], inp["response_mask"])
+    got, stats, _, _ = ops.linear_ppo_loss(h, w, *args)
+    got_grads = torch.autograd.grad(got, (h, w))
+    want = eager.linear_ppo_loss(h, w, *args)
+    want_grads = torch.autograd.grad(want, (h, w))
+    assert 0 < stats["clipfrac"] < 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

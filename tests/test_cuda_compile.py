@@ -26,6 +26,9 @@ CSRC = ROOT / "csrc"
 CUDA_DIR = CSRC / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*_kernel.cu"))
 GLUE_FILES = sorted(CUDA_DIR.glob("*_glue.cpp"))
+# Ops with one device-generic implementation (ATen GEMMs and the device's pyppo kernels),
+# registered for CUDA under PYPPO_WITH_CUDA.
+GENERIC_FILES = sorted(p for p in CSRC.glob("*.cpp") if p.name not in ("ops.cpp", "bindings.cpp"))
 ARCHS = ("80", "90")
 TIMEOUT_S = 300
 
@@ -109,6 +112,9 @@ def compiled(tmp_path_factory) -> dict[str, tuple[int, str]]:
         jobs[src.name] = [NVCC, *NVCC_FLAGS, str(src), "-o", str(out_dir / (src.stem + ".o"))]
     for src in GLUE_FILES:
         jobs[src.name] = _glue_cmd(src)
+    for src in GENERIC_FILES:
+        cmd = _glue_cmd(src)
+        jobs[src.name] = None if cmd is None else [*cmd[:-1], "-DPYPPO_WITH_CUDA", cmd[-1]]
     runnable = {k: v for k, v in jobs.items() if v is not None}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {k: pool.submit(_run, v) for k, v in runnable.items()}
@@ -134,10 +140,12 @@ def test_cpu_and_cuda_files_are_named_alike():
     cpu_kernels = {p.name for p in (cpu_dir / "kernels").glob("*.cpp")} - {"dispatch.cpp"}
     assert {n[: -len("_kernel.cpp")] for n in cpu_kernels if n.endswith("_kernel.cpp")} == cuda_ops
     assert all(n.endswith("_kernel.cpp") for n in cpu_kernels)
-    # The Meta kernels (what torch.compile traces) cover the same ops, and linear_logprobs,
-    # whose one device-generic implementation is csrc/linear_logprobs.cpp.
+    # The Meta kernels (what torch.compile traces) cover the same ops, and the device-generic
+    # ones, each implemented once in csrc/<op>.cpp.
+    generic_ops = {p.stem for p in GENERIC_FILES}
+    assert generic_ops == {"linear_logprobs", "linear_ppo_loss"}
     meta_ops = {p.name[: -len("_glue.cpp")] for p in (CSRC / "meta").glob("*_glue.cpp")}
-    assert meta_ops == cuda_ops | {"linear_logprobs"}
+    assert meta_ops == cuda_ops | generic_ops
 
 
 @pytest.mark.parametrize("name", [p.name for p in CU_FILES])
@@ -155,6 +163,14 @@ def test_glue_syntax_checks_against_torch_headers(compiled, name):
         pytest.skip("torch's c10/cuda headers, the CUDA include directory or a C++ compiler is missing")
     rc, out = compiled[name]
     assert rc == 0, f"the C++ compiler rejected csrc/cuda/{name}:\n{out}"
+
+
+@pytest.mark.parametrize("name", [p.name for p in GENERIC_FILES])
+def test_device_generic_ops_syntax_check_with_their_cuda_registration(compiled, name):
+    if name not in compiled:
+        pytest.skip("torch's c10/cuda headers, the CUDA include directory or a C++ compiler is missing")
+    rc, out = compiled[name]
+    assert rc == 0, f"the C++ compiler rejected csrc/{name} with PYPPO_WITH_CUDA:\n{out}"
 
 
 _ALLOWED_CU_INCLUDES = re.compile(

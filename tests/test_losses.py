@@ -14,6 +14,7 @@ from pyppo.ops.losses import (
     aggregate_loss,
     explained_variance,
     loss_normalizer,
+    loss_token_weights,
     ppo_policy_loss,
     ppo_value_loss,
 )
@@ -445,6 +446,38 @@ def test_loss_normalizer_counts():
     assert loss_normalizer(mask, "token-mean") == 4
     for mode in LOSS_AGG_MODES[1:]:
         assert loss_normalizer(mask, mode) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("normalizer", [None, 13])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_loss_token_weights_are_the_gradient_of_aggregate_loss(mode, normalizer, dtype):
+    # linear_ppo_loss takes the aggregation as these weights: they must be the gradient of
+    # aggregate_loss bit for bit, and their weighted sum its value.
+    _, _, _, mask = random_inputs(seed=7)
+    loss_mat = torch.randn(mask.shape, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    loss_mat[~mask] = math.nan  # masked garbage gets weight 0 and is selected away
+    norm = 5 if mode == "seq-mean-token-sum-norm" else None
+    leaf = loss_mat.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(aggregate_loss(leaf, mask, mode, norm, normalizer), leaf)
+    w = loss_token_weights(mask, mode, norm, normalizer, dtype=dtype)
+    assert w.dtype == dtype and torch.equal(w, grad)
+    assert (w[~mask] == 0).all() and (w[mask] > 0).all()
+    torch.testing.assert_close(torch.where(mask, w * loss_mat, 0).sum(),
+                               aggregate_loss(loss_mat, mask, mode, norm, normalizer), rtol=1e-6, atol=0)
+
+
+def test_loss_token_weights_errors():
+    _, _, _, mask = random_inputs(seed=7)
+    with pytest.raises(ValueError, match="no valid token"):
+        loss_token_weights(torch.zeros_like(mask))
+    assert (loss_token_weights(torch.zeros_like(mask), normalizer=3) == 0).all()
+    with pytest.raises(ValueError, match="loss_agg must be one of"):
+        loss_token_weights(mask, "token-sum")
+    with pytest.raises(ValueError, match="2-D"):
+        loss_token_weights(mask[0])
+    with pytest.raises(ValueError, match="normalizer"):
+        loss_token_weights(mask, normalizer=0)
 
 
 def test_all_masked_micro_batch_with_normalizer_is_zero():

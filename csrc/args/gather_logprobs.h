@@ -25,24 +25,25 @@ inline void check_temperature(const char* op, double temperature) {
 }
 
 // labels [*] (int64 or int32) and mask [*] (optional, labels' shape), on like's device.
+// mask_name is the mask's argument name in the op's messages.
 inline void check_labels(const char* op, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
-                         const at::Tensor& like, const char* like_name) {
+                         const at::Tensor& like, const char* like_name, const char* mask_name = "mask") {
   TORCH_CHECK_VALUE(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt, "pyppo.", op,
                     ": labels must be int64 (or int32), got ", labels.scalar_type());
   check_same_device(op, "labels", labels, like, like_name);
   if (has(mask)) {
-    check_same_device(op, "mask", *mask, like, like_name);
-    check_same_shape(op, "mask", *mask, labels, "labels");
-    check_mask_dtype(op, "mask", *mask);
+    check_same_device(op, mask_name, *mask, like, like_name);
+    check_same_shape(op, mask_name, *mask, labels, "labels");
+    check_mask_dtype(op, mask_name, *mask);
   }
 }
 
 // labels [*] and mask [*] -> flat contiguous [N] int64 / bool (after check_labels).
 inline void flatten_labels(const char* op, const at::Tensor& labels, const std::optional<at::Tensor>& mask,
-                           GatherInputs& g) {
+                           GatherInputs& g, const char* mask_name = "mask") {
   g.N = labels.numel();
   g.labels = labels.reshape({g.N}).to(at::kLong).contiguous();
-  if (has(mask)) g.mask = as_bool_mask(op, "mask", *mask).reshape({g.N});
+  if (has(mask)) g.mask = as_bool_mask(op, mask_name, *mask).reshape({g.N});
 }
 
 // An unmasked label outside [0, V) is an error (the kernels index logits[label]). Its index in

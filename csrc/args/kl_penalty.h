@@ -12,12 +12,13 @@
 
 namespace pyppo {
 
-inline KLEstimator parse_estimator(const char* op, c10::string_view name) {
+// arg is the estimator's argument name in the op's messages.
+inline KLEstimator parse_estimator(const char* op, c10::string_view name, const char* arg = "estimator") {
   if (name == "k1") return KLEstimator::K1;
   if (name == "k2") return KLEstimator::K2;
   if (name == "k3") return KLEstimator::K3;
   if (name == "abs") return KLEstimator::Abs;
-  TORCH_CHECK_VALUE(false, "pyppo.", op, ": estimator must be one of 'k1', 'k2', 'k3', 'abs', got '",
+  TORCH_CHECK_VALUE(false, "pyppo.", op, ": ", arg, " must be one of 'k1', 'k2', 'k3', 'abs', got '",
                     std::string(name.data(), name.size()), "'");
 }
 

@@ -1,6 +1,7 @@
 // linear_logprobs (and its backward): argument checks and messages, and the flattening of the
-// inputs to [N, H] / [N]. The labels are checked as gather_logprobs checks them. See
-// docs/ops.md#linear_logprobs.
+// inputs to [N, H] / [N]. The labels are checked as gather_logprobs checks them. linear_ppo_loss
+// takes the same hidden states, head and labels, so these checks take the op's name (and the
+// mask's argument name) for their messages. See docs/ops.md#linear_logprobs.
 #pragma once
 
 #include "args/gather_logprobs.h"
@@ -14,37 +15,42 @@ struct LinearInputs {
   int64_t N = 0, H = 0, V = 0;
 };
 
-// Everything linear_logprobs checks without reading data (the Meta kernel's checks).
-// chunk_size 0 means "chosen from N and V".
-inline void check_linear_logprobs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
-                                  const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-                                  double temperature, int64_t chunk_size) {
-  const char* op = "linear_logprobs";
+// hidden [*, H], weight [V, H], bias [V], labels/mask [*], temperature, chunk_size: everything
+// checked without reading data (the Meta kernels' checks). chunk_size 0 means "chosen from N and V".
+inline void check_linear_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                                const at::Tensor& labels, const std::optional<at::Tensor>& mask,
+                                const std::optional<at::Tensor>& bias, double temperature, int64_t chunk_size,
+                                const char* mask_name = "mask") {
   check_float(op, "hidden", hidden);
   check_float(op, "weight", weight);
-  TORCH_CHECK_VALUE(hidden.dim() >= 1, "pyppo.linear_logprobs: hidden must have shape [*, H], got a 0-d tensor");
-  TORCH_CHECK_VALUE(weight.dim() == 2, "pyppo.linear_logprobs: weight must have shape [V, H], got ", weight.sym_sizes());
-  TORCH_CHECK_VALUE(weight.sym_size(1) == hidden.sym_size(-1), "pyppo.linear_logprobs: weight has shape ",
+  TORCH_CHECK_VALUE(hidden.dim() >= 1, "pyppo.", op, ": hidden must have shape [*, H], got a 0-d tensor");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "pyppo.", op, ": weight must have shape [V, H], got ", weight.sym_sizes());
+  TORCH_CHECK_VALUE(weight.sym_size(1) == hidden.sym_size(-1), "pyppo.", op, ": weight has shape ",
                     weight.sym_sizes(), " but hidden has H = ", hidden.sym_size(-1), "; weight must be [V, H]");
-  TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: weight is ",
+  TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), "pyppo.", op, ": weight is ",
                     weight.scalar_type(), " but hidden is ", hidden.scalar_type(), "; they must match");
   check_temperature(op, temperature);
-  TORCH_CHECK_VALUE(weight.sym_size(0) > 0, "pyppo.linear_logprobs: weight has an empty vocabulary dimension (V = 0)");
-  TORCH_CHECK_VALUE(labels.sym_sizes() == hidden.sym_sizes().slice(0, hidden.dim() - 1),
-                    "pyppo.linear_logprobs: labels has shape ", labels.sym_sizes(), " but hidden has shape ",
-                    hidden.sym_sizes(), "; labels must be hidden.shape[:-1]");
+  TORCH_CHECK_VALUE(weight.sym_size(0) > 0, "pyppo.", op, ": weight has an empty vocabulary dimension (V = 0)");
+  TORCH_CHECK_VALUE(labels.sym_sizes() == hidden.sym_sizes().slice(0, hidden.dim() - 1), "pyppo.", op,
+                    ": labels has shape ", labels.sym_sizes(), " but hidden has shape ", hidden.sym_sizes(),
+                    "; labels must be hidden.shape[:-1]");
   check_same_device(op, "weight", weight, hidden, "hidden");
   if (has(bias)) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0),
-                      "pyppo.linear_logprobs: bias must have shape [V] = [", weight.sym_size(0), "], got ",
-                      bias->sym_sizes());
-    TORCH_CHECK_VALUE(bias->scalar_type() == hidden.scalar_type(), "pyppo.linear_logprobs: bias is ",
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), "pyppo.", op,
+                      ": bias must have shape [V] = [", weight.sym_size(0), "], got ", bias->sym_sizes());
+    TORCH_CHECK_VALUE(bias->scalar_type() == hidden.scalar_type(), "pyppo.", op, ": bias is ",
                       bias->scalar_type(), " but hidden is ", hidden.scalar_type());
     check_same_device(op, "bias", *bias, hidden, "hidden");
   }
-  check_labels(op, labels, mask, hidden, "hidden");
-  TORCH_CHECK_VALUE(chunk_size >= 0, "pyppo.linear_logprobs: chunk_size must be > 0 (or None for automatic), got ",
+  check_labels(op, labels, mask, hidden, "hidden", mask_name);
+  TORCH_CHECK_VALUE(chunk_size >= 0, "pyppo.", op, ": chunk_size must be > 0 (or None for automatic), got ",
                     chunk_size);
+}
+
+inline void check_linear_logprobs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                                  const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+                                  double temperature, int64_t chunk_size) {
+  check_linear_inputs("linear_logprobs", hidden, weight, labels, mask, bias, temperature, chunk_size);
 }
 
 inline void check_linear_logprobs_backward(const at::Tensor& grad_logprobs,
@@ -59,16 +65,14 @@ inline void check_linear_logprobs_backward(const at::Tensor& grad_logprobs,
                           "hidden");
 }
 
-// check_linear_logprobs, then the label range, checked once over all tokens so that an error
-// gives the label's index in the whole input rather than in whichever chunk held it.
-inline LinearInputs prepare_linear(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
-                                   const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-                                   double temperature, int64_t ignore_index, int64_t chunk_size) {
-  const char* op = "linear_logprobs";
-  check_linear_logprobs(hidden, weight, labels, mask, bias, temperature, chunk_size);
+// The flattening after the checks, and the label range, checked once over all tokens so that an
+// error gives the label's index in the whole input rather than in whichever chunk held it.
+inline LinearInputs flatten_linear(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                                   const at::Tensor& labels, const std::optional<at::Tensor>& mask,
+                                   int64_t ignore_index, const char* mask_name = "mask") {
   GatherInputs g;
   g.V = weight.size(0);
-  flatten_labels(op, labels, mask, g);
+  flatten_labels(op, labels, mask, g, mask_name);
   check_label_range(op, g, ignore_index);
   LinearInputs f;
   f.H = hidden.size(-1);
@@ -78,6 +82,13 @@ inline LinearInputs prepare_linear(const at::Tensor& hidden, const at::Tensor& w
   f.labels = g.labels;
   f.mask = g.mask;
   return f;
+}
+
+inline LinearInputs prepare_linear(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                                   const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+                                   double temperature, int64_t ignore_index, int64_t chunk_size) {
+  check_linear_logprobs(hidden, weight, labels, mask, bias, temperature, chunk_size);
+  return flatten_linear("linear_logprobs", hidden, weight, labels, mask, ignore_index);
 }
 
 }  // namespace pyppo

@@ -10,9 +10,11 @@ from typing import Callable
 
 import torch
 
+from pyppo.ops import linear_logprobs
+
 from .case import Inputs
 
-__all__ = ["LOGITS", "LOGITS_GRAD", "bt_inputs", "linear_inputs", "response_mask", "nbytes"]
+__all__ = ["LOGITS", "LOGITS_GRAD", "bt_inputs", "linear_inputs", "linear_ppo_inputs", "response_mask", "nbytes"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -79,6 +81,30 @@ def linear_inputs(shape, dtype, device, seed) -> Inputs:
         "labels": torch.randint(0, V, (N,), generator=g).to(device),
         "grad": torch.randn(N, generator=g).to(device),
     }
+
+
+def linear_ppo_inputs(shape, dtype, device, seed) -> Inputs:
+    """A PPO micro-batch from hidden states: ``[B, T, H]`` hidden states and a ``[V, H]`` head
+    (both requiring grad), labels, a response mask, advantages, and old log-probs within a
+    log-ratio of about ±0.2 of the current ones (so that some tokens are clipped, as in an epoch
+    after the first)."""
+    g = _gen(seed)
+    B, T, H, V = shape
+    hidden = (torch.randn(B, T, H, generator=g) * 0.5).to(dtype)
+    weight = (torch.randn(V, H, generator=g) * 0.05).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        logprobs = linear_logprobs(hidden, weight, labels)
+    inp = {
+        "labels": labels,
+        "response_mask": response_mask(B, T, g),
+        "advantages": torch.randn(B, T, generator=g),
+        "old_logprobs": logprobs + 0.2 * torch.randn(B, T, generator=g),
+    }
+    inp = {k: v.to(device) for k, v in inp.items()}
+    inp["hidden"] = hidden.to(device).requires_grad_(True)
+    inp["weight"] = weight.to(device).requires_grad_(True)
+    return inp
 
 
 def nbytes(*names: str) -> Callable[[Inputs], int]:

@@ -7,8 +7,9 @@
 * ``gpu``: CUDA only, at GPU-sized batches (rollouts ``[256, 4096]``), the log-prob forward
   against a device-to-device copy (copy bandwidth is the bar), timed with CUDA events.
 * ``memory``: peak memory of the log-prob ops from hidden states and from logits, forward and
-  forward+backward, over N: the eager path's peak grows with ``N * V`` (whole ``[N, V]`` logits
-  and their softmax), pyppo's stops growing once N fills one chunk of logits.
+  forward+backward, over N, and of the fused PPO loss from hidden states: the eager path's peak
+  grows with ``N * V`` (whole ``[N, V]`` logits and their softmax), pyppo's stops growing once N
+  fills one chunk of logits.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .case import Case, Sweep
-from .cases import gae, gather_logprobs, kl_penalty, linear_logprobs, masked_whiten, shape_rewards
+from .cases import gae, gather_logprobs, kl_penalty, linear_logprobs, linear_ppo_loss, masked_whiten, shape_rewards
 
 __all__ = ["Timing", "Suite", "SUITES", "SIZES", "suite"]
 
@@ -48,9 +49,16 @@ class Suite:
 _TIMING = {"full": Timing(2, 5, 50, 6.0), "quick": Timing(1, 3, 20, 1.5), "tiny": Timing(1, 2, 3, 0.05)}
 
 
+def _ppo_shape(linear_shape) -> tuple[int, int, int, int]:
+    """(N, H, V) as a PPO micro-batch (B, T, H, V) of 4 rows (1 when N is not a multiple of 4)."""
+    N, H, V = linear_shape
+    B = 4 if N % 4 == 0 else 1
+    return B, N // B, H, V
+
+
 def _op_cases(logits_shape, bt_shape, linear_shape, with_targets: bool) -> list[Case]:
     t = (lambda *xs: xs) if with_targets else (lambda *xs: ())
-    gl = gather_logprobs
+    gl, lp = gather_logprobs, linear_ppo_loss
     return [
         gl.fwd(logits_shape, F32, targets=t(gl.SPEED, gl.NEAR_FLOOR, gl.NO_TEMPORARY)),
         gl.fwd(logits_shape, F32, eager_name="trl selective_log_softmax"),
@@ -59,6 +67,8 @@ def _op_cases(logits_shape, bt_shape, linear_shape, with_targets: bool) -> list[
         gl.fwd(logits_shape, BF16, eager_name="trl selective_log_softmax"),
         gl.fwd_bwd(logits_shape, F32, targets=t(gl.FWD_BWD_SPEED)),
         linear_logprobs.fwd_bwd(linear_shape, F32),
+        lp.fwd_bwd(_ppo_shape(linear_shape), F32, targets=t(lp.SPEED, lp.MEMORY)),
+        lp.fwd_bwd(_ppo_shape(linear_shape), F32, eager_name="pyppo linear_logprobs + ppo_policy_loss"),
         kl_penalty.case(bt_shape, F32, "k3"),
         shape_rewards.case(bt_shape, F32),
         gae.case(bt_shape, F32, targets=t(gae.VS_LOOP)),
@@ -102,6 +112,7 @@ def _gpu(sizes: str) -> Suite:
         gl.fwd_entropy(logits, F32),
         gl.fwd_bwd(logits, F32),
         linear_logprobs.fwd_bwd(linear, F32),
+        linear_ppo_loss.fwd_bwd(_ppo_shape(linear), F32),
         kl_penalty.case(bt, F32, "k3"),
         shape_rewards.case(bt, F32),
         gae.case(bt, F32, targets=t(gae.VS_LOOP)),
@@ -119,6 +130,7 @@ def _memory(sizes: str) -> Suite:
         ns, logits, H, V = ([2048, 8192] if sizes == "full" else [256, 1024]), (4, 512, 49152), 576, 49152
     cases = [linear_logprobs.fwd((ns[-1], H, V), F32)]
     cases += [linear_logprobs.fwd_bwd((n, H, V), F32) for n in ns]
+    cases += [linear_ppo_loss.fwd_bwd(_ppo_shape((ns[-1], H, V)), F32)]
     cases += [gl.fwd(logits, F32), gl.fwd_bwd(logits, F32)]
     # Few rounds: peak memory is the point, and on a CPU the eager path at N = 8192 takes
     # seconds a call.

@@ -16,7 +16,8 @@ from .gae import gae
 from .gather_logprobs import gather_logprobs
 from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
 from .linear_logprobs import linear_logprobs
-from .losses import LOSS_AGG_MODES, aggregate_loss, ppo_policy_loss, ppo_value_loss
+from .linear_ppo_loss import linear_ppo_loss
+from .losses import LOSS_AGG_MODES, aggregate_loss, loss_token_weights, ppo_policy_loss, ppo_value_loss
 from .masked import masked_mean, masked_var, masked_whiten
 
 # Outputs that PPO treats as constants: marked non-differentiable rather than left without an
@@ -30,6 +31,7 @@ register_once_differentiable(
 __all__ = [
     "gather_logprobs",
     "linear_logprobs",
+    "linear_ppo_loss",
     "kl_penalty",
     "shape_rewards",
     "gae",
@@ -39,6 +41,7 @@ __all__ = [
     "ppo_policy_loss",
     "ppo_value_loss",
     "aggregate_loss",
+    "loss_token_weights",
     "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
 ]

@@ -44,6 +44,7 @@ __all__ = [
     "aggregate_loss",
     "explained_variance",
     "loss_normalizer",
+    "loss_token_weights",
     "ppo_policy_loss",
     "ppo_value_loss",
 ]
@@ -138,6 +139,17 @@ def loss_normalizer(mask: torch.Tensor, loss_agg: str = "token-mean") -> int:
     return int(m.any(dim=-1).sum())
 
 
+def _agg_count(m: torch.Tensor, loss_agg: str, normalizer: Optional[float]):
+    """What ``loss_agg`` divides by: ``normalizer``, else the valid tokens (``token-mean``) or the
+    sequences with one (``seq-mean-*``) of the bool mask ``m``."""
+    if normalizer is not None:
+        return normalizer
+    count = int(m.sum()) if loss_agg == "token-mean" else int(m.any(dim=-1).sum())
+    if count == 0:
+        raise ValueError(f"mask has no valid token: {loss_agg} is undefined (pass normalizer)")
+    return count
+
+
 def aggregate_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
@@ -181,17 +193,11 @@ def aggregate_loss(
     _check_positive_or_none("normalizer", normalizer)
 
     masked = torch.where(m, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    count = _agg_count(m, loss_agg, normalizer)
     if loss_agg == "token-mean":
-        count = normalizer if normalizer is not None else int(m.sum())
-        if count == 0:
-            raise ValueError("mask has no valid token: token-mean is undefined (pass normalizer)")
         return masked.sum() / count
 
     tokens_per_row = m.sum(dim=-1)
-    row_valid = tokens_per_row > 0
-    count = normalizer if normalizer is not None else int(row_valid.sum())
-    if count == 0:
-        raise ValueError(f"mask has no valid token: {loss_agg} is undefined (pass normalizer)")
     row_sum = masked.sum(dim=-1)
     if loss_agg == "seq-mean-token-mean":
         # Rows with no valid token have row_sum 0; clamping their denominator to 1 keeps them at 0
@@ -203,6 +209,56 @@ def aggregate_loss(
         return seq_mean
     norm = loss_agg_norm if loss_agg_norm is not None else loss_mat.shape[-1]
     return seq_mean / norm
+
+
+def loss_token_weights(
+    mask: torch.Tensor,
+    loss_agg: str = "token-mean",
+    loss_agg_norm: Optional[float] = None,
+    normalizer: Optional[float] = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The per-token weights ``w`` of a ``loss_agg`` mode: ``aggregate_loss(L, mask, ...) == Σ w·L``
+    for every loss matrix ``L``, and ``w`` is its gradient w.r.t. ``L``.
+
+    With ``c`` the count ``aggregate_loss`` divides by (``normalizer``, or the valid tokens /
+    sequences of ``mask``) and ``n_b`` the valid tokens of row ``b``, at a valid position:
+
+    * ``"token-mean"``, ``"seq-mean-token-sum"``: ``w = 1 / c``;
+    * ``"seq-mean-token-mean"``: ``w = (1 / c) / n_b``;
+    * ``"seq-mean-token-sum-norm"``: ``w = (1 / loss_agg_norm) / c`` (default ``loss_agg_norm = T``);
+
+    and 0 at masked positions. They are computed in the order autograd computes the gradient of
+    :func:`aggregate_loss`, so they are that gradient's bits. This is what lets a fused kernel
+    (:func:`pyppo.ops.linear_ppo_loss`) take the loss aggregation as one ``[B, T]`` input.
+
+    Args:
+        mask: ``[B, T]`` bool or 0/1; 1 = the token counts.
+        loss_agg, loss_agg_norm, normalizer: as :func:`aggregate_loss`.
+        dtype: of the result (float32 or float64, the dtype of the loss matrix being weighted).
+
+    Returns:
+        ``[B, T]`` tensor of ``dtype`` on ``mask``'s device.
+
+    Raises:
+        ValueError: as :func:`aggregate_loss` (unknown ``loss_agg``, bad ``loss_agg_norm`` /
+            ``normalizer``, a mask that is not 2-D bool or 0/1, no valid token without ``normalizer``).
+    """
+    _check_loss_agg(loss_agg, loss_agg_norm)
+    m = _as_bool_mask(mask, "mask")
+    if m.dim() != 2:
+        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(m.shape)}")
+    _check_positive_or_none("normalizer", normalizer)
+    count = _agg_count(m, loss_agg, normalizer)
+    one = torch.ones((), dtype=dtype, device=m.device)
+    if loss_agg == "seq-mean-token-mean":
+        w = (one / count) / m.sum(dim=-1, keepdim=True).clamp_min(1).to(dtype)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        w = one / (loss_agg_norm if loss_agg_norm is not None else m.shape[-1]) / count
+    else:
+        w = one / count
+    return torch.where(m, w, torch.zeros((), dtype=dtype, device=m.device))
 
 
 def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .gather_logprobs import (
 )
 from .kl_penalty import compute_approx_kl
 from .linear_logprobs import linear_logsoftmax_gather
+from .linear_ppo_loss import linear_ppo_loss
 from .masked_whiten import masked_mean, masked_var, masked_whiten, masked_whiten_fill
 from .shape_rewards import compute_reward, shape_rewards
 
@@ -21,6 +22,7 @@ __all__ = [
     "selective_log_softmax",
     "logprobs_and_entropy",
     "linear_logsoftmax_gather",
+    "linear_ppo_loss",
     "gae_loop",
     "gae_loop_trl",
     "compute_approx_kl",
