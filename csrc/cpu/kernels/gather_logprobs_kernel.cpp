@@ -62,7 +62,6 @@ void bwd(const GatherBwdArgs& a) {
   const acc_t* h = static_cast<const acc_t*>(a.entropy);
   const acc_t inv_tau = acc_t(1) / static_cast<acc_t>(a.temperature);
   at::parallel_for(0, a.N, grain_for(a.V), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> buf(kRowBlock);
     for (int64_t i = begin; i < end; ++i) {
       scalar_t* out = gz + i * a.V;
       if (!row_valid(a.labels, a.mask, i, a.ignore_index)) {
@@ -70,7 +69,7 @@ void bwd(const GatherBwdArgs& a) {
         continue;
       }
       row_softmax_grad<scalar_t, acc_t>(z + i * a.row_stride, out, a.V, inv_tau, lse[i], glp[i],
-                                        ge ? ge[i] : acc_t(0), h ? h[i] : acc_t(0), a.labels[i], buf.data());
+                                        ge ? ge[i] : acc_t(0), h ? h[i] : acc_t(0), a.labels[i]);
     }
   });
 }
