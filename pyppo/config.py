@@ -186,7 +186,7 @@ class PPOConfig:
         1.0, "clip each model's gradient norm to this; None = no clipping", number(0.0, lo_open=True),
         group="optimisation", optional=True)
     fused_policy_loss: bool = knob(
-        False, "on the hidden-state path, compute the policy loss and its gradient in one pass "
+        True, "on the hidden-state path, compute the policy loss and its gradient in one pass "
         "(linear_ppo_loss: no recompute in the backward); false = from the log-probs, same result",
         boolean(), group="optimisation")
     logprobs_from_hidden: bool = knob(

@@ -60,7 +60,7 @@ def check_micro_batch_size(tmp_path, monkeypatch):
     tr = make_trainer(small_config(steps=1, ppo_epochs=1, mini_batch_size=4, micro_batch_size=1))
     calls = []
     real = tr.micro_step
-    tr.micro_step = lambda mu, *a: (calls.append(len(mu)), real(mu, *a))[1]
+    tr.micro_step = lambda mu, *a, **k: (calls.append(len(mu)), real(mu, *a, **k))[1]
     tr.step()
     assert calls == [1] * 8
 
