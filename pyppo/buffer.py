@@ -148,29 +148,6 @@ class RolloutBuffer:
                 kwargs[f.name] = v.index_select(0, idx_cpu.to(v.device))
         return RolloutBuffer(**kwargs)
 
-    def trimmed(self) -> "RolloutBuffer":
-        """The same rows without the columns that are padding in every row: the leading prompt
-        columns no row uses, and the response columns after every row's last valid token (at
-        least one is kept). Positions come from the mask and no token attends to padding, so the
-        model's outputs at the kept positions are those of the untrimmed rows (up to float
-        rounding of the smaller shapes); a micro-batch is trimmed alike at rollout and training
-        time, so the first PPO ratio stays exactly 1. ``[B, T]`` fields keep their first ``t``
-        columns; nothing is copied (views)."""
-        lead = min(int((~self.query_mask).all(dim=0).to(torch.uint8).cumprod(dim=0).sum()), self.prompt_length - 1)
-        used = self.response_mask.any(dim=0).nonzero()
-        t = int(used[-1]) + 1 if used.numel() else 1
-        if lead == 0 and t == self.response_length:
-            return self
-        kwargs = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("query_ids", "query_mask"):
-                v = v[:, lead:]
-            elif isinstance(v, torch.Tensor) and v.dim() == 2:
-                v = v[:, :t]
-            kwargs[f.name] = v
-        return RolloutBuffer(**kwargs)
-
     def to(self, device) -> "RolloutBuffer":
         """A copy with every tensor on ``device``."""
         kwargs = {}

@@ -358,16 +358,15 @@ class PPOTrainer:
             setattr(batch, name, torch.zeros(B, T, device=self.device))
         self.value_model.eval()
         for idx in first_perm.split(self.micro_batch_size):
-            mb, ix = batch.select(idx).trimmed(), idx.to(self.device)
-            t = mb.response_length  # columns past every row's response were trimmed away
+            mb, ix = batch.select(idx), idx.to(self.device)
             with autocast(self.device, self.dtype):
                 if policy:
                     with timer.phase("policy_forward"):
-                        batch.old_logprobs[ix, :t], batch.entropy[ix, :t] = self.policy_module(mb, return_entropy=True)
+                        batch.old_logprobs[ix], batch.entropy[ix] = self.policy_module(mb, return_entropy=True)
                 with timer.phase("ref_forward"):
-                    batch.ref_logprobs[ix, :t] = self.ref_logprobs(mb)[0]
+                    batch.ref_logprobs[ix] = self.ref_logprobs(mb)[0]
                 with timer.phase("value_forward"):
-                    batch.values[ix, :t] = response_values(self.value_module, mb)
+                    batch.values[ix] = response_values(self.value_module, mb)
 
     def update_kl_coef(self, kl_mean: float) -> None:
         """Feed this step's KL (nats per sequence) to the controller (point 7)."""
@@ -472,8 +471,7 @@ class PPOTrainer:
         hold both models' activations at once.)
 
         Returns the detached ``(logprobs, old_logprobs, values, returns, mask)``, ``[b, T]``."""
-        c, T = self.config, mu.response_length
-        mu = mu.trimmed()  # the micro-batch's own padding only (as the rollout's forwards saw it)
+        c = self.config
         objective = PolicyObjective(
             cliprange_low=c.cliprange, cliprange_high=c.effective_cliprange_high, dual_clip=c.dual_clip,
             loss_agg=c.loss_agg, loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer,
@@ -501,17 +499,17 @@ class PPOTrainer:
         terms = {k: pg_stats.pop(k) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
         losses.add({"value_loss": float(vf_loss.detach()), **{k: float(v) for k, v in terms.items()}})
         record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.response_mask.sum()))
-        return tuple(pad_to(x, T) for x in (logprobs, mu.old_logprobs, values.detach(), mu.returns, mu.response_mask))
+        return logprobs, mu.old_logprobs, values.detach(), mu.returns, mu.response_mask
 
     def fill_rollout(self, rollout: tuple, mu: RolloutBuffer, logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
         """Points 4 and 5 from the first pass's own policy forward (see :meth:`micro_step`): write
         it into the batch, compute the advantages, and give ``mu`` its rows of the results."""
         batch, rows, kl_coef = rollout
-        ix, t = rows.to(self.device), mu.response_length
-        batch.old_logprobs[ix, :t], batch.entropy[ix, :t] = logprobs, entropy
+        ix = rows.to(self.device)
+        batch.old_logprobs[ix], batch.entropy[ix] = logprobs, entropy
         self.advantages(batch, kl_coef)
         for name in ("old_logprobs", "entropy", "rewards", "kl", "advantages", "returns"):
-            setattr(mu, name, getattr(batch, name)[ix, :t])
+            setattr(mu, name, getattr(batch, name)[ix])
 
     def clip_grad_norm(self, model: nn.Module) -> float:
         """Clip ``model``'s gradient norm to ``max_grad_norm``; returns the norm before clipping."""
@@ -725,11 +723,6 @@ class PPOTrainer:
         # Checkpoints from before the warm-up existed: their runs are past any warm-up.
         self.optimizer_steps = int(st.get("optimizer_steps", 2**62))
         return d
-
-
-def pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
-    """``x [b, t]`` right-padded with zeros (``False`` for a mask) to ``[b, T]``."""
-    return x if x.shape[1] == T else torch.cat([x, x.new_zeros(x.shape[0], T - x.shape[1])], dim=1)
 
 
 def rollout_metrics(batch: RolloutBuffer) -> Dict[str, float]:

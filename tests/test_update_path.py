@@ -1,6 +1,6 @@
 """How a step spends its compute, checked for what it must not change: the first update pass
-standing in for the rollout's policy and value forwards, the per-micro-batch padding trim, the
-policy's backward before the value model's forward, and the KL term of the loss."""
+standing in for the rollout's policy forward, the policy's backward before the value model's
+forward, and the KL term of the loss."""
 
 from __future__ import annotations
 
@@ -63,40 +63,6 @@ def test_reused_pass_fills_the_batch_like_the_rollout_forwards(monkeypatch):
     for name in ("old_logprobs", "entropy", "values", "ref_logprobs", "rewards", "advantages", "returns"):
         torch.testing.assert_close(getattr(out[True], name), getattr(out[False], name), rtol=1e-5, atol=1e-6,
                                    msg=name)
-
-
-def test_trimmed_micro_batches_give_the_untrimmed_logprobs_and_values():
-    from pyppo.forward import response_values
-
-    # A strong EOS bias gives short responses, so most response columns are padding.
-    tr = make_trainer(small_config(steps=1, max_new_tokens=8), eos_bias=2.0)
-    batch = tr.rollout(["hello there", "a b c d e f g h", "x", "the cat sat"])
-    lengths = batch.response_mask.sum(1)
-    mb = batch.select(torch.tensor([0, 2]))
-    small = mb.trimmed()
-    assert small.response_length == int(lengths[[0, 2]].max())
-    assert small.prompt_length == int(mb.query_mask.sum(1).max())
-    assert (small.response_length, small.prompt_length) != (mb.response_length, mb.prompt_length)
-    with torch.no_grad():
-        full_lp = tr.policy_logprobs(mb)[0]
-        trim_lp = tr.policy_logprobs(small)[0]
-        full_v = response_values(tr.value_model, mb)
-        trim_v = response_values(tr.value_model, small)
-    t = small.response_length
-    torch.testing.assert_close(trim_lp, full_lp[:, :t], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(trim_v, full_v[:, :t], rtol=1e-5, atol=1e-5)
-    assert not mb.response_mask[:, t:].any()  # only padding was dropped
-
-
-def test_trimming_keeps_a_column_of_an_all_masked_batch_and_returns_an_unpadded_one():
-    from pyppo.buffer import RolloutBuffer
-
-    ids = torch.ones(2, 3, dtype=torch.long)
-    full = RolloutBuffer(ids, torch.ones(2, 3, dtype=torch.bool), ids, torch.ones(2, 3, dtype=torch.bool))
-    assert full.trimmed() is full
-    empty = RolloutBuffer(ids, torch.tensor([[0, 1, 1], [0, 0, 1]]), ids, torch.zeros(2, 3, dtype=torch.bool))
-    t = empty.trimmed()
-    assert (t.prompt_length, t.response_length) == (2, 1)
 
 
 @pytest.mark.parametrize("layout", [dict(ppo_epochs=1), WHOLE])
