@@ -15,7 +15,7 @@ Per phase the table also gives the model work done in it:
 * ``GFLOP``: model FLOPs (forward + backward matmuls) counted analytically by :mod:`pyppo.flops`
   from each model's config and the shapes it was actually fed during the profiled step — forward
   pre-hooks on the policy's, the reference's and the value model's decoders and heads record every
-  call's batch, new positions and keys (attention mask or KV cache), so trimmed micro-batches, the
+  call's batch, new positions and keys (attention mask or KV cache), so the micro-batches, the
   KV-cached decode steps and skipped phases are counted as they ran, not as the batch suggests.
   Causal attention; backward 2× the forward for trained weights, 1× for frozen (LoRA) ones;
   recomputation (gradient checkpointing, the attention kernel's scores, ``linear_logprobs``'
