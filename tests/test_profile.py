@@ -20,7 +20,7 @@ from pyppo import flops, profile
 from pyppo.stats import PHASES, PhaseTimer, current_phase
 from tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_causal_lm, tiny_tokenizer
 
-FLAGS = ["--batch-size", "2", "--max-new-tokens", "5", "--warmup-steps", "0", "--device", "cpu", "--seed", "1",
+FLAGS = ["--batch-size", "2", "--mini-batch-size", "1", "--max-new-tokens", "5", "--warmup-steps", "0", "--device", "cpu", "--seed", "1",
          "--peak-size", "256"]
 
 
@@ -107,13 +107,20 @@ def _linear_logprobs_backward(grad_lp, grad_ent, hidden, weight, labels, mask, b
     return _linear_logprobs(hidden, weight) * (1 + int(want[0]) + int(want[1]))
 
 
+def _linear_ppo_loss(hidden, weight, *args, out_shape=None, **kwargs):
+    # the logits, then in the same pass the gradients asked for (hidden, weight)
+    want = args[-1]
+    return _linear_logprobs(hidden, weight) * (1 + int(want[0]) + int(want[1]))
+
+
 def _packed_linear(x, weight, *args, out_shape=None, **kwargs):
     return 2 * math.prod(out_shape) * x[-1]
 
 
 #: What FlopCounterMode has no formula for: the CPU SDPA kernels, pyppo's linear_logprobs (one
-#: [rows, H] x [H, V] product forward, a recompute and up to two gradient products backward) and
-#: the oneDNN-packed linear layers a CPU sampler may use.
+#: [rows, H] x [H, V] product forward, a recompute and up to two gradient products backward),
+#: linear_ppo_loss (the same products less the recompute, all in its forward) and the
+#: oneDNN-packed linear layers a CPU sampler may use.
 EXTRA_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu:
         lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v),
@@ -121,6 +128,7 @@ EXTRA_FORMULAS = {
         lambda go, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(go, q, k, v),
     torch.ops.pyppo.linear_logprobs: _linear_logprobs,
     torch.ops.pyppo.linear_logprobs_backward: _linear_logprobs_backward,
+    torch.ops.pyppo.linear_ppo_loss: _linear_ppo_loss,
 }
 if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
     EXTRA_FORMULAS[torch.ops.mkldnn._linear_pointwise] = _packed_linear
