@@ -23,11 +23,12 @@ Per phase the table also gives the model work done in it:
   understood (not a Llama / Qwen2 / SmolLM2-style decoder: missing names, mixture of experts,
   blocks that do not match the config) gets a note and no FLOPs; the reward model is not counted.
 * ``GFLOP/s`` (over the phase's wall seconds) and ``MFU %`` = GFLOP/s / peak, the model FLOPs
-  utilization of PaLM (Chowdhery et al. 2022, appendix B). The peak is measured after the step on
-  the models' device with the run's threads: the median of timed ``torch.mm`` calls on
-  ``--peak-size`` square matrices (default 2048) in the compute dtype (float32, or bfloat16 with
-  ``--dtype bfloat16``, float32 shown beside it), and at the policy's own GEMM shapes (below the
-  table). ``--peak-size 0`` skips it (no MFU).
+  utilization of PaLM (Chowdhery et al. 2022, appendix B). The peak is measured on the models'
+  device with the run's threads, just before and just after the profiled step (the higher is
+  kept; on a shared machine the other load varies, and an MFU above 100 % gets a note): the
+  median of timed ``torch.mm`` calls on ``--peak-size`` square matrices (default 2048) in the
+  compute dtype (float32, or bfloat16 with ``--dtype bfloat16``, float32 shown beside it), and at
+  the policy's own GEMM shapes (below the table). ``--peak-size 0`` skips it (no MFU).
 * ``tokens``, ``pad`` and ``tokens/s``: generate: tokens sampled, ``B × T`` (pad: sampled after a
   row's EOS; the prompt positions prefilled and their padding are given below the table); a
   forward: positions fed, ``B × (P + T)`` as the micro-batches were fed (pad: padding positions);
@@ -520,19 +521,35 @@ def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpoi
     return out
 
 
-def measure_peak(trainer, batch, models: Dict[str, CountedModel], size: int = 2048) -> dict:
-    """The matmul peak the MFU divides by, measured here, on the step's device and threads:
-    ``torch.mm`` of ``size²`` float32 (and in the compute dtype when it is another,
-    e.g. bfloat16: under autocast the matmuls run in it), and the same at the policy's own GEMM
-    shapes (a training micro-batch's ``[b·(P+T), hidden] × [hidden, intermediate]``, a decode
-    step's ``[B, hidden] × [hidden, intermediate]``, the LM head's ``[b·T, hidden] × [hidden,
-    vocab]``). FLOP/s throughout."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def square_peaks(trainer, size: int = 2048) -> Dict[str, float]:
+    """FLOP/s of ``torch.mm`` on ``size²`` matrices on the trainer's device and this process's
+    threads: float32, and the compute dtype when it is another (e.g. bfloat16: under autocast the
+    matmuls run in it). Keyed by dtype name."""
     device, dtype = trainer.device, trainer.dtype
-    name = lambda d: str(d).replace("torch.", "")  # noqa: E731
-    by_dtype = {"float32": measure_matmul_flops(size, device=device)}
+    peaks = {"float32": measure_matmul_flops(size, device=device)}
     if dtype != torch.float32:
-        by_dtype[name(dtype)] = measure_matmul_flops(size, dtype=dtype, device=device)
-    peak = {"size": size, "dtype": name(dtype), "flops_per_s": by_dtype[name(dtype)], "by_dtype": by_dtype,
+        peaks[_dtype_name(dtype)] = measure_matmul_flops(size, dtype=dtype, device=device)
+    return peaks
+
+
+def measure_peak(trainer, batch, models: Dict[str, CountedModel], size: int = 2048,
+                 before: Optional[Dict[str, float]] = None) -> dict:
+    """The matmul peak the MFU divides by, measured here: :func:`square_peaks` now and, given,
+    ``before`` (the same measured before the step), keeping the higher of the two: on a shared
+    machine the other load changes while the step runs, and a peak taken in a busier moment than
+    the step's would overstate the MFU. Also ``torch.mm`` at the policy's own GEMM shapes (a
+    training micro-batch's ``[b·(P+T), hidden] × [hidden, intermediate]``, a decode step's
+    ``[B, hidden] × [hidden, intermediate]``, the LM head's ``[b·T, hidden] × [hidden, vocab]``).
+    FLOP/s throughout."""
+    device, dtype = trainer.device, trainer.dtype
+    after = square_peaks(trainer, size)
+    by_dtype = {k: max(v, (before or {}).get(k, 0.0)) for k, v in after.items()}
+    peak = {"size": size, "dtype": _dtype_name(dtype), "flops_per_s": by_dtype[_dtype_name(dtype)],
+            "by_dtype": by_dtype, "before_step": before, "after_step": after,
             "threads": torch.get_num_threads(), "device": str(device), "model_shapes": []}
     shape = models["policy"].shape
     if shape is not None:
@@ -605,6 +622,9 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
 
     notes = [f"FLOPs/MFU omitted for the {m.name} model: its config is not understood ({m.note})"
              for m in models.values() if m.note]
+    notes += [f"{row['title']}: MFU above 100 %: the step ran at more than the measured peak (other load on the "
+              "machine changed between the measurements and the step?)" for row in table["phases"]
+              if (row.get("mfu") or 0) > 1]
     notes += [f"{row['title']}: the hooks saw no model call in its {1e3 * row['seconds']:.1f} ms, so none is counted"
               for row in table["phases"] if row["phase"] in MODEL_PHASES and row["phase"] not in counted
               and row["seconds"] > _UNSEEN_PHASE_SECONDS]
@@ -625,8 +645,8 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
 def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_shapes: bool = False,
                  with_stack: bool = False, peak_size: int = 2048) -> dict:
     """Run ``warmup_steps`` unprofiled steps, then one step under the profiler (and a
-    :class:`ShapeRecorder`); measure the matmul peak (:func:`measure_peak`, ``size = peak_size``;
-    0 skips it, and the MFU); write ``trace.json`` to ``output_dir`` and return ``{"metrics": ...,
+    :class:`ShapeRecorder`); measure the matmul peak just before and after it (:func:`measure_peak`,
+    ``size = peak_size``; 0 skips it, and the MFU); write ``trace.json`` to ``output_dir`` and return ``{"metrics": ...,
     "flops": flop_table(...), **phase_table(...)}``."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -634,6 +654,7 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
 
     for _ in range(warmup_steps):
         trainer.step()
+    before = square_peaks(trainer, peak_size) if peak_size else None
     activities = [ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -653,7 +674,7 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     prof.export_chrome_trace(str(output_dir / "trace.json"))
     table = phase_table(prof.events(), metrics)
     table["metrics"] = {k: float(v) for k, v in metrics.items()}
-    peak = measure_peak(trainer, result.batch, recorder.models, peak_size) if peak_size else None
+    peak = measure_peak(trainer, result.batch, recorder.models, peak_size, before) if peak_size else None
     table["flops"] = flop_table(trainer, result.batch, recorder, table, peak)
     return table
 
@@ -674,7 +695,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument("--threads", type=int, default=None, metavar="N",
                       help="torch.set_num_threads(N) first (default: torch's choice)")
     prof.add_argument("--peak-size", type=int, default=2048, metavar="N",
-                      help="the MFU's peak: torch.mm of N x N matrices, measured after the step (default 2048; "
+                      help="the MFU's peak: torch.mm of N x N matrices, measured around the step (default 2048; "
                            "0 = no peak, no MFU)")
     prof.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
     prof.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")

@@ -344,7 +344,10 @@ def test_profile_reports_flops_mfu_and_tokens(profiled):
         assert column in stdout
     result = json.loads((out / "profile.json").read_text())
     info = result["flops"]
-    assert info["peak"]["flops_per_s"] > 0 and info["peak"]["threads"] == result["env"]["torch_threads"]
+    peak = info["peak"]
+    assert peak["flops_per_s"] > 0 and peak["threads"] == result["env"]["torch_threads"]
+    assert peak["flops_per_s"] == max(peak["before_step"]["float32"], peak["after_step"]["float32"])
+    assert len(peak["model_shapes"]) == 3 and all(s["flops_per_s"] > 0 for s in peak["model_shapes"])
     assert not info["notes"]
     rows = {r["phase"]: r for r in result["phases"]}
     model_rows = [r for r in rows.values() if r["tokens"] is not None]
@@ -372,6 +375,18 @@ def test_matmul_peak_is_measured(device):
     if device == "cpu":
         bf16 = flops.measure_matmul_flops(128, dtype=torch.bfloat16, warmup=1, iters=3)
         assert math.isfinite(bf16) and bf16 > 0
+
+
+def test_an_mfu_above_the_peak_gets_a_note():
+    trainer = _trainer()
+    with profile.ShapeRecorder(trainer) as recorder:
+        result = trainer.step()
+    table = {"phases": [{"phase": p, "title": profile.PHASE_TITLES[p], "seconds": result.metrics[f"time_{p}"]}
+                        for p in PHASES], "step_seconds": result.metrics["step_seconds"]}
+    slow_peak = {"flops_per_s": 1.0}  # 1 FLOP/s: every phase beats it
+    info = profile.flop_table(trainer, result.batch, recorder, table, slow_peak)
+    assert all(r["mfu"] > 1 for r in table["phases"] if r["flops"])
+    assert any("update: MFU above 100 %" in note for note in info["notes"])
 
 
 def test_peak_size_zero_skips_the_mfu(tiny_dir, tmp_path):
