@@ -235,9 +235,9 @@ def _adam_steps(opt) -> set:
 
 
 def test_nan_loss_skips_that_update_only(monkeypatch):
-    import pyppo.trainer as trainer_mod
+    import pyppo.forward as forward_mod
 
-    real = trainer_mod.ppo_policy_loss
+    real = forward_mod.ppo_policy_loss
     calls = {"n": 0}
 
     def nan_on_second_minibatch(*args, **kwargs):
@@ -245,9 +245,10 @@ def test_nan_loss_skips_that_update_only(monkeypatch):
         calls["n"] += 1
         return (loss * math.nan if calls["n"] == 2 else loss), stats
 
-    monkeypatch.setattr(trainer_mod, "ppo_policy_loss", nan_on_second_minibatch)
-    # 8 sequences, minibatches of 4, no accumulation, 2 epochs: 4 updates, the 2nd one poisoned.
-    tr = make_trainer(small_config(steps=1, micro_batch_size=None))
+    monkeypatch.setattr(forward_mod, "ppo_policy_loss", nan_on_second_minibatch)
+    # 8 sequences, minibatches of 4, no accumulation, 2 epochs: 4 updates, the 2nd one poisoned
+    # (the loss from the log-probs, where ppo_policy_loss is called).
+    tr = make_trainer(small_config(steps=1, micro_batch_size=None, fused_policy_loss=False))
     with pytest.warns(RuntimeWarning, match=r"epoch 1, minibatch 2: non-finite policy_loss=nan.*update skipped"):
         m = tr.step().metrics
     assert m["skipped_updates"] == 1 and tr.skips.total == 1 and tr.skips.consecutive == 0
