@@ -15,7 +15,9 @@ from ..inputs import linear_ppo_inputs, nbytes
 # chunk's logits instead of log_softmax, its backward and the gather's scatter over [N, V].
 SPEED = Target("linear_ppo_loss fwd+bwd no slower than eager", "speedup", ">=", 1.0)
 # The eager peak is the [N, V] logits' log-softmax and gradients; pyppo's is one chunk of
-# logits and the gradients themselves (grad_weight is [V, H] in either).
+# logits and the gradients themselves. Both count grad_weight ([V, H]: 9% of the eager peak at
+# SmolLM2's 2048 x 576 x 49152), so the 5% goal is out of reach of this accounting; the bound
+# holds the design to one chunk and the gradients (21% there).
 MEMORY = Target("linear_ppo_loss fwd+bwd peak <= 25% of eager's (goal 5%)", "memory_ratio", "<=", 0.25, goal=0.05)
 
 _inputs_bytes = nbytes("hidden", "weight")
