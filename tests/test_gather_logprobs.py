@@ -388,6 +388,45 @@ def test_gradient_non_contiguous_upstream():
     torch.testing.assert_close(x.grad, xr.grad, **tol(F64))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_nonfinite_logit_anywhere_in_a_row(dtype, temperature):
+    # The CPU block max skips NaNs (exp carries them into the sums) and a block of nothing but
+    # -inf is skipped: wherever a NaN or +inf sits (among -inf only, in a later block, in the
+    # tail past the last whole vector) it poisons its row's values and every element of its
+    # gradient; the other rows, -inf logits included, are unaffected.
+    V = 2 * 2048 + 37  # two whole blocks and a tail no vector width divides
+    logits = (torch.randn(8, V, generator=gen(67), dtype=F64) * 3).to(dtype)
+    nan, inf = float("nan"), float("inf")
+    logits[0, :2048] = -inf
+    logits[0, 100] = nan  # a NaN in a block of -inf, finite blocks after it
+    logits[1, :] = -inf
+    logits[1, V - 3] = nan  # only -inf and a NaN in the tail
+    logits[2, V - 2] = nan
+    logits[3, V - 1] = inf
+    logits[4, 3000] = nan
+    logits[5, :2048] = -inf  # clean: a whole block of -inf, then finite logits
+    logits[6, ::3] = -inf  # clean
+    labels = torch.tensor([7, 7, 7, 7, 7, 2050, 1, 9])
+    poisoned = torch.tensor([True] * 5 + [False] * 3)
+    x = logits.clone().requires_grad_()
+    lp, ent = gather_logprobs(x, labels, temperature=temperature, return_entropy=True)
+    assert torch.isnan(lp[poisoned]).all() and torch.isnan(ent[poisoned]).all()
+    up_lp, up_ent = torch.randn(8, generator=gen(68)), torch.randn(8, generator=gen(69))
+    ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+    assert torch.isnan(x.grad[poisoned]).all()
+    xr = logits[~poisoned].to(F64).requires_grad_()
+    lp_r, ent_r = ref_gather_logprobs(xr, labels[~poisoned], temperature=temperature)
+    ((lp_r * up_lp[~poisoned]).sum() + (ent_r * up_ent[~poisoned]).sum()).backward()
+    s = math.log2(V) / 4
+    torch.testing.assert_close(lp[~poisoned].to(F64), lp_r, **tol(dtype, s))
+    torch.testing.assert_close(ent[~poisoned].to(F64), ent_r, **tol(dtype, s))
+    grad = x.grad[~poisoned]
+    finite = torch.isfinite(logits[~poisoned])
+    assert torch.all(grad[~finite] == 0)
+    torch.testing.assert_close(grad[finite].to(F64), xr.grad[finite], **grad_tol(dtype))
+
+
 def test_gradient_with_neg_inf_logits_is_finite():
     logits = torch.randn(3, 2100, generator=gen(74), dtype=F64)
     logits[0, :2048] = float("-inf")

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <vector>
 
 namespace pyppo {
@@ -19,6 +20,21 @@ namespace {
 // Rows per task: at least ~64K elements, so small calls stay on one thread (waking the pool
 // costs more than they do).
 int64_t grain_for(int64_t V) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(V, 1)); }
+
+// task(begin, end) over [0, N) in tasks of grain_for(V) rows, handed out from a shared counter
+// instead of cut into one equal share per thread up front: on a shared machine a thread that
+// loses its core for a while no longer holds the whole call back, the others take its rows.
+// Which thread reduces a row never changes that row's bits.
+template <typename Task>
+void parallel_rows(int64_t N, int64_t V, const Task& task) {
+  const int64_t grain = grain_for(V);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region()) return task(0, N);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(grain); b < N; b = next.fetch_add(grain)) task(b, std::min(N, b + grain));
+  });
+}
 
 inline bool row_valid(const int64_t* lab, const bool* msk, int64_t i, int64_t ignore_index) {
   return (!msk || msk[i]) && lab[i] != ignore_index;
@@ -31,7 +47,7 @@ void fwd(const GatherFwdArgs& a) {
   acc_t* out_lse = static_cast<acc_t*>(a.lse);
   acc_t* out_ent = static_cast<acc_t*>(a.entropy);
   const acc_t inv_tau = acc_t(1) / static_cast<acc_t>(a.temperature);
-  at::parallel_for(0, a.N, grain_for(a.V), [&](int64_t begin, int64_t end) {
+  parallel_rows(a.N, a.V, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buf(kRowBlock);
     for (int64_t i = begin; i < end; ++i) {
       if (!row_valid(a.labels, a.mask, i, a.ignore_index)) {
@@ -43,7 +59,7 @@ void fwd(const GatherFwdArgs& a) {
       const scalar_t* row = z + i * a.row_stride;
       RowStats<acc_t> st = row_logsumexp<scalar_t, acc_t>(row, a.V, inv_tau, out_ent != nullptr, buf.data());
       out_lse[i] = st.lse;
-      // log p <= 0 exactly; the min only undoes rounding (an exp of 0 within 20 ulp of 1), and
+      // log p <= 0 exactly (the max's exp is exactly 1, so lse >= max); the min is a guard that
       // keeps a NaN row NaN.
       const acc_t lp = static_cast<acc_t>(row[a.labels[i]]) * inv_tau - st.lse;
       out_lp[i] = lp > acc_t(0) ? acc_t(0) : lp;
@@ -61,7 +77,7 @@ void bwd(const GatherBwdArgs& a) {
   const acc_t* lse = static_cast<const acc_t*>(a.lse);
   const acc_t* h = static_cast<const acc_t*>(a.entropy);
   const acc_t inv_tau = acc_t(1) / static_cast<acc_t>(a.temperature);
-  at::parallel_for(0, a.N, grain_for(a.V), [&](int64_t begin, int64_t end) {
+  parallel_rows(a.N, a.V, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       scalar_t* out = gz + i * a.V;
       if (!row_valid(a.labels, a.mask, i, a.ignore_index)) {

@@ -123,6 +123,7 @@ template <typename scalar_t, typename acc_t>
 struct RowLoad {
   using Vec = at::vec::Vectorized<acc_t>;
   static constexpr int64_t kW = is_reduced_v<scalar_t> ? 2 * Vec::size() : Vec::size();
+  static_assert(at::vec::Vectorized<scalar_t>::size() == kW, "a reduced vector holds two float vectors");
 
   template <bool kScaled>
   static inline void load(const scalar_t* src, Vec inv_tau, Vec& a, Vec& b) {
