@@ -53,7 +53,7 @@ TRAIN_DEFAULTS = {
     "ppo_epochs": 1,
     "max_new_tokens": 16,
     "lr": 7e-5,
-    "kl_coef": 0.03,
+    "kl_coef": 0.06,
     # A checkpoint (~3.2 GB: two fp32 models and their Adam moments) every 10 steps, so that an
     # interrupted run loses at most 10 steps (~6 min).
     "save_every": 10,

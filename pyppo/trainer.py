@@ -274,10 +274,10 @@ class PPOTrainer:
             batch.raw_scores, batch.scores = self.score(batch)                           # 3
         first_perm = batch.epoch_permutation(self.shuffle_generator)
         kl_coef = float(self.kl_ctl.value)
-        # When the first update's single micro-batch is the whole batch, its policy forward is
-        # the rollout's: point 4's policy forward and point 5 then happen inside it.
+        # When the first minibatch is one micro-batch, its first policy forward is the rollout's
+        # for its rows: point 4's policy forward of those rows and point 5 happen inside it.
         first_pass = self.first_pass_is_rollout_pass()
-        self.evaluate(batch, first_perm, timer, policy=not first_pass)                    # 4
+        self.evaluate(batch, first_perm, timer, first_policy=not first_pass)              # 4
         if not first_pass:
             with timer.phase("advantages"):
                 self.advantages(batch, kl_coef)                                           # 5
@@ -341,26 +341,26 @@ class PPOTrainer:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
 
     def first_pass_is_rollout_pass(self) -> bool:
-        """Whether the first epoch trains on the whole (local) batch as one micro-batch, so that
-        its policy forward, before any optimizer step, is exactly the rollout's and need not run
-        twice. Not with dropout on: the rollout's forwards run without it."""
-        n = len(self.local_share(list(range(self.config.batch_size))))
-        return self.config.disable_dropout and self.local_mini_batch_size == self.micro_batch_size == n
+        """Whether the first epoch's first minibatch is one micro-batch, so that its policy
+        forward, before any optimizer step, is exactly the rollout's for its rows and need not run
+        twice (the other rows still get their no-grad rollout forward). Not with dropout on: the
+        rollout's forwards run without it."""
+        return self.config.disable_dropout and self.local_mini_batch_size == self.micro_batch_size
 
     @torch.no_grad()
     def evaluate(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer, *,
-                 policy: bool = True) -> None:
+                 first_policy: bool = True) -> None:
         """Fill ``old_logprobs``, ``entropy``, ``ref_logprobs`` and ``values`` (point 4), on the
-        micro-batches of the first epoch's layout (``policy=False``: all but the policy's
-        ``old_logprobs`` and ``entropy``, which the first update pass fills)."""
+        micro-batches of the first epoch's layout (``first_policy=False``: the first micro-batch's
+        ``old_logprobs`` and ``entropy`` are left to the first update pass)."""
         B, T = len(batch), batch.response_length
         for name in ("old_logprobs", "entropy", "ref_logprobs", "values"):
             setattr(batch, name, torch.zeros(B, T, device=self.device))
         self.value_model.eval()
-        for idx in first_perm.split(self.micro_batch_size):
+        for i, idx in enumerate(first_perm.split(self.micro_batch_size)):
             mb, ix = batch.select(idx), idx.to(self.device)
             with autocast(self.device, self.dtype):
-                if policy:
+                if first_policy or i > 0:
                     with timer.phase("policy_forward"):
                         batch.old_logprobs[ix], batch.entropy[ix] = self.policy_module(mb, return_entropy=True)
                 with timer.phase("ref_forward"):
@@ -379,8 +379,8 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------ the update
     def update(self, batch: RolloutBuffer, first_perm: torch.Tensor, kl_coef: Optional[float] = None) -> Dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches, one optimizer step each (point 6).
-        ``kl_coef`` given: the first pass is also the rollout's policy forward, and computes the
-        advantages with this coefficient (:meth:`first_pass_is_rollout_pass`).
+        ``kl_coef`` given: the first minibatch's pass is also the rollout's policy forward of its
+        rows, and computes the advantages with this coefficient (:meth:`first_pass_is_rollout_pass`).
 
         Returns:
             token-weighted means of the loss statistics and minibatch means of the losses and
@@ -396,7 +396,8 @@ class PPOTrainer:
             perm = first_perm if epoch == 0 else batch.epoch_permutation(self.shuffle_generator)
             for index, mb in enumerate(batch.minibatches(self.local_mini_batch_size, permutation=perm)):
                 where = f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"
-                rollout = (batch, perm, kl_coef) if epoch == 0 and kl_coef is not None else None
+                first_pass = epoch == 0 and index == 0 and kl_coef is not None
+                rollout = (batch, perm[:len(mb)], kl_coef) if first_pass else None
                 seen_mb = self.minibatch_step(mb, stats, where, rollout=rollout)
                 first = first or ratio_stats(seen_mb)
                 seen += seen_mb
@@ -465,10 +466,11 @@ class PPOTrainer:
         models' activations are never held at once.
 
         ``rollout = (batch, rows, kl_coef)``: ``mu`` is ``batch``'s ``rows``, in that order, and
-        this pass, before any optimizer step, is also the rollout's policy forward: it fills
-        ``batch``'s ``old_logprobs`` and ``entropy`` and computes the advantages (points 4 and 5)
-        before its loss. (The value model's rollout forward stays separate: reusing it too would
-        hold both models' activations at once.)
+        this pass, before any optimizer step, is also the rollout's policy forward of those rows:
+        it fills their ``old_logprobs`` and ``entropy`` (the other rows' are already there) and
+        computes the whole batch's advantages (points 4 and 5) before its loss. (The value
+        model's rollout forward stays separate: reusing it too would hold both models' activations
+        at once.)
 
         Returns the detached ``(logprobs, old_logprobs, values, returns, mask)``, ``[b, T]``."""
         c = self.config

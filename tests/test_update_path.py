@@ -14,49 +14,65 @@ from pyppo.ops import aggregate_loss, kl_penalty, ppo_policy_loss
 from pyppo.trainer import METRIC_KEYS
 from test_trainer import make_trainer, small_config
 
-# One minibatch of one micro-batch: the first pass is the rollout's.
+# One minibatch of one micro-batch: the first pass is the rollout's for every row.
 WHOLE = dict(batch_size=4, mini_batch_size=4, micro_batch_size=None, ppo_epochs=2)
+# Two minibatches of one micro-batch each: for the first minibatch's rows only.
+HALVES = dict(batch_size=4, mini_batch_size=2, micro_batch_size=None, ppo_epochs=2)
 
 
 def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_the_first_pass_is_the_rollout_pass_only_for_one_micro_batch_of_everything():
+def test_the_first_pass_is_the_rollout_pass_only_when_the_first_minibatch_is_one_micro_batch():
     assert make_trainer(small_config(**WHOLE)).first_pass_is_rollout_pass()
+    assert make_trainer(small_config(**HALVES)).first_pass_is_rollout_pass()
     assert not make_trainer(small_config()).first_pass_is_rollout_pass()  # 2 minibatches of 2 micro-batches
     assert not make_trainer(small_config(**{**WHOLE, "micro_batch_size": 2})).first_pass_is_rollout_pass()
     assert not make_trainer(small_config(**WHOLE, disable_dropout=False)).first_pass_is_rollout_pass()
 
 
-def test_reusing_the_first_pass_changes_nothing_but_the_work(monkeypatch):
+@pytest.mark.parametrize("layout", [WHOLE, HALVES], ids=["one-minibatch", "two-minibatches"])
+def test_reusing_the_first_pass_changes_nothing_but_the_work(monkeypatch, layout):
     runs = {}
     for reuse in (True, False):
-        tr = make_trainer(small_config(**WHOLE, steps=2))
+        tr = make_trainer(small_config(**layout, steps=2))
         if not reuse:
             monkeypatch.setattr(tr, "first_pass_is_rollout_pass", lambda: False)
-        forwards = []
+        forwards, policy_rows = [], []
         tr.value_model.register_forward_pre_hook(lambda *a: forwards.append(torch.is_grad_enabled()))
+        tr.policy_module.register_forward_pre_hook(
+            lambda m, args, kwargs: policy_rows.append((torch.is_grad_enabled(), args[0] and len(args[0]))),
+            with_kwargs=True)
         metrics = [tr.step().metrics for _ in range(2)]
-        runs[reuse] = (tr, metrics, forwards)
-    (a, ma, fa), (b, mb, fb) = runs[True], runs[False]
-    # The value model's rollout forward stays (without gradients), then once per epoch with them.
-    assert fa == fb == [False, True, True] * 2
+        runs[reuse] = (tr, metrics, forwards, policy_rows)
+    (a, ma, fa, pa), (b, mb, fb, pb) = runs[True], runs[False]
+    n_mb = layout["batch_size"] // layout["mini_batch_size"]
+    # The value model's rollout forward stays (without gradients), then once per minibatch and
+    # epoch with them.
+    assert fa == fb == ([False] * n_mb + [True] * n_mb * 2) * 2
+    # Reused: the policy's no-grad rollout forward covers every minibatch but the first.
+    rollout_rows = lambda rows: sum(n for grad, n in rows if not grad and n)  # (sampling passes no batch)
+    assert rollout_rows(pb) == 2 * 4
+    assert rollout_rows(pa) == 2 * (4 - layout["mini_batch_size"])
     for x, y in zip(ma, mb):
         assert x["first_max_abs_logratio"] == y["first_max_abs_logratio"] == 0.0
-        assert x["time_policy_forward"] == 0.0 < y["time_policy_forward"]
+        assert x["time_policy_forward"] < y["time_policy_forward"]
         for k in ("score_mean", "kl_mean", "policy_loss", "value_loss", "approx_kl", "clipfrac", "entropy_mean",
                   "explained_variance"):
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), k
+    if layout is WHOLE:
+        assert all(x["time_policy_forward"] == 0.0 for x in ma)
     for p, q in zip(_params(a.policy) + _params(a.value_model), _params(b.policy) + _params(b.value_model)):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
-def test_reused_pass_fills_the_batch_like_the_rollout_forwards(monkeypatch):
+@pytest.mark.parametrize("layout", [WHOLE, HALVES], ids=["one-minibatch", "two-minibatches"])
+def test_reused_pass_fills_the_batch_like_the_rollout_forwards(monkeypatch, layout):
     # The step's batch carries the rollout tensors; reused or not they agree.
     out = {}
     for reuse in (True, False):
-        tr = make_trainer(small_config(**WHOLE, steps=1))
+        tr = make_trainer(small_config(**layout, steps=1))
         if not reuse:
             monkeypatch.setattr(tr, "first_pass_is_rollout_pass", lambda: False)
         out[reuse] = tr.step().batch
