@@ -9,7 +9,7 @@ with the linear layers' weights packed by oneDNN (the trainer's CPU float32 path
 seed each time, exactly ``--tokens`` decode steps (EOS does not stop generation here, so every
 round does the same work). It reports the median seconds of each, their ratio, ms per decode
 step (prefill measured apart and subtracted), and the per-step floor: the larger of (the model's
-weight bytes / the copy bandwidth measured here) and (the decode step's FLOPs / the ``torch.mm``
+weight bytes / the copy bandwidth measured here, read and write bytes both counted) and (the decode step's FLOPs / the ``torch.mm``
 peak measured here at 2048^2 float32). Quote ratios with the machine they came from: the
 machine is shared and noisy, so run it when ``uptime`` shows a load below the thread count.
 """
@@ -35,11 +35,12 @@ def _median_time(fn, reps: int) -> float:
 
 
 def copy_bandwidth(torch) -> float:
-    """Bytes read per second by a 512 MB ``copy_`` (one read, one write), median of 5."""
+    """Bytes moved per second by a 512 MB ``copy_``, read and write counted (the rate at which this
+    machine streams memory, the bound of a weight-reading decode step), median of 5."""
     src = torch.randn(128 * 1024 * 1024)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return src.numel() * 4 / _median_time(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), 5)
 
 
 def mm_peak(torch, n: int = 2048) -> float:
