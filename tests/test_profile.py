@@ -20,7 +20,9 @@ from pyppo import flops, profile
 from pyppo.stats import PHASES, PhaseTimer, current_phase
 from tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_causal_lm, tiny_tokenizer
 
-FLAGS = ["--batch-size", "2", "--mini-batch-size", "1", "--max-new-tokens", "5", "--warmup-steps", "0", "--device", "cpu", "--seed", "1",
+# Two micro-batches per minibatch: the first update pass is not also the rollout forward, so every
+# phase runs on its own.
+FLAGS = ["--batch-size", "2", "--mini-batch-size", "2", "--micro-batch-size", "1", "--max-new-tokens", "5", "--warmup-steps", "0", "--device", "cpu", "--seed", "1",
          "--peak-size", "256"]
 
 
