@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "cuda/launch.h"
 #include "cuda/params.h"
 
 namespace pyppo {
@@ -32,13 +33,6 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;  // rows per block
 constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
 
 // The TD error at a valid position, in the CPU kernel's order: (r + g * v_next) - v.
 template <typename T>

@@ -129,15 +129,10 @@ __device__ __forceinline__ float fmax_acc(float a, float b) { return ::fmaxf(a, 
 __device__ __forceinline__ double fmax_acc(double a, double b) { return ::fmax(a, b); }
 __device__ __forceinline__ float fma_acc(float a, float b, float c) { return ::fmaf(a, b, c); }
 __device__ __forceinline__ double fma_acc(double a, double b, double c) { return ::fma(a, b, c); }
-// Products and sums that the compiler must not contract into an fma: the chunk fold is
-// inlined twice (vector and scalar loads), and both copies must round identically so that a
-// row's bits do not depend on its alignment. Where an fma is wanted it is written out.
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+// Products and sums go through mul_rn / add_rn / sub_rn (cuda/launch.h), never contracted into
+// an fma: the chunk fold is inlined twice (vector and scalar loads), and both copies must round
+// identically so that a row's bits do not depend on its alignment. Where an fma is wanted it is
+// written out.
 
 template <typename acc>
 struct Consts;
