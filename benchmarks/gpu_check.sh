@@ -5,7 +5,21 @@
 # written to a temporary directory. Steps, each with a timeout, in this order:
 #   build   build pyppo in place with the CUDA kernels (PYPPO_CUDA=on: a CPU-only build is an
 #           error), for TORCH_CUDA_ARCH_LIST (default 9.0, the H100/H200's sm_90);
-#   tests   the CUDA tests (pytest -m cuda);
+#   tests   the CUDA tests (pytest -m cuda): the op tests on the device, the kernels against
+#           their float32 replays (tests/test_cuda_emulation.py), the contract checks (log-probs
+#           <= 0 and exactly 0 where certain, huge finite logits, GAE bits under right padding,
+#           T-sliced views read in place, the CPU's errors), no host sync under
+#           torch.cuda.set_sync_debug_mode("error") and CUDA-graph capture (tests/test_cuda_graphs.py);
+#   sanitize  compute-sanitizer memcheck, then racecheck, over every pyppo kernel on tiny shapes
+#           (V = 7, 4099 and a misaligned 6144; T = 5, 1024, 2500; every dtype), pyppo's kernels
+#           only (--kernel-name kns=pyppo where the sanitizer has that option);
+#   kernels the kernel table: gather_logprobs forward (with and without entropy) and backward on
+#           logits [8, 1024, 151936] in bf16 and fp32, each against a device-to-device copy of the
+#           same bytes (targets: forward >= 80% of copy bandwidth, backward >= 60%); GAE on
+#           [256, 2048]; linear_logprobs forward+backward with entropy at Liger-Kernel's fused
+#           linear cross-entropy shape (M = 16384, H = 4096, V = 131072, bf16; target: no slower
+#           than Liger's, about 104 ms on an H100, or Liger itself when it is installed);
+#           writes kernels.json (to OUT when set);
 #   bench   the GPU suite of the benchmark harness (pyppo bench --suite gpu --quick --check-targets);
 #   train   pyppo train --device cuda --dtype bfloat16 --steps 3 on the tiny Llama, through a small
 #           wrapper that calls pyppo.cli.main and then checks the run: 3 rows in metrics.jsonl,
@@ -30,25 +44,31 @@
 #           tests/test_distributed.py, and here in part (a) when there are >= 2 GPUs.
 # The whole script stops within GPU_CHECK_BUDGET seconds (default 470, under 8 minutes): every
 # step's timeout is capped by the time left, and a step with under 20 s left is reported as
-# TIMEOUT. Step timeouts: build 420, tests 240, bench 180, train 120, lora 120, fsdp 150 + 90.
+# TIMEOUT. The default steps (build, tests, sanitize, kernels) fit that budget; bench, train,
+# lora and fsdp are selected with GPU_CHECK_STEPS. Step timeouts: build 240, tests 120,
+# sanitize 60 + 45, kernels 90, bench 180, train 120, lora 120, fsdp 150 + 90.
 # A training table (mode, s/step, peak memory, status) and then a summary of every step (status,
 # seconds) are printed last.
 #
 # Exit status: 1 = the environment check, the build or the import of the built pyppo failed;
-# else the tests' (pytest's status, 124 = timed out); else the benchmark's (1 = an op disagreed
-# with its eager reference, 3 = a target missed); else 4 = a training or FSDP step failed or ran
-# out of time; 64 = a bad GPU_CHECK_* setting; 0 = everything selected passed.
+# else the tests' (pytest's status, 124 = timed out); else 5 = a sanitizer found an error (or
+# timed out); else the benchmark's (1 = an op disagreed with its eager reference, 3 = a target
+# missed), else 3 = a kernel-table target missed, 5 = the kernel table failed to run; else 4 = a
+# training or FSDP step failed or ran out of time; 64 = a bad GPU_CHECK_* setting; 0 =
+# everything selected passed.
 #
 #   bash benchmarks/gpu_check.sh                 # TORCH_CUDA_ARCH_LIST defaults to 9.0
 # Settings (environment):
-#   OUT                   results go there: gpu_bench.json, gpu_check_summary.tsv, and each
+#   OUT                   results go there: gpu_bench.json, kernels.json, gpu_check_summary.tsv, and each
 #                         training run's metrics.jsonl as train_<step>_metrics.jsonl
 #                         (else the bench JSON is dated in benchmarks/results/)
 #   PYTHON                the interpreter (default python)
-#   GPU_CHECK_STEPS       comma list of steps to run (default build,tests,bench,train,lora,fsdp)
+#   GPU_CHECK_STEPS       comma list of steps to run (default build,tests,sanitize,kernels; all:
+#                         build,tests,sanitize,kernels,bench,train,lora,fsdp)
 #   GPU_CHECK_SKIP_BUILD  1 = no build step: use the pyppo already installed
 #   GPU_CHECK_DEVICE      cuda (default) or cpu: cpu runs train / lora / fsdp on the CPU (gloo
-#                         instead of NCCL) and reports build / tests / bench as skipped; this is
+#                         instead of NCCL) and reports build / tests / sanitize / kernels / bench
+#                         as skipped; this is
 #                         how tests/test_gpu_check_script.py runs the script on a machine with no
 #                         GPU
 #   GPU_CHECK_NPROC       processes of the fsdp step's trainer run (default 2 with >= 2 GPUs, else 1)
@@ -63,10 +83,10 @@ stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 
 PY=${PYTHON:-python}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-STEPS=${GPU_CHECK_STEPS:-build,tests,bench,train,lora,fsdp}
+STEPS=${GPU_CHECK_STEPS:-build,tests,sanitize,kernels}
 BUDGET=${GPU_CHECK_BUDGET:-470}
 TRAIN_ARGS=${GPU_CHECK_TRAIN_ARGS:-}
-ALL_STEPS="build tests bench train lora fsdp"
+ALL_STEPS="build tests sanitize kernels bench train lora fsdp"
 
 bad_setting() { echo "gpu_check: $*" >&2; exit 64; }
 case "$DEVICE" in cuda|cpu) ;; *) bad_setting "GPU_CHECK_DEVICE must be cuda or cpu, got '$DEVICE'" ;; esac
@@ -80,7 +100,8 @@ wants() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # ---- step bookkeeping: the summary table, the time budget -----------------------------------
 declare -A STATUS SECS NOTE
-declare -A LABEL=([build]="build" [tests]="cuda tests" [bench]="bench" [train]="bf16 train"
+declare -A LABEL=([build]="build" [tests]="cuda tests" [sanitize]="sanitizer" [kernels]="kernel table"
+                  [bench]="bench" [train]="bf16 train"
                   [lora]="bf16 LoRA train" [fsdp]="FSDP smoke")
 for s in $ALL_STEPS; do
   if wants "$s"; then STATUS[$s]=not-run; NOTE[$s]="not reached"; else STATUS[$s]=skipped; NOTE[$s]="not selected"; fi
@@ -92,6 +113,8 @@ left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); if [ "$l" -lt "$1" ]; then echo "$l"; else echo "$1"; fi; }
 NEW_FAIL=0
 TEST_RC=0
+SAN_RC=0
+KERNEL_RC=0
 BENCH_RC=0
 
 summary() {
@@ -148,7 +171,7 @@ if wants build && [ "$DEVICE" = cpu ]; then
   record build skipped 0 "needs CUDA"
 elif wants build; then
   stamp "build (pip install --no-build-isolation --no-deps -e ., PYPPO_CUDA=on, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-  t=$(cap 420); s0=$(date +%s)
+  t=$(cap 240); s0=$(date +%s)
   if [ "$t" -lt 20 ] || ! timeout "$t" $PY -m pip install --no-build-isolation --no-deps --no-index -e . \
         -Ccmake.define.PYPPO_CUDA=on -Cbuild.verbose=false > /tmp/pyppo_build.log 2>&1; then
     tail -n 80 /tmp/pyppo_build.log 2>/dev/null
@@ -170,11 +193,11 @@ if wants tests && [ "$DEVICE" = cpu ]; then
   record tests skipped 0 "needs CUDA"
 elif wants tests; then
   stamp "tests (pytest -m cuda)"
-  t=$(cap 240); s0=$(date +%s)
+  t=$(cap 120); s0=$(date +%s)
   if [ "$t" -lt 20 ]; then
     TEST_RC=124
   else
-    timeout "$t" $PY -m pytest -m cuda -q -p no:cacheprovider --maxfail=25 --durations=5
+    HYPOTHESIS_PROFILE=ci timeout "$t" $PY -m pytest -m cuda -q -p no:cacheprovider --maxfail=25 --durations=5
     TEST_RC=$?
   fi
   stamp "tests exit status $TEST_RC"
@@ -183,7 +206,254 @@ elif wants tests; then
   else record tests FAIL $(( $(date +%s) - s0 )) "pytest exit status $TEST_RC"; fi
 fi
 
-# ---- 3. benchmark ---------------------------------------------------------------------------
+# run_logged STEP LOG LIMIT CMD...: CMD under timeout, its output in LOG; prints the gpu_check
+# lines, or the log's tail on failure. Returns CMD's status (124 = timed out).
+run_logged() {
+  local step=$1 log=$2 limit=$3; shift 3
+  local rc
+  timeout -k 10 "$limit" "$@" > "$log" 2>&1
+  rc=$?
+  if [ "$rc" -ne 0 ]; then tail -n 60 "$log"; else grep '^gpu_check' "$log"; fi
+  [ "$rc" -eq 124 ] && echo "gpu_check: $step: timed out after $limit s"
+  return "$rc"
+}
+
+# ---- 3. compute-sanitizer and 4. the kernel table: helper files ------------------------------
+write_kernel_helpers() {
+cat > "$WORK/sanitize_workload.py" <<'PYEOF'
+"""Every pyppo CUDA kernel on tiny shapes, for compute-sanitizer: gather_logprobs forward (with and
+without entropy, temperature 1 and not) and backward, on V = 7, 4099 and 6144, contiguous, T-sliced
+and misaligned (every row one element off 16 bytes); linear_logprobs and linear_ppo_loss;
+kl_penalty, shape_rewards, gae (T = 5, 1024, 2500), masked_mean / masked_var / masked_whiten; every
+dtype. Each result is checked finite where it must be, so a wrong answer fails as well as a bad access."""
+import torch
+
+from pyppo import ops
+
+P = torch.ops.pyppo
+d = torch.device("cuda")
+g = torch.Generator(device=d).manual_seed(0)
+problems = []
+
+
+def layouts(B, T, V, dtype):
+    yield "contiguous", torch.randn(B, T, V, device=d, dtype=torch.float32, generator=g).to(dtype)
+    yield "T-sliced", torch.randn(B, T + 2, V, device=d, dtype=torch.float32, generator=g).to(dtype)[:, 1:-1]
+    flat = torch.randn(B * T * V + 1, device=d, dtype=torch.float32, generator=g).to(dtype)
+    yield "misaligned", flat[1:].view(B, T, V)
+
+
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    for V in (7, 4099, 6144):
+        for name, z in layouts(2, 3, V, dtype):
+            labels = torch.randint(0, V, (2, 3), device=d, generator=g)
+            labels[0, 0] = -100
+            mask = torch.ones(2, 3, dtype=torch.bool, device=d)
+            mask[1, 1] = False
+            for tau, ent in ((1.0, True), (0.7, True), (1.0, False), (1.3, False)):
+                lp, e, lse = P.gather_logprobs(z, labels, mask, tau, -100, ent)
+                if not torch.isfinite(lp).all():
+                    problems.append(f"gather_logprobs {dtype} V={V} {name}: non-finite log-probs")
+                ge = torch.ones_like(lp) if ent else None
+                gz = P.gather_logprobs_backward(torch.ones_like(lp), ge, z, labels, mask, lse, e if ent else None,
+                                                tau, -100)
+                if not torch.isfinite(gz).all():
+                    problems.append(f"gather_logprobs_backward {dtype} V={V} {name}: non-finite gradient")
+    h = torch.randn(2, 5, 16, device=d, generator=g).to(dtype)
+    w = (torch.randn(4099, 16, device=d, generator=g) * 0.2).to(dtype)
+    y = torch.randint(0, 4099, (2, 5), device=d, generator=g)
+    m = torch.ones(2, 5, dtype=torch.bool, device=d)
+    lp, ent, lse = P.linear_logprobs(h, w, y, m, None, 1.0, -100, True, 3)
+    P.linear_logprobs_backward(torch.ones_like(lp), torch.ones_like(ent), h, w, y, m, None, lse, ent, 1.0, -100, 3,
+                               [True, True, False])
+    tw = ops.loss_token_weights(m)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    P.linear_ppo_loss(h, w, y, lp.to(acc), torch.randn(2, 5, device=d, generator=g).to(acc), m, tw, lp.to(acc), None,
+                      1.0, -100, 0.2, 0.2, None, 0.1, "k3", 0.01, True, 3, [True, True, False])
+    for T in (5, 1024, 2500):
+        r = torch.randn(4, T, device=d, generator=g).to(dtype)
+        v = torch.randn(4, T, device=d, generator=g).to(dtype)
+        mk = torch.rand(4, T, device=d, generator=g) < 0.8
+        mk[:, 0] = True
+        mk[1] = False
+        adv, ret = ops.gae(r, v, mk, gamma=0.99, lam=0.95, last_values=v[:, 0].contiguous())
+        if not (torch.isfinite(adv).all() and torch.isfinite(ret).all()):
+            problems.append(f"gae {dtype} T={T}: non-finite output")
+        mk[1, 0] = True
+        ops.kl_penalty(r, v, estimator="k3")
+        ops.shape_rewards(v[:, 0].contiguous(), r, v, mk, kl_coef=0.05)
+        ops.masked_whiten(r, mk)
+        ops.masked_mean(r, mk, dim=1)
+        ops.masked_var(r, mk)
+torch.cuda.synchronize()
+for p in problems:
+    print("gpu_check: FAIL:", p)
+print(f"gpu_check: sanitizer workload: {'pass' if not problems else 'FAIL'}")
+raise SystemExit(1 if problems else 0)
+PYEOF
+
+cat > "$WORK/kernel_table.py" <<'PYEOF'
+"""The kernel table: python kernel_table.py OUT_JSON [quick]. Times with CUDA events (median of
+several repetitions after a warm-up); bandwidth is bytes moved / time, the copy's bytes being a read
+and a write of the logits."""
+import json, statistics, sys
+
+import torch
+
+from pyppo import ops
+
+out_path = sys.argv[1]
+quick = len(sys.argv) > 2 and sys.argv[2] == "quick"
+P = torch.ops.pyppo
+d = torch.device("cuda")
+rows, problems = [], []
+
+
+def timed(fn, reps=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def row(name, seconds, nbytes=None, copy_bw=None, target=None):
+    r = {"case": name, "ms": round(seconds * 1e3, 4)}
+    if nbytes is not None:
+        r["GB/s"] = round(nbytes / seconds / 1e9, 1)
+    if copy_bw is not None:
+        r["of copy"] = round(nbytes / seconds / copy_bw, 3)
+    if target is not None:
+        r["target"] = target[0]
+        r["status"] = "pass" if target[1] else "MISS"
+    rows.append(r)
+    print("gpu_check: kernel", json.dumps(r))
+
+
+shape = (8, 1024, 151936) if not quick else (2, 256, 151936)
+for dtype in (torch.bfloat16, torch.float32):
+    N = shape[0] * shape[1]
+    z = torch.randn(*shape, device=d, dtype=dtype)
+    labels = torch.randint(0, shape[2], shape[:2], device=d)
+    nbytes = z.numel() * z.element_size()
+    t_copy = timed(lambda: z.clone())
+    copy_bw = 2 * nbytes / t_copy
+    tag = f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} {list(shape)}"
+    row(f"device-to-device copy {tag}", t_copy, 2 * nbytes, copy_bw)
+    t = timed(lambda: P.gather_logprobs(z, labels, None, 1.0, -100, False))
+    row(f"gather_logprobs fwd {tag}", t, nbytes, copy_bw, (">= 0.80 of copy", nbytes / t >= 0.8 * copy_bw))
+    t = timed(lambda: P.gather_logprobs(z, labels, None, 1.0, -100, True))
+    row(f"gather_logprobs fwd+entropy {tag}", t, nbytes, copy_bw, (">= 0.80 of copy", nbytes / t >= 0.8 * copy_bw))
+    lp, ent, lse = P.gather_logprobs(z, labels, None, 1.0, -100, True)
+    g1 = torch.ones_like(lp)
+    t = timed(lambda: P.gather_logprobs_backward(g1, g1, z, labels, None, lse, ent, 1.0, -100))
+    row(f"gather_logprobs bwd (entropy) {tag}", t, 2 * nbytes, copy_bw, (">= 0.60 of copy", 2 * nbytes / t >= 0.6 * copy_bw))
+    del z, lp, ent, lse, g1
+    torch.cuda.empty_cache()
+
+B, T = 256, 2048
+r = torch.randn(B, T, device=d)
+v = torch.randn(B, T, device=d)
+m = torch.rand(B, T, device=d) < 0.9
+t = timed(lambda: ops.gae(r, v, m, gamma=0.99, lam=0.95), reps=20)
+row(f"gae fp32 [{B}, {T}]", t, B * T * (4 * 4 + 1))
+
+M, H, V = (16384, 4096, 131072) if not quick else (2048, 4096, 131072)
+hid = (torch.randn(M, H, device=d) * 0.5).to(torch.bfloat16).requires_grad_()
+w = (torch.randn(V, H, device=d) * 0.02).to(torch.bfloat16).requires_grad_()
+y = torch.randint(0, V, (M,), device=d)
+
+
+def pyppo_linear():
+    lp, ent = ops.linear_logprobs(hid, w, y, return_entropy=True)
+    (lp.sum() + 0.01 * ent.sum()).backward()
+    hid.grad = w.grad = None
+
+
+ref_ms, ref_name = 104.0 * M / 16384, "Liger-Kernel FLCE, ~104 ms on an H100 (scaled to M)"
+try:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    def liger():
+        loss = liger_fused_linear_cross_entropy(hid, w, y)
+        loss.backward()
+        hid.grad = w.grad = None
+
+    ref_ms, ref_name = timed(liger, reps=3, warmup=1) * 1e3, "Liger-Kernel FLCE on this GPU"
+    row(f"liger fused linear CE bf16 M={M} H={H} V={V}", ref_ms / 1e3)
+except Exception as exc:  # noqa: BLE001 - Liger is optional here
+    print(f"gpu_check: kernel: Liger-Kernel not run ({type(exc).__name__}: {exc}); comparing with {ref_ms:.0f} ms")
+t = timed(pyppo_linear, reps=3, warmup=1)
+row(f"linear_logprobs fwd+bwd+entropy bf16 M={M} H={H} V={V}", t, None, None,
+    (f"<= {ref_ms:.1f} ms ({ref_name})", t * 1e3 <= ref_ms))
+
+device = torch.cuda.get_device_name()
+with open(out_path, "w") as f:
+    json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+missed = [r["case"] for r in rows if r.get("status") == "MISS"]
+print(f"gpu_check: kernel table on {device}: {len(rows)} rows, {len(missed)} target(s) missed")
+raise SystemExit(3 if missed else 0)
+PYEOF
+}
+
+# ---- 3. compute-sanitizer -------------------------------------------------------------------
+if wants sanitize && [ "$DEVICE" = cpu ]; then
+  record sanitize skipped 0 "needs CUDA"
+elif wants sanitize; then
+  write_kernel_helpers
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  s0=$(date +%s); parts=""
+  if [ ! -x "$SAN" ]; then
+    SAN_RC=5; parts="compute-sanitizer not found"
+  else
+    SAN_FILTER=()
+    "$SAN" --help 2>/dev/null | grep -q -- "--kernel-name" && SAN_FILTER=(--kernel-name kns=pyppo)
+    for tool in memcheck racecheck; do
+      lim=60; [ "$tool" = racecheck ] && lim=45
+      t=$(cap "$lim")
+      if [ "$t" -lt 20 ]; then SAN_RC=5; parts="$parts $tool: no time"; continue; fi
+      stamp "sanitizer: compute-sanitizer --tool $tool ${SAN_FILTER[*]} (timeout $t s)"
+      run_logged sanitize "$WORK/sanitize_$tool.log" "$t" "$SAN" --tool "$tool" --error-exitcode 9 \
+        "${SAN_FILTER[@]}" $PY "$WORK/sanitize_workload.py"
+      rc=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$WORK/sanitize_$tool.log" | tail -n 1
+      if [ "$rc" -eq 0 ]; then parts="$parts $tool pass"; else SAN_RC=5; parts="$parts $tool exit $rc"; fi
+    done
+  fi
+  if [ "$SAN_RC" -eq 0 ]; then record sanitize pass $(( $(date +%s) - s0 )) "${parts# }"
+  else record sanitize FAIL $(( $(date +%s) - s0 )) "${parts# }"; fi
+  stamp "sanitizer: ${STATUS[sanitize]}"
+fi
+
+# ---- 4. the kernel table --------------------------------------------------------------------
+if wants kernels && [ "$DEVICE" = cpu ]; then
+  record kernels skipped 0 "needs CUDA"
+elif wants kernels; then
+  write_kernel_helpers
+  t=$(cap 90); s0=$(date +%s)
+  if [ "$t" -lt 20 ]; then
+    KERNEL_RC=5; record kernels TIMEOUT 0 "under 20 s left of the $BUDGET s budget"
+  else
+    stamp "kernel table (timeout $t s)"
+    run_logged kernels "$WORK/kernels.log" "$t" $PY "$WORK/kernel_table.py" "${OUT:-$WORK}/kernels.json"
+    rc=$?
+    case $rc in
+      0) record kernels pass $(( $(date +%s) - s0 )) "every target met; ${OUT:-$WORK}/kernels.json" ;;
+      3) KERNEL_RC=3; record kernels FAIL $(( $(date +%s) - s0 )) "a target missed (3); ${OUT:-$WORK}/kernels.json" ;;
+      124) KERNEL_RC=5; record kernels TIMEOUT $(( $(date +%s) - s0 )) "limit $t s" ;;
+      *) KERNEL_RC=5; record kernels FAIL $(( $(date +%s) - s0 )) "exit status $rc (log above)" ;;
+    esac
+  fi
+  stamp "kernel table: ${STATUS[kernels]}"
+fi
+
+# ---- 5. benchmark ---------------------------------------------------------------------------
 if wants bench && [ "$DEVICE" = cpu ]; then
   record bench skipped 0 "needs CUDA"
 elif wants bench; then
@@ -205,7 +475,7 @@ elif wants bench; then
   esac
 fi
 
-# ---- 4-6. training on the device: helper files ----------------------------------------------
+# ---- 6-8. training on the device: helper files ----------------------------------------------
 # Parameterised by the device (GPU_CHECK_DEVICE), so tests/test_gpu_check_script.py runs the very
 # same code on CPU.
 write_helpers() {
@@ -423,17 +693,6 @@ sys.exit(1 if problems else 0)
 PYEOF
 }
 
-# run_logged STEP LOG LIMIT CMD...: CMD under timeout, its output in LOG; prints the gpu_check
-# lines, or the log's tail on failure. Returns CMD's status (124 = timed out).
-run_logged() {
-  local step=$1 log=$2 limit=$3; shift 3
-  local rc
-  timeout -k 10 "$limit" "$@" > "$log" 2>&1
-  rc=$?
-  if [ "$rc" -ne 0 ]; then tail -n 60 "$log"; else grep '^gpu_check' "$log"; fi
-  [ "$rc" -eq 124 ] && echo "gpu_check: $step: timed out after $limit s"
-  return "$rc"
-}
 
 TRAIN_FLAGS=(--model "$WORK/model" --reward "$WORK/reward.py:reward" --prompts "$WORK/prompts.jsonl"
              --device "$DEVICE" --dtype bfloat16 --batch-size 8 --mini-batch-size 4 --ppo-epochs 1
@@ -477,12 +736,12 @@ if wants train || wants lora || wants fsdp; then
   fi
 fi
 
-# ---- 4. bf16 training run -------------------------------------------------------------------
+# ---- 6. bf16 training run -------------------------------------------------------------------
 wants train && train_step train "bf16" 120
-# ---- 5. bf16 LoRA training run --------------------------------------------------------------
+# ---- 7. bf16 LoRA training run --------------------------------------------------------------
 wants lora && train_step lora "bf16 LoRA r8" 120 --lora-rank 8
 
-# ---- 6. FSDP2 smoke test --------------------------------------------------------------------
+# ---- 8. FSDP2 smoke test --------------------------------------------------------------------
 if wants fsdp; then
   if [ -n "${GPU_CHECK_NPROC:-}" ]; then NPROC=$GPU_CHECK_NPROC
   elif [ "$DEVICE" = cuda ] && [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then NPROC=2
@@ -520,8 +779,10 @@ if wants fsdp; then
   stamp "FSDP smoke: ${STATUS[fsdp]}"
 fi
 
-stamp "done: tests $TEST_RC, benchmark $BENCH_RC, training/FSDP $([ "$NEW_FAIL" -eq 0 ] && echo pass || echo FAIL)"
+stamp "done: tests $TEST_RC, sanitizer $SAN_RC, kernel table $KERNEL_RC, benchmark $BENCH_RC, training/FSDP $([ "$NEW_FAIL" -eq 0 ] && echo pass || echo FAIL)"
 if [ "$TEST_RC" -ne 0 ]; then finish "$TEST_RC"; fi
+if [ "$SAN_RC" -ne 0 ]; then finish "$SAN_RC"; fi
 if [ "$BENCH_RC" -ne 0 ]; then finish "$BENCH_RC"; fi
+if [ "$KERNEL_RC" -ne 0 ]; then finish "$KERNEL_RC"; fi
 if [ "$NEW_FAIL" -ne 0 ]; then finish 4; fi
 finish 0

@@ -2,6 +2,7 @@
 // flattening of args/gather_logprobs.h, the allocation of the outputs, and a call to
 // Kernels::fwd / Kernels::bwd, which cpu/gather_logprobs_glue.cpp and cuda/gather_logprobs_glue.cpp
 // define. One body serves both, so the devices cannot drift apart in what they accept or return.
+// The logits are read in place through a RowLayout (no [N, V] copy of a view sliced along T).
 #pragma once
 
 #include "args/gather_logprobs.h"
@@ -16,6 +17,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_logprobs_glue(const at::Te
   GatherInputs p = prepare_gather(logits, labels, mask, temperature, ignore_index);
   LogprobsOutputs out = alloc_logprobs_outputs(labels, out_options(logits), return_entropy);
   if (p.N > 0) Kernels::fwd(p, ignore_index, temperature, out, return_entropy);
+  p.label_check.finish();  // a device's verdict on the labels, once the kernel is queued
   return out.tuple();
 }
 
@@ -30,6 +32,7 @@ at::Tensor gather_logprobs_backward_glue(const at::Tensor& grad_logprobs, const 
   // A fresh contiguous gradient whatever the logits' strides.
   at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
   if (b.fwd.N > 0) Kernels::bwd(b, ignore_index, temperature, grad);
+  b.fwd.label_check.finish();
   return grad;
 }
 

@@ -87,11 +87,11 @@ inline at::Tensor logits_grad(const at::Tensor& logits, const LinearInputs& f, i
   const at::Tensor ge = has_ent ? g_ent.to(acc).contiguous() : at::Tensor();
   const at::Tensor e = has_ent ? ent.to(acc).contiguous() : at::Tensor();
   GatherInputs rows;
-  rows.logits = logits;
   rows.labels = f.labels.slice(0, a, b);
   if (f.mask.defined()) rows.mask = f.mask.slice(0, a, b);
   rows.N = b - a;
   rows.V = f.V;
+  set_logits_rows(rows, logits);  // a contiguous [C, V] chunk: read in place
   cpu::GatherBwdArgs ga;
   ga.dtype = logits.scalar_type();
   fill_gather_rows(ga, rows, ignore_index, temperature);

@@ -23,6 +23,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_impl(
   at::Tensor logprobs = out.logprobs.view({f.N}), lse = out.lse.view({f.N});
   at::Tensor entropy = return_entropy ? out.entropy.view({f.N}) : out.entropy;
   at::Tensor buf = chunk_buffer(f, C, hidden);
+  const LabelsCheckedScope checked;
   for (int64_t a = 0; a < f.N; a += C) {
     const int64_t b = std::min(f.N, a + C);
     at::Tensor logits = chunk_logits(buf, f.hidden.slice(0, a, b), weight, bias);
@@ -31,6 +32,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_impl(
     lse.slice(0, a, b).copy_(l);
     if (return_entropy) entropy.slice(0, a, b).copy_(ent);
   }
+  f.label_check.finish();
   return out.tuple();
 }
 
@@ -50,6 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
   const at::Tensor ent = has_ent ? flat_acc(*entropy, acc, f.N) : at::Tensor();
   LinearGrads grads(f, hidden, weight, has(bias), output_mask);
   at::Tensor buf = chunk_buffer(f, C, hidden);
+  const LabelsCheckedScope checked;
   for (int64_t a = 0; a < f.N; a += C) {
     const int64_t b = std::min(f.N, a + C);
     const at::Tensor h = f.hidden.slice(0, a, b);
@@ -58,6 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_logprobs_backward_impl(
                     has_ent ? ent.slice(0, a, b) : ent, temperature, ignore_index);
     grads.add_chunk(g, h, weight, a, b);
   }
+  f.label_check.finish();
   return grads.finish(hidden, weight);
 }
 

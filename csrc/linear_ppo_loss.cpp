@@ -125,6 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   LinearGrads grads(f, hidden, weight, has(bias), output_mask);
   at::Tensor loss = at::zeros({}, hidden.options().dtype(at::kDouble));
   at::Tensor buf = chunk_buffer(f, C, hidden);
+  const LabelsCheckedScope checked;
   for (int64_t a = 0; a < f.N; a += C) {
     const int64_t b = std::min(f.N, a + C);
     const at::Tensor h = f.hidden.slice(0, a, b);
@@ -147,6 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     at::Tensor g = logits_grad(logits, f, a, b, terms.g_lp, terms.g_ent, lse, saved_ent, temperature, ignore_index);
     grads.add_chunk(g, h, weight, a, b);
   }
+  f.label_check.finish();
   auto [gh, gw, gb] = grads.finish(hidden, weight);
   return {loss.to(dt), out.logprobs, out.entropy, gh, gw, gb};
 }

@@ -8,7 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyppo.ops import gae
-from reference import FLOAT_DTYPES, F64, assert_same_error, gen, out_dtype, random_mask, ref_gae, ref_gae_compact, tol
+from reference import (
+    FLOAT_DTYPES,
+    F64,
+    assert_same_error,
+    bits_equal,
+    gen,
+    out_dtype,
+    random_mask,
+    ref_gae,
+    ref_gae_compact,
+    tol,
+)
 
 OP = torch.ops.pyppo.gae.default
 
@@ -230,7 +241,7 @@ def test_error_mask_not_zero_one():
 @pytest.mark.parametrize("T", [1, 64, 1023, 1024, 2500], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("bootstrap", [False, True])
 def test_device_values_match_reference(device, dtype, T, bootstrap):
-    # T = 1024 and above take CUDA's block-per-row scan, below its thread-per-row loop.
+    # One tile of CUDA's warp scan and several (512 positions a tile).
     g = gen(71 + T)
     B = 5
     rewards = torch.randn(B, T, generator=g, dtype=F64).to(dtype)
@@ -251,6 +262,35 @@ def test_device_values_match_reference(device, dtype, T, bootstrap):
     torch.testing.assert_close(adv.cpu().to(F64), adv_r, **t)
     torch.testing.assert_close(ret.cpu().to(F64), ret_r, **t)
     assert (adv.cpu()[~mask] == 0).all() and (ret.cpu()[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+@pytest.mark.parametrize("bootstrap", [False, True])
+def test_device_bits_do_not_change_with_right_padding(device, dtype, bootstrap):
+    # A row's advantages are the same bits whether the batch is padded to 1000 positions or to
+    # 1023, 1024, 1300 or 2048 (other rows being longer), on every device.
+    g = gen(81)
+    B, T0 = 6, 1000
+    rewards = torch.randn(B, T0, generator=g, dtype=F64).to(dtype)
+    values = torch.randn(B, T0, generator=g, dtype=F64).to(dtype)
+    lengths = torch.randint(1, T0 + 1, (B,), generator=g)
+    lengths[0] = T0
+    mask = (torch.arange(T0) < lengths[:, None]) & (torch.rand(B, T0, generator=g) < 0.85)
+    mask[:, 0] = True
+    last = torch.randn(B, generator=g, dtype=F64).to(dtype).to(device) if bootstrap else None
+
+    def run(T):
+        pad = T - T0
+        r = torch.nn.functional.pad(rewards, (0, pad), value=7.0)  # junk at masked positions
+        v = torch.nn.functional.pad(values, (0, pad), value=-3.0)
+        m = torch.nn.functional.pad(mask, (0, pad), value=False)
+        return gae(r.to(device), v.to(device), m.to(device), gamma=0.99, lam=0.95, last_values=last)
+
+    adv, ret = run(T0)
+    for T in (1023, 1024, 1300, 2048):
+        a, r = run(T)
+        assert bits_equal(a[:, :T0], adv) and bits_equal(r[:, :T0], ret), T
+        assert (a[:, T0:] == 0).all() and (r[:, T0:] == 0).all()
 
 
 @pytest.mark.parametrize("T", [5, 1500])

@@ -698,6 +698,84 @@ def test_device_non_contiguous_logits(device, dtype):
         torch.testing.assert_close(got.cpu().to(F64), expect, **device_tol(dtype))
 
 
+def _t_sliced(B, P, T, V, dtype, seed):
+    """logits[:, P-1:-1] of a [B, P+T, V] tensor, as the full-logits path slices the response
+    positions out of a model's output: rows T apart in B, not collapsible into [N, V]."""
+    full = (torch.randn(B, P + T, V, generator=gen(seed), dtype=F64) * 3).to(dtype)
+    return full[:, P - 1 : -1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_device_t_sliced_view_gives_the_bits_of_its_contiguous_copy(device, dtype):
+    view = _t_sliced(3, 5, 7, 1031, dtype, seed=7).to(device)
+    assert not view.is_contiguous()
+    labels = torch.randint(0, 1031, (3, 7), generator=gen(8)).to(device)
+    mask = random_mask(3, 7, gen(9)).to(device)
+    up = torch.randn(3, 7, generator=gen(10)).to(device)
+    outs = []
+    for x in (view, view.contiguous()):
+        x = x.detach().clone() if x is not view else x.detach()
+        x.requires_grad_()
+        lp, ent = gather_logprobs(x, labels, mask, temperature=0.8, return_entropy=True)
+        ((lp + 0.3 * ent) * up).sum().backward()
+        outs.append((lp, ent, x.grad))
+    for a, b in zip(*outs):
+        assert bits_equal(a, b)
+
+
+def test_cpu_t_sliced_view_is_read_in_place():
+    # No [N, V] copy of the view in the forward or the backward: the only allocation of that
+    # size is the backward's fresh gradient.
+    view = _t_sliced(2, 4, 64, 4096, torch.float32, seed=11).detach().requires_grad_()
+    labels = torch.randint(0, 4096, (2, 64), generator=gen(12))
+    nbytes = 2 * 64 * 4096 * 4
+
+    def big_allocations(fn):
+        """Sizes of the allocations of at least half an [N, V] tensor that fn makes."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        return [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage >= nbytes // 2]
+
+    lp, _, lse = OP(view.detach(), labels, None, 1.0, -100, True)
+    assert big_allocations(lambda: OP(view.detach(), labels, None, 1.0, -100, True)) == []
+    # The probe sees a copy where there is one.
+    assert big_allocations(lambda: OP(view.detach().contiguous(), labels, None, 1.0, -100, True)) == [nbytes]
+    # The backward allocates its fresh gradient, and nothing else of that size.
+    bwd = lambda: OP_BWD(torch.ones_like(lp), None, view.detach(), labels, None, lse, None, 1.0, -100)  # noqa: E731
+    assert big_allocations(bwd) == [nbytes]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_device_logprobs_never_positive_and_zero_where_certain(device, dtype, temperature):
+    # One-hot rows (every other logit far below the label's, an arbitrary value), V = 1, and
+    # sharp random rows whose label is the max: log p <= 0 always, exactly 0 where p is 1.
+    g = gen(int(temperature * 10) + FLOAT_DTYPES.index(dtype))
+    for V in (1, 7, 4099):
+        R = 256
+        labels = torch.randint(0, V, (R,), generator=g)
+        top = torch.randn(R, generator=g, dtype=F64) * 20
+        z = top[:, None] - 200 * temperature - torch.rand(R, V, generator=g, dtype=F64) * 50
+        z[torch.arange(R), labels] = top
+        lp = gather_logprobs(z.to(dtype).to(device), labels.to(device), temperature=temperature)
+        assert (lp == 0).all(), lp[lp != 0][:5]
+        sharp = (torch.randn(R, V, generator=g, dtype=F64) * 40).to(dtype)
+        lp = gather_logprobs(sharp.to(device), sharp.float().argmax(-1).to(device), temperature=temperature)
+        assert torch.isfinite(lp).all() and (lp <= 0).all(), lp.max()
+
+
+def test_device_huge_finite_logits_stay_finite(device):
+    # |z / temperature| between FLT_MAX / log2(e) and FLT_MAX: finite on every device.
+    g = gen(13)
+    sign = torch.randint(0, 2, (6, 300), generator=g) * 2 - 1
+    z = (sign * (2.4e38 + torch.rand(6, 300, generator=g) * 0.9e38)).float()
+    labels = z.argmax(-1)
+    lp, ent = gather_logprobs(z.to(device), labels.to(device), return_entropy=True)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and (lp <= 0).all()
+    lse = OP(z.to(device), labels.to(device), None, 1.0, -100, False)[2]
+    assert torch.equal(lse.cpu(), z.amax(-1))
+
+
 def test_device_int_mask_and_int32_labels(device):
     logits, labels, mask = holes_inputs(2, 6, 300, torch.float32, seed=6)
     x = logits.to(device)
@@ -792,6 +870,9 @@ def test_data_errors_are_the_same_on_every_device(device):
     mask[1, 2] = True
     assert_same_error(device, lambda z, y, m: gather_logprobs(z, y, m), logits, bad, mask)
     assert_same_error(device, lambda z, y, m: gather_logprobs(z, y, m), logits, labels, mask.float() * 0.5)
+    # The raw backward checks its labels too.
+    ones = torch.ones(2, 3)
+    assert_same_error(device, lambda g, z, y, m: OP_BWD(g, None, z, y, m, g, None, 1.0, -100), ones, logits, bad, mask)
 
 
 def test_device_mismatch_names_the_devices(device):

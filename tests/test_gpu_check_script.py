@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEP_LABELS = ["build", "cuda tests", "bench", "bf16 train", "bf16 LoRA train", "FSDP smoke"]
+STEP_LABELS = ["build", "cuda tests", "sanitizer", "kernel table", "bench", "bf16 train", "bf16 LoRA train",
+               "FSDP smoke"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils timeout")
@@ -61,10 +62,25 @@ def test_script_defaults_build_for_sm90_only():
     assert 'TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}' in text
 
 
+def test_defaults_are_the_gpu_checks_within_eight_minutes():
+    # Every step's timeout is capped by what is left of the budget (test_out_of_budget_...).
+    text = SCRIPT.read_text()
+    assert "STEPS=${GPU_CHECK_STEPS:-build,tests,sanitize,kernels}" in text
+    budget = int(re.search(r"BUDGET=\$\{GPU_CHECK_BUDGET:-(\d+)\}", text).group(1))
+    assert budget < 8 * 60
+
+
+def test_a_cpu_run_of_the_gpu_steps_reports_them_skipped(tmp_path):
+    res = run_script(tmp_path, timeout=300, GPU_CHECK_STEPS="tests,sanitize,kernels")
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    rows = summary(res.stdout)
+    assert all(rows[label] == ("skipped", 0, "needs CUDA") for label in ("cuda tests", "sanitizer", "kernel table"))
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
-    return tmp, run_script(tmp, GPU_CHECK_STEPS="build,tests,bench,train,lora,fsdp")
+    return tmp, run_script(tmp, GPU_CHECK_STEPS="build,tests,sanitize,kernels,bench,train,lora,fsdp")
 
 
 def test_cpu_run_passes_every_training_step(cpu_run):
@@ -74,7 +90,7 @@ def test_cpu_run_passes_every_training_step(cpu_run):
     for label in ("bf16 train", "bf16 LoRA train", "FSDP smoke"):
         assert rows[label][0] == "pass", rows
         assert rows[label][1] > 0
-    for label in ("cuda tests", "bench"):
+    for label in ("cuda tests", "sanitizer", "kernel table", "bench"):
         assert rows[label][0] == "skipped" and rows[label][2] == "needs CUDA", rows
     assert rows["build"][0] == "skipped" and "GPU_CHECK_SKIP_BUILD" in rows["build"][2]
     assert "1-rank shard check pass" in rows["FSDP smoke"][2]
@@ -100,7 +116,7 @@ def test_cpu_run_trained_with_the_requested_settings(cpu_run):
         assert re.search(rf"^lora_rank = {0 if step == 'train' else 8}$", config, re.M)
         assert re.search(rf"^fsdp = {'true' if step == 'fsdp' else 'false'}$", config, re.M)
     summary_tsv = (out / "gpu_check_summary.tsv").read_text().splitlines()
-    assert [line.split("\t")[:2] for line in summary_tsv][3:] == [["train", "pass"], ["lora", "pass"], ["fsdp", "pass"]]
+    assert [line.split("\t")[:2] for line in summary_tsv][5:] == [["train", "pass"], ["lora", "pass"], ["fsdp", "pass"]]
 
 
 def test_a_failing_training_run_exits_4(tmp_path):

@@ -193,6 +193,23 @@ def test_errors_are_the_same_on_every_path(path, case):
     assert_same_error(path, fn, *args)
 
 
+def test_label_errors_are_the_same_on_every_device(device):
+    # Checked once over all tokens (the index is the label's in the whole input, whichever chunk
+    # holds it), forward and backward, however many chunks there are.
+    hidden, weight, labels, mask, _ = _inputs(seed=11)
+    bad = labels.clone()
+    bad[2, 5] = 301
+    mask[2, 5] = True
+    for chunk in (0, 1, 4):
+        assert_same_error(device, lambda h, w, y, m: OP(h, w, y, m, None, 1.0, -100, True, chunk), hidden, weight, bad,
+                          mask)
+    lp, ent, lse = OP(hidden, weight, labels, mask, None, 1.0, -100, True, 4)
+    bwd = torch.ops.pyppo.linear_logprobs_backward.default
+    assert_same_error(device, lambda g, h, w, y, m, l: bwd(g, None, h, w, y, m, None, l, None, 1.0, -100, 4,
+                                                           [True, True, False]),
+                      torch.ones_like(lp), hidden, weight, bad, mask, lse)
+
+
 def test_device_opcheck(device):
     hidden, weight, labels, mask, bias = (t.to(device) for t in _inputs(seed=10, shape=(2, 5), H=8, V=33))
     torch.library.opcheck(OP, (hidden.requires_grad_(), weight.requires_grad_(), labels, mask, None, 1.0, -100, False, 0))

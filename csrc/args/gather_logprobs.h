@@ -5,16 +5,39 @@
 
 #include "args/common.h"
 
+#include "row_layout.h"
+
 #include <cmath>
+#include <memory>
 #include <optional>
+#include <utility>
 
 namespace pyppo {
 
+// A label-range check that a device queued instead of finishing on the spot (see
+// check_label_range): finish() waits for its verdict and raises the CPU's error.
+struct PendingLabelCheck {
+  virtual ~PendingLabelCheck() = default;
+  virtual void finish() = 0;
+};
+
+// check_label_range's outcome. On CPU the check is over when it returns (finish() does
+// nothing); on CUDA it runs on the device and the op calls finish() once its kernels are
+// queued, so the host waits for the verdict once per call, never per chunk.
+struct LabelCheck {
+  std::shared_ptr<PendingLabelCheck> pending;
+  void finish() const {
+    if (pending) pending->finish();
+  }
+};
+
 struct GatherInputs {
-  at::Tensor logits;  // [N, V], unit stride along V (undefined for linear_logprobs)
+  at::Tensor logits;  // [*, V] with unit stride along V, read where `rows` says (undefined for linear_logprobs)
+  RowLayout rows;
   at::Tensor labels;  // [N] int64, contiguous
   at::Tensor mask;    // [N] bool, contiguous, or undefined
   int64_t N = 0, V = 0;
+  LabelCheck label_check;
 };
 
 inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -46,31 +69,105 @@ inline void flatten_labels(const char* op, const at::Tensor& labels, const std::
   if (has(mask)) g.mask = as_bool_mask(op, mask_name, *mask).reshape({g.N});
 }
 
-// An unmasked label outside [0, V) is an error (the kernels index logits[label]). Its index in
-// the error is its position in the flattened labels. On CPU a serial scan of N integers (nothing
-// next to N * V); elsewhere ATen ops and one host sync to read the verdict back.
-inline void check_label_range(const char* op, const GatherInputs& g, int64_t ignore_index) {
-  if (g.N == 0) return;
-  auto fail = [&](int64_t i, int64_t v) {
-    TORCH_CHECK_VALUE(false, "pyppo.", op, ": labels[", i, "] = ", v, " is outside [0, V=", g.V,
-                      ") at an unmasked position (ignore_index is ", ignore_index, ")");
-  };
+[[noreturn]] inline void fail_label_range(const char* op, int64_t i, int64_t v, int64_t V, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(false, "pyppo.", op, ": labels[", i, "] = ", v, " is outside [0, V=", V,
+                    ") at an unmasked position (ignore_index is ", ignore_index, ")");
+  __builtin_unreachable();
+}
+
+// How a device other than the CPU checks the label range without reading the labels back
+// first: set by the CUDA glue when the library loads (cuda/gather_logprobs_glue.cpp). It queues
+// the check on the device and returns the pending verdict, or nullptr when nothing can be
+// read back (a CUDA graph being captured: there the kernels give a bad label's row NaN).
+using DeviceLabelCheckFn = std::shared_ptr<PendingLabelCheck> (*)(const char* op, const GatherInputs& g,
+                                                                   int64_t ignore_index);
+inline DeviceLabelCheckFn& device_label_check() {
+  static DeviceLabelCheckFn fn = nullptr;
+  return fn;
+}
+
+// While one is alive on this thread, prepare_gather skips the label check: linear_logprobs and
+// linear_ppo_loss check every label once per call, then run gather_logprobs chunk by chunk.
+class LabelsCheckedScope {
+ public:
+  LabelsCheckedScope() : prev_(active()) { active() = true; }
+  ~LabelsCheckedScope() { active() = prev_; }
+  LabelsCheckedScope(const LabelsCheckedScope&) = delete;
+  LabelsCheckedScope& operator=(const LabelsCheckedScope&) = delete;
+  static bool& active() {
+    thread_local bool on = false;
+    return on;
+  }
+
+ private:
+  bool prev_;
+};
+
+// An unmasked label outside [0, V) is an error (the CPU kernels index logits[label]). Its index
+// in the error is its position in the flattened labels. On CPU a serial scan of N integers
+// (nothing next to N * V), done when this returns. On CUDA a few small device ops whose verdict
+// the op reads back after queuing its kernels (LabelCheck::finish). Elsewhere ATen ops and a
+// host sync.
+inline LabelCheck check_label_range(const char* op, const GatherInputs& g, int64_t ignore_index) {
+  if (g.N == 0) return {};
   if (g.labels.device().is_cpu()) {
     const int64_t* lab = g.labels.const_data_ptr<int64_t>();
     const bool* msk = g.mask.defined() ? g.mask.const_data_ptr<bool>() : nullptr;
     for (int64_t i = 0; i < g.N; ++i) {
       if ((msk && !msk[i]) || lab[i] == ignore_index) continue;
-      if (lab[i] < 0 || lab[i] >= g.V) fail(i, lab[i]);
+      if (lab[i] < 0 || lab[i] >= g.V) fail_label_range(op, i, lab[i], g.V, ignore_index);
     }
-    return;
+    return {};
   }
+  if (g.labels.device().is_cuda() && device_label_check() != nullptr) return {device_label_check()(op, g, ignore_index)};
   at::Tensor active = g.labels.ne(ignore_index);
   if (g.mask.defined()) active = active.logical_and(g.mask);
   at::Tensor bad = g.labels.lt(0).logical_or(g.labels.ge(g.V)).logical_and(active);
   if (bad.any().item<bool>()) {
     const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();
-    fail(i, g.labels[i].item<int64_t>());
+    fail_label_range(op, i, g.labels[i].item<int64_t>(), g.V, ignore_index);
   }
+  return {};
+}
+
+// logits [*, V] as the kernels read it, in place whenever its V dimension has unit stride and
+// its leading dims collapse into two (row_layout.h); otherwise (a strided V, or leading dims
+// sliced in three or more places) one contiguous copy.
+inline void set_logits_rows(GatherInputs& g, const at::Tensor& logits) {
+  at::Tensor x = logits;
+  if (g.V > 1 && x.stride(-1) != 1) x = x.contiguous();
+  // The leading dims, outermost first, size-1 dims dropped and nested neighbours merged.
+  std::pair<int64_t, int64_t> dims[2];
+  int n = 0;
+  bool fits = true;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+    const int64_t size = x.size(d), stride = x.stride(d);
+    if (size == 1) continue;
+    if (n > 0 && dims[n - 1].second == size * stride) {
+      dims[n - 1] = {dims[n - 1].first * size, stride};
+    } else if (n < 2) {
+      dims[n++] = {size, stride};
+    } else {
+      fits = false;
+      break;
+    }
+  }
+  if (!fits) {
+    x = x.contiguous();
+    n = 1;
+    dims[0] = {g.N, g.V};
+  }
+  g.logits = x;
+  g.rows = RowLayout{};
+  if (n == 1) {
+    g.rows.rows_inner = dims[0].first;
+    g.rows.row_stride = dims[0].second;
+  } else if (n == 2) {
+    g.rows.rows_inner = dims[1].first;
+    g.rows.row_stride = dims[1].second;
+    g.rows.outer_stride = dims[0].second;
+  }
+  if (g.rows.rows_inner <= 0) g.rows.rows_inner = 1;  // N = 0: no row is ever read
 }
 
 // Everything gather_logprobs checks without reading data (the Meta kernel's checks).
@@ -87,7 +184,8 @@ inline void check_gather_logprobs(const at::Tensor& logits, const at::Tensor& la
   check_labels(op, labels, mask, logits, "logits");
 }
 
-// check_gather_logprobs, then the label range, with logits flattened to [N, V].
+// check_gather_logprobs, then the label range (unless a LabelsCheckedScope is active), with the
+// logits' rows laid out for the kernels.
 inline GatherInputs prepare_gather(const at::Tensor& logits, const at::Tensor& labels,
                                    const std::optional<at::Tensor>& mask, double temperature, int64_t ignore_index) {
   const char* op = "gather_logprobs";
@@ -95,9 +193,8 @@ inline GatherInputs prepare_gather(const at::Tensor& logits, const at::Tensor& l
   GatherInputs g;
   g.V = logits.size(-1);
   flatten_labels(op, labels, mask, g);
-  g.logits = logits.reshape({g.N, g.V});
-  if (g.V > 1 && g.logits.stride(1) != 1) g.logits = g.logits.contiguous();
-  check_label_range(op, g, ignore_index);
+  set_logits_rows(g, logits);
+  if (!LabelsCheckedScope::active()) g.label_check = check_label_range(op, g, ignore_index);
   return g;
 }
 
@@ -170,7 +267,7 @@ inline GatherBackwardInputs prepare_gather_backward(const at::Tensor& grad_logpr
 template <typename Args>
 void fill_gather_rows(Args& a, const GatherInputs& p, int64_t ignore_index, double temperature) {
   a.logits = p.logits.const_data_ptr();
-  a.row_stride = p.logits.stride(0);
+  a.rows = p.rows;
   a.N = p.N;
   a.V = p.V;
   a.labels = p.labels.const_data_ptr<int64_t>();

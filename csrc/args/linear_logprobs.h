@@ -13,6 +13,9 @@ struct LinearInputs {
   at::Tensor labels;  // [N] int64, contiguous
   at::Tensor mask;    // [N] bool, contiguous, or undefined
   int64_t N = 0, H = 0, V = 0;
+  // The range check of every label, once per call: call label_check.finish() after the chunk
+  // loop, which runs under a LabelsCheckedScope (no check per chunk).
+  LabelCheck label_check;
 };
 
 // hidden [*, H], weight [V, H], bias [V], labels/mask [*], temperature, chunk_size: everything
@@ -66,15 +69,16 @@ inline void check_linear_logprobs_backward(const at::Tensor& grad_logprobs,
 }
 
 // The flattening after the checks, and the label range, checked once over all tokens so that an
-// error gives the label's index in the whole input rather than in whichever chunk held it.
+// error gives the label's index in the whole input rather than in whichever chunk held it (on
+// CUDA the verdict comes back in label_check.finish()).
 inline LinearInputs flatten_linear(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                                    const at::Tensor& labels, const std::optional<at::Tensor>& mask,
                                    int64_t ignore_index, const char* mask_name = "mask") {
   GatherInputs g;
   g.V = weight.size(0);
   flatten_labels(op, labels, mask, g, mask_name);
-  check_label_range(op, g, ignore_index);
   LinearInputs f;
+  f.label_check = check_label_range(op, g, ignore_index);
   f.H = hidden.size(-1);
   f.V = g.V;
   f.N = g.N;

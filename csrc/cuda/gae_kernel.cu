@@ -3,157 +3,161 @@
 // where "next" is the next *valid* position (a masked position is skipped without breaking
 // the chain), V_next after the last valid position is last_values[b] (or 0), A_next there is 0.
 //
-// Two kernels, chosen by T alone (so a row's bits never depend on the batch size):
-//  * T < kGaeBlockScanMinT: one thread per row, the CPU kernel's loop verbatim.
-//  * T >= kGaeBlockScanMinT: one block per row. The row is cut into kThreads contiguous
-//    segments, one per thread, and the recurrence, an affine map A -> delta + c * A per
-//    position (c = gamma * lam at a valid position; the identity, delta = 0 and c = 1, at a
-//    masked one), is solved in three passes:
-//      1. each thread finds the value at its segment's first valid position; thread 0 walks
-//         the segments right to left to give each one V_next at its right edge;
-//      2. each thread composes its segment's maps into one (C, D): A_left = D + C * A_right;
-//         thread 0 walks the segments right to left applying them to get A at each edge;
-//      3. each thread reruns its segment from its right edge's (V_next, A) writing outputs.
-//    Every order is fixed, so the result is deterministic.
+// One warp per row, one algorithm for every T. The row is walked right to left in tiles of
+// kGaeTile positions that start at multiples of kGaeTile (cuda/params.h); lane l of the warp
+// owns the kGaeSegment consecutive positions [l * kGaeSegment, (l + 1) * kGaeSegment) of a
+// tile. Per tile, from the carry (V_next, A_next) at the tile's right edge:
+//   1. each lane finds the value at its segment's first valid position; a suffix scan over
+//      the lanes (a selection, exact) gives each lane V_next at its segment's right edge;
+//   2. each lane composes its segment's affine maps A -> delta + c * A into one (C, D)
+//      (A_left = D + C * A_right; the identity where nothing is valid), and a suffix scan of
+//      the compositions over the lanes (a fixed shuffle tree) gives each lane A at its
+//      segment's right edge;
+//   3. each lane reruns the recurrence over its segment from that edge, writing the outputs;
+//      lane 0's final state is the carry into the next tile to the left.
+// A tile with no valid position is skipped (zeros written, carry untouched), so the extra
+// masked tiles of a longer padded batch compose as the exact identity and a row's bits do not
+// depend on T, and the split inside a tile is fixed by absolute positions alone: deterministic
+// and batch-invariant. Every product and sum is an explicit IEEE operation (no fma
+// contraction), so tests/cuda_emulation.py replays the kernel bit for bit in numpy float32.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/launch.h"
 #include "cuda/params.h"
 
 namespace pyppo {
 namespace cuda {
 namespace {
 
-constexpr int kRowThreads = 128;  // threads per block of the one-thread-per-row kernel
-constexpr int kThreads = 256;     // threads per block (= segments per row) of the block kernel
+constexpr int kWarpsPerBlock = 4;  // rows per block
+constexpr unsigned kFull = 0xffffffffu;
 
-// The recurrence over positions [t_begin, t_end) of one row (pointers at the row's start), right
-// to left from (next_value, next_adv) at the segment's right edge; both kernels run it.
+// The TD error at a valid position, in the CPU kernel's order: (r + g * v_next) - v.
 template <typename T>
-__device__ __forceinline__ void scan_segment(const T* rp, const T* vp, const bool* mp, T* ap, T* op, int64_t t_begin,
-                                             int64_t t_end, T g, T gl, T next_value, T next_adv) {
-  for (int64_t t = t_end - 1; t >= t_begin; --t) {
-    if (!mp[t]) {
-      ap[t] = T(0);
-      op[t] = T(0);
-      continue;
-    }
-    const T v = vp[t];
-    const T delta = rp[t] + g * next_value - v;
-    next_adv = delta + gl * next_adv;
-    next_value = v;
-    ap[t] = next_adv;
-    op[t] = next_adv + v;
-  }
+__device__ __forceinline__ T td_error(T r, T v, T v_next, T g) {
+  return sub_rn(add_rn(r, mul_rn(g, v_next)), v);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kRowThreads) gae_rows_kernel(const GAEParams p) {
-  const T* rp = static_cast<const T*>(p.rewards);
-  const T* vp = static_cast<const T*>(p.values);
-  const T* bp = static_cast<const T*>(p.last_values);
-  T* ap = static_cast<T*>(p.advantages);
-  T* op = static_cast<T*>(p.returns);
-  const T g = static_cast<T>(p.gamma);
-  const T gl = static_cast<T>(p.gamma * p.lam);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < p.B; b += stride) {
-    const int64_t row = b * p.T;
-    scan_segment(rp + row, vp + row, p.mask + row, ap + row, op + row, 0, p.T, g, gl, bp ? bp[b] : T(0), T(0));
-  }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads) gae_block_kernel(const GAEParams p) {
-  __shared__ T sh_a[kThreads];   // pass 1: first valid value of the segment; then V_next at its right edge
-  __shared__ T sh_b[kThreads];   // pass 2: C of the segment; then A at its right edge
-  __shared__ T sh_c[kThreads];   // pass 2: D of the segment
-  __shared__ bool sh_has[kThreads];
-
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) gae_warp_kernel(const GAEParams p) {
+  constexpr int S = kGaeSegment;
   const T* bp = static_cast<const T*>(p.last_values);
   const T g = static_cast<T>(p.gamma);
   const T gl = static_cast<T>(p.gamma * p.lam);
-  const int tid = threadIdx.x;
+  const int lane = threadIdx.x & 31;
   const int64_t T_ = p.T;
-  const int64_t seg = (T_ + kThreads - 1) / kThreads;  // segment length; depends on T only
-  const int64_t t_begin = tid * seg < T_ ? tid * seg : T_;
-  const int64_t t_end = t_begin + seg < T_ ? t_begin + seg : T_;
+  const int64_t num_tiles = (T_ + kGaeTile - 1) / kGaeTile;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
 
-  for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
+  for (int64_t b = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); b < p.B; b += warps) {
     const T* rp = static_cast<const T*>(p.rewards) + b * T_;
     const T* vp = static_cast<const T*>(p.values) + b * T_;
     const bool* mp = p.mask + b * T_;
     T* ap = static_cast<T*>(p.advantages) + b * T_;
     T* op = static_cast<T*>(p.returns) + b * T_;
+    T carry_v = bp ? bp[b] : T(0);  // V_next at the current tile's right edge
+    T carry_a = T(0);               // A_next there
 
-    // Pass 1: the value at the segment's first (leftmost) valid position.
-    bool has = false;
-    T first_v = T(0);
-    for (int64_t t = t_end - 1; t >= t_begin; --t)
-      if (mp[t]) {
-        has = true;
-        first_v = vp[t];
+    for (int64_t tile = num_tiles - 1; tile >= 0; --tile) {
+      const int64_t base = tile * kGaeTile + int64_t(lane) * S;
+      T r[S], v[S];
+      bool m[S];
+#pragma unroll
+      for (int k = 0; k < S; ++k) {
+        const int64_t t = base + k;
+        m[k] = t < T_ && mp[t];
+        r[k] = m[k] ? rp[t] : T(0);
+        v[k] = m[k] ? vp[t] : T(0);
       }
-    sh_has[tid] = has;
-    sh_a[tid] = first_v;
-    __syncthreads();
-    if (tid == 0) {
-      T carry = bp ? bp[b] : T(0);
-      for (int k = kThreads - 1; k >= 0; --k) {
-        const bool hk = sh_has[k];
-        const T fk = sh_a[k];
-        sh_a[k] = carry;  // V_next at segment k's right edge
-        if (hk) carry = fk;
+      bool has = false;
+      T first_v = T(0);
+#pragma unroll
+      for (int k = S - 1; k >= 0; --k)
+        if (m[k]) {
+          has = true;
+          first_v = v[k];
+        }
+      if (!__any_sync(kFull, has)) {  // nothing valid in the tile: the identity
+#pragma unroll
+        for (int k = 0; k < S; ++k)
+          if (base + k < T_) {
+            ap[base + k] = T(0);
+            op[base + k] = T(0);
+          }
+        continue;
       }
-    }
-    __syncthreads();
-    const T v_next_edge = sh_a[tid];
 
-    // Pass 2: the segment's composed map A_left = D + C * A_right.
-    T C = T(1), D = T(0);
-    {
-      T next_value = v_next_edge;
-      for (int64_t t = t_end - 1; t >= t_begin; --t) {
-        if (!mp[t]) continue;
-        const T v = vp[t];
-        const T delta = rp[t] + g * next_value - v;
-        D = delta + gl * D;
-        C = gl * C;
-        next_value = v;
+      // 1. V_next at each segment's right edge: the first valid value of the nearest lane to
+      //    the right that has one, else the carry.
+      bool sh = has;
+      T sv = first_v;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const bool oh = __shfl_down_sync(kFull, int(sh), off) != 0;
+        const T ov = __shfl_down_sync(kFull, sv, off);
+        if (lane + off < 32 && !sh) {
+          sh = oh;
+          sv = ov;
+        }
       }
-    }
-    sh_b[tid] = C;
-    sh_c[tid] = D;
-    __syncthreads();
-    if (tid == 0) {
-      T a = T(0);  // A after the row's last valid position
-      for (int k = kThreads - 1; k >= 0; --k) {
-        const T Ck = sh_b[k];
-        const T Dk = sh_c[k];
-        sh_b[k] = a;  // A at segment k's right edge
-        a = Dk + Ck * a;
-      }
-    }
-    __syncthreads();
-    const T a_edge = sh_b[tid];
+      const bool right_h = __shfl_down_sync(kFull, int(sh), 1) != 0;
+      const T right_v = __shfl_down_sync(kFull, sv, 1);
+      const T v_edge = (lane < 31 && right_h) ? right_v : carry_v;
 
-    // Pass 3: the CPU loop over the segment, started from the right edge's state.
-    scan_segment(rp, vp, mp, ap, op, t_begin, t_end, g, gl, v_next_edge, a_edge);
-    __syncthreads();  // shared arrays are rewritten by the next row
+      // 2. The segment's map A_left = D + C * A_right, then the suffix compositions.
+      T C = T(1), D = T(0);
+      {
+        T nv = v_edge;
+#pragma unroll
+        for (int k = S - 1; k >= 0; --k)
+          if (m[k]) {
+            D = add_rn(td_error(r[k], v[k], nv, g), mul_rn(gl, D));
+            C = mul_rn(gl, C);
+            nv = v[k];
+          }
+      }
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const T oC = __shfl_down_sync(kFull, C, off);
+        const T oD = __shfl_down_sync(kFull, D, off);
+        if (lane + off < 32) {  // (C, D) <- (C, D) o (oC, oD)
+          D = add_rn(D, mul_rn(C, oD));
+          C = mul_rn(C, oC);
+        }
+      }
+      const T right_C = __shfl_down_sync(kFull, C, 1);
+      const T right_D = __shfl_down_sync(kFull, D, 1);
+      const T a_edge = lane < 31 ? add_rn(right_D, mul_rn(right_C, carry_a)) : carry_a;
+
+      // 3. The CPU loop over the segment from its right edge, writing the outputs.
+      T nv = v_edge, na = a_edge;
+#pragma unroll
+      for (int k = S - 1; k >= 0; --k) {
+        const int64_t t = base + k;
+        if (t >= T_) continue;
+        if (!m[k]) {
+          ap[t] = T(0);
+          op[t] = T(0);
+          continue;
+        }
+        na = add_rn(td_error(r[k], v[k], nv, g), mul_rn(gl, na));
+        nv = v[k];
+        ap[t] = na;
+        op[t] = add_rn(na, v[k]);
+      }
+      carry_v = __shfl_sync(kFull, nv, 0);
+      carry_a = __shfl_sync(kFull, na, 0);
+    }
   }
 }
 
 template <typename T>
 cudaError_t launch_typed(const GAEParams& p) {
-  if (p.T >= kGaeBlockScanMinT) {
-    const int grid = static_cast<int>(p.B < (int64_t(1) << 20) ? p.B : (int64_t(1) << 20));
-    gae_block_kernel<T><<<grid, kThreads, 0, p.stream>>>(p);
-  } else {
-    const int64_t blocks = (p.B + kRowThreads - 1) / kRowThreads;
-    const int grid = static_cast<int>(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
-    gae_rows_kernel<T><<<grid, kRowThreads, 0, p.stream>>>(p);
-  }
+  const int64_t blocks = (p.B + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int grid = static_cast<int>(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
+  gae_warp_kernel<T><<<grid, kWarpsPerBlock * 32, 0, p.stream>>>(p);
   return cudaGetLastError();
 }
 

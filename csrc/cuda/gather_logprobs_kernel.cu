@@ -8,15 +8,20 @@
 // addition depend only on V, never on the row's address, the other rows or the grid size:
 // results are deterministic and batch-invariant. 16-byte vector loads are used when the row
 // is 16-byte aligned; otherwise the same elements are read one by one and the arithmetic is
-// identical.
+// identical. Rows are found through a RowLayout (row_layout.h), so a view sliced along T is
+// read in place.
 //
-// The running state works in base 2 (as flash attention does): y = z * c with
-// c = log2(e) / temperature, so exp(x - m) is one ex2 instruction:
-//   m = max_j y_j, s = sum_j 2^(y_j - m), t = sum_j 2^(y_j - m) * (y_j - m)
-//   lse = ln2 * (m + log2 s),  entropy = ln2 * (log2 s - t / s)
-// (the CPU kernel's formula, entropy = log s - t / s, with every quantity scaled by log2 e).
+// The running state is in natural units, x = z / temperature rounded as the CPU rounds it:
+//   m = max_j x_j, s = sum_j e^(x_j - m), t = sum_j e^(x_j - m) * (x_j - m)
+//   lse = m + ln s,  entropy = ln s - t / s,  logprob = (x_label - m) - ln s
+// with each e^d computed as one ex2 instruction, 2^(d * log2 e). The max and the label term
+// are the same rounded product z * (1 / temperature), so a label at the max gives
+// x_label - m = 0 exactly, and the max's own term is 2^0 = 1, so s >= 1 and ln s >= 0: the
+// log-prob is <= 0, and exactly 0 for V = 1 and for one-hot rows (a final min with 0 guards
+// the bound against the approximate ex2/lg2 of other terms). Scaling by log2 e only after the
+// subtraction keeps every finite z / temperature finite (huge logits stay finite, as on CPU).
 // A NaN logit, or a +inf one (or an overflowing z / temperature), makes the row's results NaN
-// as on CPU.
+// as on CPU. tests/cuda_emulation.py replays these operations in float32 on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -120,21 +125,14 @@ __device__ __forceinline__ float ex2(float x) {
 __device__ __forceinline__ double ex2(double x) { return ::exp2(x); }
 __device__ __forceinline__ float lg2(float x) { return ::log2f(x); }
 __device__ __forceinline__ double lg2(double x) { return ::log2(x); }
-__device__ __forceinline__ float exp_acc(float x) { return ::expf(x); }
-__device__ __forceinline__ double exp_acc(double x) { return ::exp(x); }
 __device__ __forceinline__ float fmax_acc(float a, float b) { return ::fmaxf(a, b); }
 __device__ __forceinline__ double fmax_acc(double a, double b) { return ::fmax(a, b); }
 __device__ __forceinline__ float fma_acc(float a, float b, float c) { return ::fmaf(a, b, c); }
 __device__ __forceinline__ double fma_acc(double a, double b, double c) { return ::fma(a, b, c); }
-// Products and sums that the compiler must not contract into an fma: the chunk fold is
-// inlined twice (vector and scalar loads), and both copies must round identically so that a
-// row's bits do not depend on its alignment. Where an fma is wanted it is written out.
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+// Products and sums go through mul_rn / add_rn / sub_rn (cuda/launch.h), never contracted into
+// an fma: the chunk fold is inlined twice (vector and scalar loads), and both copies must round
+// identically so that a row's bits do not depend on its alignment. Where an fma is wanted it is
+// written out.
 
 template <typename acc>
 struct Consts;
@@ -155,21 +153,23 @@ struct Consts<double> {
   static constexpr double kLn2 = 0.6931471805599453;
 };
 
-// Running softmax statistics of one thread (or, after merging, of the block), base 2.
+// Running softmax statistics of one thread (or, after merging, of the block), x = z / temperature.
 template <typename acc>
 struct State {
-  acc m;  // max of y so far (-inf: nothing but -inf seen yet)
-  acc s;  // sum 2^(y - m)
-  acc t;  // sum 2^(y - m) * (y - m)   (only with entropy)
+  acc m;  // max of x so far (-inf: nothing but -inf seen yet)
+  acc s;  // sum e^(x - m)
+  acc t;  // sum e^(x - m) * (x - m)   (only with entropy)
 };
 
-// Re-bases `a` (max a.m) to max mn >= a.m: s scales by r = 2^(a.m - mn), and t, being relative to
-// the max, becomes r * (t + (a.m - mn) * s).
+// Re-bases `a` (max a.m) to max mn >= a.m: s scales by r = e^(a.m - mn), and t, being relative
+// to the max, becomes r * (t + (a.m - mn) * s). Where r underflows to 0 (a.m - mn may even be
+// -inf, when huge logits of both signs overflow the difference), a's terms vanish: 0, not
+// 0 * -inf.
 template <typename acc, bool kEntropy>
 __device__ __forceinline__ void rebase(State<acc>& a, acc mn) {
   const acc diff = sub_rn(a.m, mn);
-  const acc r = ex2(diff);
-  if (kEntropy) a.t = mul_rn(r, fma_acc(diff, a.s, a.t));
+  const acc r = ex2(mul_rn(diff, Consts<acc>::kLog2e));
+  if (kEntropy) a.t = r == acc(0) ? acc(0) : mul_rn(r, fma_acc(diff, a.s, a.t));
   a.s = mul_rn(a.s, r);
   a.m = mn;
 }
@@ -190,28 +190,34 @@ __device__ __forceinline__ void merge(State<acc>& a, State<acc> b) {
   if (kEntropy) a.t = add_rn(a.t, b.t);
 }
 
-// Folds one chunk of raw values x (already converted to acc; -inf for positions past V) into
-// the thread's state. c = log2(e) / temperature > 0.
-template <typename acc, int kVec, bool kEntropy>
-__device__ __forceinline__ void fold_chunk(const acc (&x)[kVec], acc c, State<acc>& st, bool& bad) {
+// Folds one chunk of raw values z (already converted to acc; -inf for positions past V) into
+// the thread's state. inv_tau = 1 / temperature > 0; kScaled is false at temperature 1, where
+// the product would be exact anyway.
+template <typename acc, int kVec, bool kEntropy, bool kScaled>
+__device__ __forceinline__ void fold_chunk(const acc (&z)[kVec], acc inv_tau, State<acc>& st, bool& bad) {
   const acc ninf = -Consts<acc>::inf();
-  acc cm = x[0];
+  acc cm = z[0];
+#pragma unroll
+  for (int j = 1; j < kVec; ++j) cm = fmax_acc(cm, z[j]);  // ignores NaN (caught below)
+  // inv_tau > 0 and rounding is monotone, so the scaled maximum is the maximum of the scaled
+  // values, rounded the same way as each of them.
+  const acc cmx = kScaled ? mul_rn(cm, inv_tau) : cm;
+  if (cmx > st.m) {
+    if (st.m != ninf) rebase<acc, kEntropy>(st, cmx);
+    st.m = cmx;
+  }
+  if (st.m == ninf) {
+    // Only -inf or NaN so far: nothing to add, but a NaN must poison the row. Once the max is
+    // finite a NaN reaches s through its own term.
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) bad |= (z[j] != z[j]);
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    bad |= (x[j] != x[j]);  // NaN
-    cm = fmax_acc(cm, x[j]);
-  }
-  // c > 0, so the scaled maximum is the maximum of the scaled values.
-  const acc cm2 = mul_rn(cm, c);
-  if (cm2 > st.m) {
-    if (st.m != ninf) rebase<acc, kEntropy>(st, cm2);
-    st.m = cm2;
-  }
-  if (st.m == ninf) return;  // only -inf (or NaN, flagged) so far: nothing to add
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const acc d = fma_acc(x[j], c, -st.m);  // y_j - m, in one rounding
-    const acc e = ex2(d);
+    const acc x = kScaled ? mul_rn(z[j], inv_tau) : z[j];
+    const acc d = sub_rn(x, st.m);  // <= 0; exactly 0 at the max
+    const acc e = ex2(mul_rn(d, Consts<acc>::kLog2e));
     st.s = add_rn(st.s, e);
     // d = -inf gives e = 0, and 0 * lowest = 0 where 0 * -inf would be NaN.
     if (kEntropy) st.t = fma_acc(e, fmax_acc(d, Consts<acc>::lowest()), st.t);
@@ -223,7 +229,13 @@ __device__ __forceinline__ acc shfl_down(acc v, int off) {
   return __shfl_down_sync(0xffffffffu, v, off);
 }
 
-template <typename E, bool kEntropy>
+// The label's row is valid but its label is outside [0, V): NaN outputs, nothing indexed (the
+// glue raises the error from its own check of the labels).
+__device__ __forceinline__ bool label_out_of_range(int64_t label, int64_t V) {
+  return static_cast<uint64_t>(label) >= static_cast<uint64_t>(V);
+}
+
+template <typename E, bool kEntropy, bool kScaled>
 __global__ void __launch_bounds__(kThreads) gather_fwd_kernel(const GatherFwdParams p) {
   using acc = typename E::acc;
   using st_t = typename E::storage;
@@ -234,7 +246,6 @@ __global__ void __launch_bounds__(kThreads) gather_fwd_kernel(const GatherFwdPar
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const acc ninf = -Consts<acc>::inf();
   const acc inv_tau = acc(1) / static_cast<acc>(p.temperature);  // as the CPU kernel computes it
-  const acc c = inv_tau * Consts<acc>::kLog2e;
   const st_t* logits = static_cast<const st_t*>(p.logits);
   acc* out_lp = static_cast<acc*>(p.logprobs);
   acc* out_ent = static_cast<acc*>(p.entropy);
@@ -246,15 +257,16 @@ __global__ void __launch_bounds__(kThreads) gather_fwd_kernel(const GatherFwdPar
   for (int64_t row = blockIdx.x; row < p.N; row += gridDim.x) {
     const int64_t label = p.labels[row];
     const bool valid = (p.mask == nullptr || p.mask[row]) && label != p.ignore_index;
-    if (!valid) {  // the same for every thread of the block
+    if (!valid || label_out_of_range(label, V)) {  // the same for every thread of the block
       if (tid == 0) {
-        out_lp[row] = acc(0);
-        out_lse[row] = acc(0);
-        if (kEntropy) out_ent[row] = acc(0);
+        const acc v = valid ? Consts<acc>::nan() : acc(0);
+        out_lp[row] = v;
+        out_lse[row] = v;
+        if (kEntropy) out_ent[row] = v;
       }
       continue;
     }
-    const st_t* z = logits + row * p.row_stride;
+    const st_t* z = logits + row_offset(p.rows, row);
     const bool aligned = (reinterpret_cast<uintptr_t>(z) & 15u) == 0;
     State<acc> st{ninf, acc(0), acc(0)};
     bool bad = false;
@@ -269,13 +281,13 @@ __global__ void __launch_bounds__(kThreads) gather_fwd_kernel(const GatherFwdPar
         for (int q = 0; q < kUnroll; ++q) {
           acc x[kVec];
           E::unpack(u[q], x);
-          fold_chunk<acc, kVec, kEntropy>(x, c, st, bad);
+          fold_chunk<acc, kVec, kEntropy, kScaled>(x, inv_tau, st, bad);
         }
       }
       for (; k < num_full; ++k) {
         acc x[kVec];
         E::unpack(__ldg(reinterpret_cast<const uint4*>(z + (k * kThreads + tid) * kVec)), x);
-        fold_chunk<acc, kVec, kEntropy>(x, c, st, bad);
+        fold_chunk<acc, kVec, kEntropy, kScaled>(x, inv_tau, st, bad);
       }
     }
     // Unaligned rows, and the last partial pass: the same chunks, element by element.
@@ -284,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) gather_fwd_kernel(const GatherFwdPar
       acc x[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) x[j] = (j0 + j < V) ? E::to_acc(__ldg(z + j0 + j)) : ninf;
-      fold_chunk<acc, kVec, kEntropy>(x, c, st, bad);
+      fold_chunk<acc, kVec, kEntropy, kScaled>(x, inv_tau, st, bad);
     }
     // +inf (a +inf logit, or z / temperature overflowing) is NaN on CPU too.
     bad = bad || st.m == Consts<acc>::inf();
@@ -311,18 +323,20 @@ __global__ void __launch_bounds__(kThreads) gather_fwd_kernel(const GatherFwdPar
         merge<acc, kEntropy>(w, o);
       }
       if (lane == 0) {
-        acc lse, ent;
+        acc lse, ent, lp;
         if (bad) {
-          lse = Consts<acc>::nan();
-          ent = Consts<acc>::nan();
+          lse = ent = lp = Consts<acc>::nan();
         } else {
           // All logits -inf: s = 0, lse = -inf and the entropy NaN, as on CPU.
-          const acc log2s = lg2(w.s);
-          lse = Consts<acc>::kLn2 * (w.m + log2s);
-          ent = Consts<acc>::kLn2 * (log2s - w.t / w.s);
+          const acc ln_s = mul_rn(Consts<acc>::kLn2, lg2(w.s));
+          lse = add_rn(w.m, ln_s);
+          ent = sub_rn(ln_s, w.t / w.s);
+          const acc x_label = kScaled ? mul_rn(E::to_acc(z[label]), inv_tau) : E::to_acc(z[label]);
+          lp = sub_rn(sub_rn(x_label, w.m), ln_s);
+          lp = lp > acc(0) ? acc(0) : lp;  // keeps a NaN
         }
         out_lse[row] = lse;
-        out_lp[row] = sub_rn(mul_rn(E::to_acc(z[label]), inv_tau), lse);
+        out_lp[row] = lp;
         if (kEntropy) out_ent[row] = ent;
       }
     }
@@ -331,20 +345,52 @@ __global__ void __launch_bounds__(kThreads) gather_fwd_kernel(const GatherFwdPar
 }
 
 // d/dz_j = (g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + H)) / temperature, with
-// x = z / temperature, log p_j = x_j - lse: the CPU kernel's formula, element by element.
-template <typename acc>
-__device__ __forceinline__ acc grad_elem(acc x, acc lse, acc g_lp, acc g_ent, acc H, acc inv_tau, bool with_ent,
-                                         bool is_label) {
+// x = z / temperature, log p_j = x_j - lse: the CPU kernel's formula, element by element, less
+// the onehot term, which the caller adds to the label's element only.
+template <typename acc, bool kEntropy, bool kScaled>
+__device__ __forceinline__ acc grad_elem(acc z, acc lse, acc g_lp, acc g_ent, acc H, acc inv_tau) {
+  const acc x = kScaled ? mul_rn(z, inv_tau) : z;
   const acc d = sub_rn(x, lse);
-  const acc pj = exp_acc(d);
+  const acc pj = ex2(mul_rn(d, Consts<acc>::kLog2e));
   acc gv = -mul_rn(g_lp, pj);
-  if (with_ent) gv = sub_rn(gv, mul_rn(mul_rn(g_ent, pj), add_rn(fmax_acc(d, Consts<acc>::lowest()), H)));
-  gv = mul_rn(gv, inv_tau);
-  if (is_label) gv = add_rn(gv, mul_rn(g_lp, inv_tau));
-  return gv;
+  if (kEntropy) gv = sub_rn(gv, mul_rn(mul_rn(g_ent, pj), add_rn(fmax_acc(d, Consts<acc>::lowest()), H)));
+  return kScaled ? mul_rn(gv, inv_tau) : gv;
 }
 
+// The gradients of one chunk of kVec elements starting at column j0, the label's onehot term
+// added when the label falls in the chunk (one test per chunk, not per element).
+template <typename acc, int kVec, bool kEntropy, bool kScaled>
+__device__ __forceinline__ void grad_chunk(const acc (&z)[kVec], acc (&g)[kVec], int64_t j0, int64_t label, acc lse,
+                                           acc g_lp, acc g_ent, acc H, acc inv_tau) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) g[j] = grad_elem<acc, kEntropy, kScaled>(z[j], lse, g_lp, g_ent, H, inv_tau);
+  const uint64_t rel = static_cast<uint64_t>(label - j0);
+  if (rel < static_cast<uint64_t>(kVec)) {
+    const acc onehot = kScaled ? mul_rn(g_lp, inv_tau) : g_lp;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (rel == static_cast<uint64_t>(j)) g[j] = add_rn(g[j], onehot);
+  }
+}
+
+// Row out[0, V) of the gradient := v, with 16-byte stores where the row is aligned.
 template <typename E>
+__device__ __forceinline__ void fill_row(typename E::storage* out, int64_t V, typename E::acc v) {
+  constexpr int kVec = E::kVec;
+  int64_t j = threadIdx.x;
+  if ((reinterpret_cast<uintptr_t>(out) & 15u) == 0) {
+    typename E::acc x[kVec];
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) x[q] = v;
+    const uint4 u = E::pack(x);
+    const int64_t chunks = V / kVec;
+    for (int64_t c = threadIdx.x; c < chunks; c += kThreads) *reinterpret_cast<uint4*>(out + c * kVec) = u;
+    j = chunks * kVec + threadIdx.x;
+  }
+  for (; j < V; j += kThreads) out[j] = E::from_acc(v);
+}
+
+template <typename E, bool kEntropy, bool kScaled>
 __global__ void __launch_bounds__(kThreads) gather_bwd_kernel(const GatherBwdParams p) {
   using acc = typename E::acc;
   using st_t = typename E::storage;
@@ -366,43 +412,53 @@ __global__ void __launch_bounds__(kThreads) gather_bwd_kernel(const GatherBwdPar
     const int64_t label = p.labels[row];
     const bool valid = (p.mask == nullptr || p.mask[row]) && label != p.ignore_index;
     st_t* out = grad + row * V;
-    const st_t* z = logits + row * p.row_stride;
+    if (!valid || label_out_of_range(label, V)) {
+      // Zeros for a skipped row, NaN for a bad label's (the glue raises its error).
+      fill_row<E>(out, V, valid ? Consts<acc>::nan() : acc(0));
+      continue;
+    }
+    const st_t* z = logits + row_offset(p.rows, row);
     const bool aligned =
         ((reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0;
-    const acc lse = valid ? lse_p[row] : acc(0);
-    const acc g_lp = valid ? g_lp_p[row] : acc(0);
-    const acc g_ent = (valid && g_ent_p != nullptr) ? g_ent_p[row] : acc(0);
-    const acc H = (valid && g_ent_p != nullptr) ? ent_p[row] : acc(0);
-    const bool with_ent = g_ent != acc(0);
+    const acc lse = lse_p[row];
+    const acc g_lp = g_lp_p[row];
+    const acc g_ent = g_ent_p != nullptr ? g_ent_p[row] : acc(0);
+    const acc H = g_ent_p != nullptr ? ent_p[row] : acc(0);
     int64_t k = 0;
     if (aligned) {
+      // kUnroll 16-byte loads in flight per thread, then their gradients.
+      for (; k + kUnroll <= num_full; k += kUnroll) {
+        uint4 u[kUnroll];
+#pragma unroll
+        for (int q = 0; q < kUnroll; ++q)
+          u[q] = __ldg(reinterpret_cast<const uint4*>(z + ((k + q) * kThreads + tid) * kVec));
+#pragma unroll
+        for (int q = 0; q < kUnroll; ++q) {
+          const int64_t j0 = ((k + q) * kThreads + tid) * kVec;
+          acc x[kVec], g[kVec];
+          E::unpack(u[q], x);
+          grad_chunk<acc, kVec, kEntropy, kScaled>(x, g, j0, label, lse, g_lp, g_ent, H, inv_tau);
+          *reinterpret_cast<uint4*>(out + j0) = E::pack(g);
+        }
+      }
       for (; k < num_full; ++k) {
         const int64_t j0 = (k * kThreads + tid) * kVec;
-        acc g[kVec];
-        if (valid) {
-          acc x[kVec];
-          E::unpack(__ldg(reinterpret_cast<const uint4*>(z + j0)), x);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            g[j] = grad_elem<acc>(mul_rn(x[j], inv_tau), lse, g_lp, g_ent, H, inv_tau, with_ent, j0 + j == label);
-        } else {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) g[j] = acc(0);
-        }
+        acc x[kVec], g[kVec];
+        E::unpack(__ldg(reinterpret_cast<const uint4*>(z + j0)), x);
+        grad_chunk<acc, kVec, kEntropy, kScaled>(x, g, j0, label, lse, g_lp, g_ent, H, inv_tau);
         *reinterpret_cast<uint4*>(out + j0) = E::pack(g);
       }
     }
+    // Unaligned rows, and the last partial pass: the same arithmetic, element by element.
     for (; k < num_pass; ++k) {
       const int64_t j0 = (k * kThreads + tid) * kVec;
+      acc x[kVec], g[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const int64_t idx = j0 + j;
-        if (idx < V) {
-          acc g = acc(0);
-          if (valid) g = grad_elem<acc>(mul_rn(E::to_acc(z[idx]), inv_tau), lse, g_lp, g_ent, H, inv_tau, with_ent, idx == label);
-          out[idx] = E::from_acc(g);
-        }
-      }
+      for (int j = 0; j < kVec; ++j) x[j] = (j0 + j < V) ? E::to_acc(__ldg(z + j0 + j)) : acc(0);
+      grad_chunk<acc, kVec, kEntropy, kScaled>(x, g, j0, label, lse, g_lp, g_ent, H, inv_tau);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        if (j0 + j < V) out[j0 + j] = E::from_acc(g[j]);
     }
   }
 }
@@ -410,18 +466,36 @@ __global__ void __launch_bounds__(kThreads) gather_bwd_kernel(const GatherBwdPar
 // One block per row: rows are independent, so any grid size gives the same bits; cap it and loop.
 int grid_for_rows(int64_t rows) { return grid_for(rows, 1, int64_t(1) << 20); }
 
+template <typename E, bool kEntropy, bool kScaled>
+void fwd_launch(const GatherFwdParams& p) {
+  gather_fwd_kernel<E, kEntropy, kScaled><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
+}
+
 template <typename E>
 cudaError_t fwd_typed(const GatherFwdParams& p) {
-  if (p.entropy != nullptr)
-    gather_fwd_kernel<E, true><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
+  const bool scaled = p.temperature != 1.0;
+  const bool ent = p.entropy != nullptr;
+  if (ent)
+    scaled ? fwd_launch<E, true, true>(p) : fwd_launch<E, true, false>(p);
   else
-    gather_fwd_kernel<E, false><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
+    scaled ? fwd_launch<E, false, true>(p) : fwd_launch<E, false, false>(p);
   return cudaGetLastError();
+}
+
+template <typename E, bool kEntropy, bool kScaled>
+void bwd_launch(const GatherBwdParams& p) {
+  gather_bwd_kernel<E, kEntropy, kScaled><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
 }
 
 template <typename E>
 cudaError_t bwd_typed(const GatherBwdParams& p) {
-  gather_bwd_kernel<E><<<grid_for_rows(p.N), kThreads, 0, p.stream>>>(p);
+  const bool scaled = p.temperature != 1.0;
+  // Without an entropy gradient the entropy term is skipped whole (g_ent = 0 would add -0).
+  const bool ent = p.grad_entropy != nullptr;
+  if (ent)
+    scaled ? bwd_launch<E, true, true>(p) : bwd_launch<E, true, false>(p);
+  else
+    scaled ? bwd_launch<E, false, true>(p) : bwd_launch<E, false, false>(p);
   return cudaGetLastError();
 }
 

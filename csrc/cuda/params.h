@@ -21,20 +21,24 @@
 #include <cstdint>
 
 #include "kl_estimators.h"  // KLEstimator, KLClamp, kl_value, kl_grad (plain C++, PYPPO_HD)
+#include "row_layout.h"     // RowLayout, row_offset (plain C++, shared with the CPU kernels)
 
 namespace pyppo {
 namespace cuda {
 
 enum class DType : int32_t { Float32 = 0, Float16 = 1, BFloat16 = 2, Float64 = 3 };
 
-// gather_logprobs forward. Row i of the logits starts at logits + i * row_stride elements and
-// has unit stride along V. Outputs are [N] in acc (double for Float64 logits, else float).
-// Rows that are masked or whose label is ignore_index get 0 in every output. Labels of the
-// other rows must already be validated to lie in [0, V).
+// A label outside [0, V) at an unmasked position never reaches an index: the kernels give that
+// row NaN outputs (NaN gradient), and the glue raises the CPU's error from its own device-side
+// check of the labels (one read-back per call, none while a CUDA graph is being captured).
+
+// gather_logprobs forward. Outputs are [N] in acc (double for Float64 logits, else float).
+// Rows that are masked or whose label is ignore_index get 0 in every output.
 struct GatherFwdParams {
   const void* logits = nullptr;
   DType dtype = DType::Float32;
-  int64_t N = 0, V = 0, row_stride = 0;
+  int64_t N = 0, V = 0;
+  RowLayout rows;
   const int64_t* labels = nullptr;  // [N]
   const bool* mask = nullptr;       // [N] or nullptr
   int64_t ignore_index = -100;
@@ -49,7 +53,8 @@ struct GatherFwdParams {
 struct GatherBwdParams {
   const void* logits = nullptr;
   DType dtype = DType::Float32;
-  int64_t N = 0, V = 0, row_stride = 0;
+  int64_t N = 0, V = 0;
+  RowLayout rows;
   const int64_t* labels = nullptr;
   const bool* mask = nullptr;
   int64_t ignore_index = -100;
@@ -94,7 +99,11 @@ struct ShapeRewardsParams {
   cudaStream_t stream = nullptr;
 };
 
-// gae: [B, T] contiguous acc arrays, last_values [B] or nullptr.
+// gae: [B, T] contiguous acc arrays, last_values [B] or nullptr. One warp per row, right to
+// left in tiles of kGaeTile positions that start at multiples of kGaeTile from the row's
+// start, each lane taking kGaeSegment consecutive positions of a tile: the split depends on
+// neither B nor T, so extra right padding (whole masked tiles, skipped) leaves a row's bits
+// unchanged.
 struct GAEParams {
   bool is_double = false;
   int64_t B = 0, T = 0;
@@ -107,9 +116,8 @@ struct GAEParams {
   void* returns = nullptr;
   cudaStream_t stream = nullptr;
 };
-// Rows at least this long are scanned by a whole block (segments + a carry pass); shorter
-// rows by one thread each. The choice depends on T only, so a row's bits never depend on B.
-constexpr int64_t kGaeBlockScanMinT = 1024;
+constexpr int kGaeSegment = 16;
+constexpr int kGaeTile = 32 * kGaeSegment;
 
 // Whole-tensor masked moments, reduced in two deterministic stages: fixed chunks of
 // kMaskedChunk elements give per-chunk partial sums (in double), then one block adds the

@@ -49,6 +49,10 @@ def gather_logprobs(
             or not finite, wrong dtypes.
         RuntimeError: inputs on different devices.
 
+    On CUDA the label range is checked on the device and read back once per call; while a CUDA
+    graph is being captured nothing can be read back, and a row whose label is outside
+    ``[0, V)`` gets NaN results (and a NaN gradient) instead of an error.
+
     A NaN or ``+inf`` logit makes that row's results NaN (log-prob, entropy and gradient); other
     rows are unaffected, bit for bit. A masked row gives 0 whatever its logits. ``-inf`` logits
     are zero-probability tokens: the results stay finite, except the log-prob of a label whose

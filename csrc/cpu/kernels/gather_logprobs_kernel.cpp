@@ -56,7 +56,7 @@ void fwd(const GatherFwdArgs& a) {
         if (out_ent) out_ent[i] = 0;
         continue;
       }
-      const scalar_t* row = z + i * a.row_stride;
+      const scalar_t* row = z + row_offset(a.rows, i);
       RowStats<acc_t> st = row_logsumexp<scalar_t, acc_t>(row, a.V, inv_tau, out_ent != nullptr, buf.data());
       out_lse[i] = st.lse;
       // log p <= 0 exactly (the max's exp is exactly 1, so lse >= max); the min is a guard that
@@ -84,7 +84,7 @@ void bwd(const GatherBwdArgs& a) {
         std::fill(out, out + a.V, scalar_t(0));
         continue;
       }
-      row_softmax_grad<scalar_t, acc_t>(z + i * a.row_stride, out, a.V, inv_tau, lse[i], glp[i],
+      row_softmax_grad<scalar_t, acc_t>(z + row_offset(a.rows, i), out, a.V, inv_tau, lse[i], glp[i],
                                         ge ? ge[i] : acc_t(0), h ? h[i] : acc_t(0), a.labels[i]);
     }
   });

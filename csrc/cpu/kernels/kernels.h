@@ -5,6 +5,8 @@
 
 #include <c10/core/ScalarType.h>
 
+#include "row_layout.h"
+
 #include <cstdint>
 
 namespace pyppo {
@@ -12,8 +14,8 @@ namespace cpu {
 
 struct GatherFwdArgs {
   c10::ScalarType dtype;      // of logits; outputs are float (double for double logits)
-  const void* logits;         // [N, V], unit stride along V
-  int64_t row_stride;
+  const void* logits;         // [*, V], unit stride along V, rows where `rows` says
+  RowLayout rows;
   int64_t N, V;
   const int64_t* labels;      // [N]
   const bool* mask;           // [N] or nullptr
@@ -26,8 +28,8 @@ struct GatherFwdArgs {
 
 struct GatherBwdArgs {
   c10::ScalarType dtype;
-  const void* logits;         // [N, V], unit stride along V
-  int64_t row_stride;
+  const void* logits;         // [*, V], unit stride along V, rows where `rows` says
+  RowLayout rows;
   int64_t N, V;
   const int64_t* labels;
   const bool* mask;
