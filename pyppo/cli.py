@@ -265,6 +265,15 @@ def _check_keys(table: dict, where: str) -> dict:
             raise CLIError(f"{where}: unknown key {key!r}; known keys: {known}")
         if key in knobs and knobs[key].optional and isinstance(value, str) and value.lower() == "none":
             value = None  # TOML has no null; config.toml writes None as "none"
+        # Each source is checked on its own: a bad value that a flag overrides is still a mistake
+        # in the file.
+        if key in knobs:
+            try:
+                knobs[key].validate(key, value)
+            except ValueError as exc:
+                raise CLIError(f"{where}: {exc}") from None
+        elif not isinstance(value, str):
+            raise CLIError(f"{where}: {key!r} must be a string, got {value!r}")
         out[key] = value
     return out
 
@@ -304,8 +313,8 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         resume_dir = Path(args.resume).expanduser()
         if not resume_dir.is_dir():
             raise CLIError(f"--resume {args.resume!r}: no such run directory")
-        if checkpoint.find(resume_dir / "checkpoint") is None:
-            raise CLIError(f"--resume {args.resume!r}: no complete checkpoint/ in it (did the run save one?)")
+        if not (resume_dir / "config.toml").is_file():
+            raise CLIError(f"--resume {args.resume!r}: no config.toml in it (not a pyppo run directory)")
         resumed = _check_keys(_read_toml(resume_dir / "config.toml", "--resume config"),
                               str(resume_dir / "config.toml"))
         merged.update(resumed)
@@ -331,9 +340,6 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         merged["mini_batch_size"] = flags["batch_size"]
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
-    for key in RUN_KEYS:
-        if run[key] is not None and not isinstance(run[key], str):
-            raise CLIError(f"{key!r} must be a string, got {run[key]!r}")
     # Paths are stored absolute in the resolved config, so `--resume` works from any directory.
     for key in ("prompts", "eval_prompts"):
         if run[key]:
@@ -354,26 +360,40 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     ppo_config = make_config(merged)
     if ppo_config.eval_every and not run["eval_prompts"]:
         raise CLIError(f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts)")
-    if resume_dir is not None:
-        done = checkpoint.saved_step(checkpoint.find(resume_dir / "checkpoint"))
-        if done >= ppo_config.steps:
-            raise CLIError(f"--resume {args.resume!r}: its checkpoint is at step {done}, so steps = "
-                           f"{ppo_config.steps} leaves nothing to do; pass --steps N with N > {done}")
-
     if args.output is not None:
         output = Path(args.output).expanduser()
     elif resume_dir is not None:
         output = resume_dir
     else:
         output = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    _check_output(output)
+    # A directory whose run has no checkpoint holds nothing to resume: the same command starts it
+    # over there (see cmd_train); one with a checkpoint is only continued with --resume.
     if resume_dir is None or output.resolve() != resume_dir.resolve():
-        taken = [name for name in ("metrics.jsonl", "checkpoint") if (output / name).exists()]
-        if taken:
+        if checkpoint.find(output / "checkpoint") is not None:
             raise CLIError(
-                f"--output {str(output)!r} already holds a run ({', '.join(taken)}); "
+                f"--output {str(output)!r} already holds a run with a checkpoint; "
                 f"continue it with --resume {str(output)!r} or choose another --output"
             )
     return run, ppo_config, output, resume_dir
+
+
+def _check_output(output: Path) -> None:
+    """``--output`` must be a directory or creatable as one (checked before anything loads).
+
+    Raises:
+        CLIError: it, or a parent of it, is an existing file; or it cannot be written.
+    """
+    if output.exists() and not output.is_dir():
+        raise CLIError(f"--output {str(output)!r} is an existing file, not a directory")
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CLIError(f"--output {str(output)!r}: {str(parent)!r} is a file, not a directory")
+            if not os.access(output if output.exists() else parent, os.W_OK | os.X_OK):
+                raise CLIError(f"--output {str(output)!r}: no permission to write in "
+                               f"{str(output if output.exists() else parent)!r}")
+            break
 
 
 def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
@@ -396,6 +416,15 @@ def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _relaunch_with_torchrun(args.nproc)
+    from pyppo.stopping import GracefulStop
+
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
+    stop = GracefulStop(say=main_rank, single_process=int(os.environ.get("WORLD_SIZE", "1")) == 1)
+    with stop.installed():
+        return _train(args, stop, main_rank)
+
+
+def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     import gc
 
     from pyppo import checkpoint, distributed
@@ -403,53 +432,93 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pyppo.plotting import plot_metrics
     from pyppo.skips import NonFiniteUpdateError
 
-    run, config, output, resume_dir = resolve_train_config(args)
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
     say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
+    run, config, output, resume_dir = resolve_train_config(args)
+    done = _checkpoint_step(resume_dir)
+    if done is not None and done >= config.steps:
+        say(f"{PROG}: {str(resume_dir)!r} is at step {done} (its checkpoint), steps = {config.steps}: nothing "
+            f"left to run; pass --steps N with N > {done} to train further")
+        return 0
+    if resume_dir is not None:
+        say(f"{PROG}: resuming {str(resume_dir)!r} from step {done} of {config.steps}" if done is not None else
+            f"{PROG}: {str(resume_dir)!r} has no checkpoint yet: starting it over in place from step 0 "
+            "with its config.toml")
+    elif _restartable(output):
+        say(f"{PROG}: {str(output)!r} holds a run stopped before its first checkpoint: starting it over in place")
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
     trainer = build_trainer(config, **run, before_loading=lambda: say(f"pyppo: loading {run['model']} ..."))
     # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
-    if resume_dir is not None:
+    if done is not None:
         trainer.load_checkpoint(resume_dir / "checkpoint")
+    elif _restartable(output):
+        _clear_run(output)
     created = not output.exists()
     if main_rank:
         output.mkdir(parents=True, exist_ok=True)
         write_resolved_config(output / "config.toml", run, config)
+    stop.training()
     try:
-        trainer.train(output)
+        trainer.train(output, stop=stop)
     except BaseException as exc:
         if main_rank and resume_dir is None and not any((output / n).exists() for n in ("metrics.jsonl", "checkpoint")):
-            # Stopped before its first step was logged: leave no directory that --output would
-            # refuse and --resume could not use.
+            # Failed before its first step was logged: leave no directory behind.
             (output / "config.toml").unlink(missing_ok=True)
             if created and output.is_dir() and not any(output.iterdir()):
                 output.rmdir()
-        if isinstance(exc, KeyboardInterrupt):
-            if main_rank and (output / "metrics.jsonl").is_file():
-                plot_metrics(output / "metrics.jsonl", output / "curves.png")
-            last = checkpoint.find(output / "checkpoint")
-            hint = (f"continue from its last checkpoint (step {checkpoint.saved_step(last)}) with: "
-                    f"pyppo train --resume {output}" if last else "no checkpoint was written yet (see save_every)")
-            say(f"\npyppo: interrupted; outputs so far are in {output}; {hint}")
-            return 130
         if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
             say(f"{PROG}: error: {exc}")
             return 1
         raise
-
-    world = trainer.world
+    stop.finishing()
+    finished = trainer.step_count >= config.steps
+    world, step = trainer.world, trainer.step_count
     del trainer
     gc.collect()
     distributed.leave(world)
     if not main_rank:
-        return 0
+        return stop.exit_status if not finished else 0
     if (output / "metrics.jsonl").is_file():
         plot_metrics(output / "metrics.jsonl", output / "curves.png")
+    if not finished:
+        if step == 0:
+            hint = (f"no step finished, so there is nothing to keep: the same command, or "
+                    f"pyppo train --resume {output}, starts it over in place")
+        else:
+            hint = f"checkpoint of step {step} of {config.steps} written; continue with: pyppo train --resume {output}"
+        say(f"{PROG}: stopped by {stop.signal_name}; {hint}")
+        return stop.exit_status
     print(f"pyppo: run written to {output}")
     for name, what in _OUTPUT_FILES.items():
         if (output / name).exists():
             print(f"  {name:<18} {what}")
     return 0
+
+
+def _checkpoint_step(resume_dir: Path | None) -> int | None:
+    """The step of ``resume_dir``'s checkpoint; ``None`` without one (or without ``--resume``)."""
+    from pyppo import checkpoint
+
+    found = checkpoint.find(resume_dir / "checkpoint") if resume_dir is not None else None
+    return checkpoint.saved_step(found) if found is not None else None
+
+
+def _restartable(output: Path) -> bool:
+    """Whether ``output`` holds a run that has no checkpoint: stopped or failed before its first
+    one, it has nothing to resume, so the same command starts it over there."""
+    from pyppo import checkpoint
+
+    return output.is_dir() and any((output / name).exists() for name in _OUTPUT_FILES) \
+        and checkpoint.find(output / "checkpoint") is None
+
+
+def _clear_run(output: Path) -> None:
+    """Remove what a run without a checkpoint left (logs, curves, debris of a first save)."""
+    import shutil
+
+    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "curves.png"):
+        (output / name).unlink(missing_ok=True)
+    for debris in [output / "checkpoint", *output.glob(".checkpoint.tmp-*")]:
+        shutil.rmtree(debris, ignore_errors=True)
 
 
 def _relaunch_with_torchrun(nproc: int) -> int:

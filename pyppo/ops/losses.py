@@ -82,11 +82,20 @@ def _as_bool_mask(mask: torch.Tensor, name: str) -> torch.Tensor:
     if mask.is_floating_point() or mask.is_complex() or mask.dtype in (
         torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     ):
-        # A mask of arbitrary weights would silently become a weighting; insist on 0/1.
-        if not bool(((mask == 0) | (mask == 1)).all()):
+        # A mask of arbitrary weights would silently become a weighting; insist on 0/1 (where the
+        # values can be read: not while tracing).
+        if _can_read(mask) and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"{name} must be bool or contain only 0 and 1")
         return mask != 0
     raise ValueError(f"{name} must be a bool or 0/1 tensor, got dtype {mask.dtype}")
+
+
+def _can_read(t: torch.Tensor) -> bool:
+    """Whether a value check may read ``t`` on the host: not for meta or fake tensors, and not while
+    ``torch.compile`` traces (a host read there is a graph break, and fails under ``fullgraph``)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t) and not torch.compiler.is_compiling()
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -144,10 +153,13 @@ def _agg_count(m: torch.Tensor, loss_agg: str, normalizer: Optional[float]):
     sequences with one (``seq-mean-*``) of the bool mask ``m``."""
     if normalizer is not None:
         return normalizer
-    count = int(m.sum()) if loss_agg == "token-mean" else int(m.any(dim=-1).sum())
-    if count == 0:
+    # A 0-d tensor, not a Python int: no host sync, so the losses trace (meta tensors,
+    # torch.compile(fullgraph=True)). The empty check needs the value; where it cannot be read,
+    # an empty mask gives a loss of 0.
+    count = m.sum() if loss_agg == "token-mean" else m.any(dim=-1).sum()
+    if _can_read(count) and int(count) == 0:
         raise ValueError(f"mask has no valid token: {loss_agg} is undefined (pass normalizer)")
-    return count
+    return count.clamp_min(1)
 
 
 def aggregate_loss(
@@ -261,10 +273,9 @@ def loss_token_weights(
     return torch.where(m, w, torch.zeros((), dtype=dtype, device=m.device))
 
 
-def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
-    if n == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return (torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / n).float()
+def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the ``n`` (a 0-d tensor) valid tokens of ``m``; 0 when there is none."""
+    return (torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / n.clamp_min(1)).float()
 
 
 def ppo_policy_loss(
@@ -381,7 +392,7 @@ def ppo_policy_loss(
     loss = aggregate_loss(pg_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
 
     with torch.no_grad():
-        n = int(m.sum())
+        n = m.sum()
         r = ratio.detach()
         k3 = r - 1.0 - log_ratio.detach()
         stats = {
@@ -392,10 +403,9 @@ def ppo_policy_loss(
             "logratio_clampfrac": _masked_stat_mean(
                 (raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).to(dt), m, n
             ),
-            "ratio_max": (
-                torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max().float()
-                if n > 0 else torch.zeros((), dtype=torch.float32, device=r.device)
-            ),
+            "ratio_max": torch.where(
+                n > 0, torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max(), zero
+            ).float() if r.numel() else torch.zeros((), dtype=torch.float32, device=r.device),
         }
     return loss, stats
 
@@ -471,7 +481,7 @@ def ppo_value_loss(
     loss = aggregate_loss(vf_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
 
     with torch.no_grad():
-        n = int(m.sum())
+        n = m.sum()
         stats = {
             "vf_clipfrac": _masked_stat_mean(clipped.to(dt), m, n),
             "explained_variance": _explained_variance(v.detach(), ret, m),
