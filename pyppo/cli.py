@@ -18,11 +18,15 @@ with one line ``pyppo: error: ...`` and exit status 2; a run stopped by ``max_co
 non-finite updates ends the same way with status 1 (its last good checkpoint kept for
 ``--resume``). ``PYPPO_DEBUG=1`` shows the traceback instead. All configuration errors are
 reported before any model is loaded.
+
+SIGINT and SIGTERM stop a run without losing work (:mod:`pyppo.stopping`): exit status 130 / 143
+after a checkpoint of the last finished step, with one line saying how to continue.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -332,6 +336,7 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
                            "start a new run (--output) to change it")
         merged[key] = value
     flags = config_flag_values(args)
+    _check_lora_flags(flags, resumed if resume_dir is not None else None)
     merged.update(flags)
     # `--batch-size 8` alone should work: when the mini-batch size is still TRAIN_DEFAULTS' and does
     # not divide the batch, train on the whole batch at once.
@@ -358,6 +363,15 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         if Path(file).expanduser().is_file():
             run["reward"] = f"{Path(file).expanduser().resolve()}:{function}"
     ppo_config = make_config(merged)
+    if not ppo_config.lora_rank:
+        useless = [_flag(k) for k in ("lora_alpha", "lora_target_modules") if k in flags]
+        if useless:
+            raise CLIError(f"{' and '.join(useless)} only apply with --lora-rank N > 0 (LoRA is off)")
+    if ppo_config.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        import warnings
+
+        warnings.warn("fsdp has no effect in a single process (it shards over torchrun's processes: "
+                      "--nproc N or torchrun --nproc-per-node N)", UserWarning, stacklevel=2)
     if ppo_config.eval_every and not run["eval_prompts"]:
         raise CLIError(f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts)")
     if args.output is not None:
@@ -376,6 +390,24 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
                 f"continue it with --resume {str(output)!r} or choose another --output"
             )
     return run, ppo_config, output, resume_dir
+
+
+#: What a checkpoint's trained weights depend on: a resumed run cannot change them.
+_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "value_lora")
+
+
+def _check_lora_flags(flags: dict, resumed: dict | None) -> None:
+    """A resumed run's LoRA settings are those its checkpoint was trained with.
+
+    Raises:
+        CLIError: a LoRA flag that differs from the resumed run's config.toml.
+    """
+    if resumed is None:
+        return
+    for key in _LORA_KEYS:
+        if key in flags and key in resumed and flags[key] != resumed[key]:
+            raise CLIError(f"{_flag(key)} {flags[key]!r} differs from the resumed run's {key} {resumed[key]!r}: "
+                           "its checkpoint holds weights trained with it; start a new run (--output) to change it")
 
 
 def _check_output(output: Path) -> None:
@@ -427,7 +459,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     import gc
 
-    from pyppo import checkpoint, distributed
+    from pyppo import distributed
     from pyppo.builder import build_trainer
     from pyppo.plotting import plot_metrics
     from pyppo.skips import NonFiniteUpdateError
@@ -484,7 +516,7 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
             hint = (f"no step finished, so there is nothing to keep: the same command, or "
                     f"pyppo train --resume {output}, starts it over in place")
         else:
-            hint = f"checkpoint of step {step} of {config.steps} written; continue with: pyppo train --resume {output}"
+            hint = f"its checkpoint is at step {step} of {config.steps}; continue with: pyppo train --resume {output}"
         say(f"{PROG}: stopped by {stop.signal_name}; {hint}")
         return stop.exit_status
     print(f"pyppo: run written to {output}")
@@ -540,7 +572,23 @@ def _relaunch_with_torchrun(nproc: int) -> int:
             words.append(word)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pyppo", *words]
     print(f"pyppo: running {' '.join(command[2:])}", file=sys.stderr)
-    return subprocess.call(command)
+    # torchrun runs in a session of its own, so that a Ctrl-C reaches it once, from here, and this
+    # process stays until it has stopped its workers (each signal forwarded; see pyppo.stopping).
+    import signal
+
+    child = subprocess.Popen(command, start_new_session=True)
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - status if status < 0 else status
 
 
 # --------------------------------------------------------------------------------------------
@@ -638,17 +686,42 @@ def build_parser() -> argparse.ArgumentParser:
 _USER_ERRORS = (CLIError, OSError, ValueError, ImportError)
 
 
+@contextlib.contextmanager
+def _plain_warnings():
+    """pyppo's own warnings as ``pyppo: warning: ...`` lines: their file and line inside pyppo
+    say nothing to a user. Other packages' warnings keep Python's format."""
+    import warnings
+
+    package = str(Path(__file__).resolve().parent)
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if str(filename).startswith(package):
+            print(f"{PROG}: warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = shown
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pyppo`` and ``python -m pyppo``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        status = args.func(args)
+        with _plain_warnings():
+            status = args.func(args)
     except _USER_ERRORS as exc:
         if os.environ.get("PYPPO_DEBUG"):
             raise
         message = str(exc) or type(exc).__name__
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank fails alike: say it once
+            print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
     return int(status or 0)
 

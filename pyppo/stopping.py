@@ -8,7 +8,10 @@ they kill) without losing work. Both signals are handled alike:
    step (RNGs, prompt position, shuffle generator, counters) put back, so the checkpoint written
    is that step's, exactly. Once an optimizer step of it has been applied, the weights of the last
    finished step no longer exist, so the step is finished instead (its remaining updates) and
-   checkpointed. A checkpoint save in progress always completes;
+   checkpointed. A checkpoint save in progress always completes. The handler itself raises
+   nothing: :class:`StepAbandoned` is raised at the next model forward or optimizer step
+   (:meth:`GracefulStop.poll`, called from hooks), places where unwinding runs every cleanup,
+   never from inside one (an exception raised by a handler could land in a ``finally``);
 3. the third exits at once (status 128 + signal number). Checkpoints are swapped in atomically
    (:mod:`pyppo.checkpoint`), so the last complete one is kept, as after SIGKILL.
 
@@ -59,6 +62,7 @@ class GracefulStop:
         self.count = 0
         self.phase = "loading"
         self.abandonable = False
+        self.abandon = False
         self.saving = False
         self._previous: List = []
 
@@ -113,9 +117,17 @@ class GracefulStop:
         finally:
             self.abandonable = False
 
+    def poll(self, *_args) -> None:
+        """Raise :class:`StepAbandoned` if a second signal asked to abandon this step (a forward
+        pre-hook of each model calls this)."""
+        if self.abandon and self.abandonable:
+            self.abandonable = False
+            raise StepAbandoned(self.signal_name)
+
     def commit(self, *_args) -> None:
-        """The step is about to change the weights (an optimizer pre-step hook calls this): it can
-        no longer be abandoned."""
+        """The step is about to change the weights (an optimizer pre-step hook calls this): it is
+        abandoned now if asked, else it can no longer be."""
+        self.poll()
         self.abandonable = False
 
     @contextlib.contextmanager
@@ -155,9 +167,9 @@ class GracefulStop:
             return
         if self.count == 2:
             if self.abandonable:
-                self.abandonable = False
+                self.abandon = True
                 self._write(f"pyppo: {name}: abandoning the current step; saving the last finished one")
-                raise StepAbandoned(name)
+                return
             why = ("a checkpoint is being written" if self.saving else
                    "the step is already updating the weights" if self.single_process else
                    "the other processes are inside the step")

@@ -580,8 +580,10 @@ class PPOTrainer:
         # The step the newest checkpoint holds, when it is the current state (0: nothing to save).
         saved_step = self.step_count if self.step_count in (0, getattr(self, "_loaded_step", None)) else None
         stopped = False
-        hooks = [] if stop is None else [opt.register_step_pre_hook(stop.commit)
-                                         for opt in (self.policy_optimizer, self.value_optimizer)]
+        hooks = [] if stop is None else (
+            [opt.register_step_pre_hook(stop.commit) for opt in (self.policy_optimizer, self.value_optimizer)]
+            + [m.register_forward_pre_hook(stop.poll) for m in (self.policy, self.ref_policy, self.value_model)
+               if m is not None])
         with tqdm(total=c.steps, initial=self.step_count, desc="ppo", disable=not (progress and main),
                   dynamic_ncols=True) as bar, _removing(hooks):
             while self.step_count < c.steps:

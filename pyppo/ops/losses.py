@@ -33,6 +33,7 @@ exactly the minibatch loss instead of a mean of per-micro-batch means.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, Optional, Tuple
 
@@ -57,6 +58,23 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 LOG_RATIO_CLAMP = 20.0
 
 Stats = Dict[str, torch.Tensor]
+
+
+def _named(fn):
+    """Prefix the ``ValueError`` messages of the public loss ``fn`` with ``pyppo.<name>:``, as the
+    compiled ops' argument checks do."""
+    prefix = f"pyppo.{fn.__name__}: "
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as exc:
+            if str(exc).startswith("pyppo."):
+                raise
+            raise ValueError(prefix + str(exc)) from None
+
+    return wrapper
 
 
 def _check_positive_or_none(name: str, value) -> None:
@@ -129,6 +147,7 @@ def _check_float_2d(
         raise ValueError(f"{mask_name} is on {mask.device} but {first} is on {device}")
 
 
+@_named
 def loss_normalizer(mask: torch.Tensor, loss_agg: str = "token-mean") -> int:
     """The count that ``loss_agg`` divides by, for ``mask [B, T]`` (bool or 0/1).
 
@@ -162,6 +181,7 @@ def _agg_count(m: torch.Tensor, loss_agg: str, normalizer: Optional[float]):
     return count.clamp_min(1)
 
 
+@_named
 def aggregate_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
@@ -223,6 +243,7 @@ def aggregate_loss(
     return seq_mean / norm
 
 
+@_named
 def loss_token_weights(
     mask: torch.Tensor,
     loss_agg: str = "token-mean",
@@ -278,6 +299,7 @@ def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torc
     return (torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / n.clamp_min(1)).float()
 
 
+@_named
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -410,6 +432,7 @@ def ppo_policy_loss(
     return loss, stats
 
 
+@_named
 def ppo_value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -489,6 +512,7 @@ def ppo_value_loss(
     return loss, stats
 
 
+@_named
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Fraction of the variance of the returns that the value predictions explain.
 
