@@ -321,3 +321,45 @@ def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
                *TINY_FLAGS, "--no-truncate-prompts"]
     assert cli.main(refused) == 2
     assert "shorten it, lower max_new_tokens, or set truncate_prompts = true" in _error_line(capsys)
+
+
+def test_nproc_launcher_forwards_each_signal_and_waits(tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess as sp
+    import threading
+
+    # Stands in for torchrun: counts the signals it gets, exits after the second (as a worker would).
+    child = tmp_path / "child.py"
+    log = tmp_path / "signals.txt"
+    child.write_text(
+        "import signal, sys, time\n"
+        "got = []\n"
+        "def handler(signum, frame):\n"
+        f"    got.append(signum); open({str(log)!r}, 'a').write(f'{{signum}}\\n')\n"
+        "    if len(got) == 2: sys.exit(130)\n"
+        "signal.signal(signal.SIGINT, handler); signal.signal(signal.SIGTERM, handler)\n"
+        f"open({str(log)!r}, 'w').close()\n"
+        "while True: time.sleep(0.05)\n")
+    real_popen, started = sp.Popen, []
+
+    def popen(command, **kwargs):
+        assert command[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"] and kwargs["start_new_session"]
+        proc = real_popen([sys.executable, str(child)], **kwargs)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(sp, "Popen", popen)
+    monkeypatch.setattr(sys, "argv", ["pyppo", "train", "--nproc", "2", "--steps", "1"])
+
+    def interrupt():
+        while not log.exists():
+            threading.Event().wait(0.05)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.kill(os.getpid(), signum)
+            threading.Event().wait(0.3)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    assert cli.main(["train", "--nproc", "2", "--steps", "1"]) == 130
+    assert started[0].poll() == 130  # waited for: nothing left running
+    assert log.read_text().split() == [str(int(signal.SIGINT)), str(int(signal.SIGTERM))]

@@ -60,19 +60,21 @@ LOG_RATIO_CLAMP = 20.0
 Stats = Dict[str, torch.Tensor]
 
 
-def _named(fn):
-    """Prefix the ``ValueError`` messages of the public loss ``fn`` with ``pyppo.<name>:``, as the
-    compiled ops' argument checks do."""
-    prefix = f"pyppo.{fn.__name__}: "
+def named_errors(fn, op: Optional[str] = None):
+    """``fn`` with its ``ValueError`` messages starting ``pyppo.<op>:`` (``op`` defaults to
+    ``fn``'s name), as the compiled ops' argument checks do; another op's prefix is replaced, so
+    the message names the function the user called."""
+    prefix = f"pyppo.{op or fn.__name__}: "
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ValueError as exc:
-            if str(exc).startswith("pyppo."):
-                raise
-            raise ValueError(prefix + str(exc)) from None
+            message = str(exc)
+            if message.startswith("pyppo.") and ": " in message:
+                message = message.split(": ", 1)[1]
+            raise ValueError(prefix + message) from None
 
     return wrapper
 
@@ -111,9 +113,11 @@ def _as_bool_mask(mask: torch.Tensor, name: str) -> torch.Tensor:
 def _can_read(t: torch.Tensor) -> bool:
     """Whether a value check may read ``t`` on the host: not for meta or fake tensors, and not while
     ``torch.compile`` traces (a host read there is a graph break, and fails under ``fullgraph``)."""
+    if torch.compiler.is_compiling():
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
-    return t.device.type != "meta" and not is_fake(t) and not torch.compiler.is_compiling()
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -147,7 +151,7 @@ def _check_float_2d(
         raise ValueError(f"{mask_name} is on {mask.device} but {first} is on {device}")
 
 
-@_named
+@named_errors
 def loss_normalizer(mask: torch.Tensor, loss_agg: str = "token-mean") -> int:
     """The count that ``loss_agg`` divides by, for ``mask [B, T]`` (bool or 0/1).
 
@@ -181,7 +185,7 @@ def _agg_count(m: torch.Tensor, loss_agg: str, normalizer: Optional[float]):
     return count.clamp_min(1)
 
 
-@_named
+@named_errors
 def aggregate_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
@@ -243,7 +247,7 @@ def aggregate_loss(
     return seq_mean / norm
 
 
-@_named
+@named_errors
 def loss_token_weights(
     mask: torch.Tensor,
     loss_agg: str = "token-mean",
@@ -299,7 +303,7 @@ def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torc
     return (torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / n.clamp_min(1)).float()
 
 
-@_named
+@named_errors
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -432,7 +436,7 @@ def ppo_policy_loss(
     return loss, stats
 
 
-@_named
+@named_errors
 def ppo_value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -512,7 +516,7 @@ def ppo_value_loss(
     return loss, stats
 
 
-@_named
+@named_errors
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Fraction of the variance of the returns that the value predictions explain.
 
