@@ -38,7 +38,9 @@ NEUTRAL_SAMPLING: Dict[str, Any] = {
     "encoder_no_repeat_ngram_size": 0,
     "min_new_tokens": 0,
     "renormalize_logits": False,
-    "remove_invalid_values": False,
+    # Leaves finite logits untouched; a diverged model's NaN/inf ones would make the sampler raise,
+    # so they are replaced, the rollout finishes, and the trainer names its non-finite log-probs.
+    "remove_invalid_values": True,
 }
 
 
@@ -56,9 +58,6 @@ def generation_config(config, *, eos_token_id: int, pad_token_id: int):
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,
-        # A diverged model's NaN/inf logits would make the sampler raise; with them replaced, the
-        # rollout finishes and the trainer reports its non-finite log-probs by name.
-        remove_invalid_values=True,
     )
 
 
@@ -191,7 +190,7 @@ def check_prompt_lengths(tokenizer, prompts: Sequence[str], *, use_chat_template
     Raises:
         ValueError: with ``truncate`` false, a prompt longer than ``room`` (naming it).
     """
-    if room is None or (max_prompt_length is not None and max_prompt_length <= room):
+    if not prompts or room is None or (max_prompt_length is not None and max_prompt_length <= room):
         return
     texts = _prompt_texts(tokenizer, prompts, use_chat_template)
     encoded = tokenizer(texts, add_special_tokens=not _uses_template(tokenizer, use_chat_template))

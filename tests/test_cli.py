@@ -320,7 +320,10 @@ def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
     refused = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o2"),
                *TINY_FLAGS, "--no-truncate-prompts"]
     assert cli.main(refused) == 2
-    assert "shorten it, lower max_new_tokens, or set truncate_prompts = true" in _error_line(capsys)
+    err = capsys.readouterr().err  # after the loading lines: one error, no traceback
+    errors = [line for line in err.splitlines() if line.startswith("pyppo: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err and not (tmp_path / "o2").exists()
+    assert "prompt 1 (" in errors[0] and "shorten it, lower max_new_tokens, or set truncate_prompts = true" in errors[0]
 
 
 def test_nproc_launcher_forwards_each_signal_and_waits(tmp_path, monkeypatch):
