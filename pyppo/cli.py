@@ -693,20 +693,20 @@ def _plain_warnings():
     import warnings
 
     package = str(Path(__file__).resolve().parent)
-    shown = warnings.showwarning
+    formatted = warnings.formatwarning
 
-    def show(message, category, filename, lineno, file=None, line=None):
+    # formatwarning, not showwarning: recording warnings (catch_warnings(record=True)) keeps working.
+    def plain(message, category, filename, lineno, line=None):
         if str(filename).startswith(package):
-            print(f"{PROG}: warning: {message}", file=sys.stderr if file is None else file)
-        else:
-            shown(message, category, filename, lineno, file, line)
+            return f"{PROG}: warning: {message}\n"
+        return formatted(message, category, filename, lineno, line)
 
-    warnings.showwarning = show
+    warnings.formatwarning = plain
     try:
         yield
     finally:
-        if warnings.showwarning is show:
-            warnings.showwarning = shown
+        if warnings.formatwarning is plain:
+            warnings.formatwarning = formatted
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,9 @@ they kill) without losing work. Both signals are handled alike:
 3. the third exits at once (status 128 + signal number). Checkpoints are swapped in atomically
    (:mod:`pyppo.checkpoint`), so the last complete one is kept, as after SIGKILL.
 
-While the models load (:meth:`GracefulStop.loading`) there is nothing to keep: the first signal
-exits at once. Messages are written with ``os.write``: a handler that ``print``\\ s while the main
-code is writing to the same stream (tqdm's bar) would raise a reentrant-call error.
+While the models load (until :meth:`GracefulStop.training`) there is nothing to keep: the first
+signal exits at once. Messages are written with ``os.write``: a handler calling ``print`` while the
+main code writes to the same stream (tqdm's bar) would raise a reentrant-call error.
 
 Under several processes every rank receives the signal (torchrun forwards it); the ranks agree at
 each step boundary (:meth:`GracefulStop.should_stop`), and a step is never abandoned on one rank

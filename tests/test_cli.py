@@ -309,8 +309,10 @@ def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n" + json.dumps({"prompt": "rain " * 420}) + "\n")
     argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o"),
             *TINY_FLAGS, "--steps", "1"]
-    assert cli.main(argv) == 0
-    err = capsys.readouterr().err
+    # A child process: pytest records warnings instead of printing them.
+    res = subprocess.run([sys.executable, "-m", "pyppo", *argv], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    err = res.stderr
     warning = [line for line in err.splitlines() if "longer than" in line]
     assert len(warning) == 1, err
     assert warning[0].startswith("pyppo: warning: prompts: prompt 1 (")
@@ -366,3 +368,14 @@ def test_nproc_launcher_forwards_each_signal_and_waits(tmp_path, monkeypatch):
     assert cli.main(["train", "--nproc", "2", "--steps", "1"]) == 130
     assert started[0].poll() == 130  # waited for: nothing left running
     assert log.read_text().split() == [str(int(signal.SIGINT)), str(int(signal.SIGTERM))]
+
+
+def test_config_errors_under_torchrun_are_said_once(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("steps = \n")
+    monkeypatch.setenv("RANK", "1")  # any rank but 0 fails alike, silently
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    assert f"--config {str(cfg)!r}: invalid TOML" in _error_line(capsys)  # the file is named
