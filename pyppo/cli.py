@@ -722,8 +722,19 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc) or type(exc).__name__
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank fails alike: say it once
             print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
+        status = 2
+    if argv is None:  # the command line: a signal while the process exits ends it quietly
+        _exit_on_signals(int(status or 0))
     return int(status or 0)
+
+
+def _exit_on_signals(status: int) -> None:
+    """From now on SIGINT and SIGTERM end the process at once with ``status`` (its work is done;
+    Python's default would print a ``KeyboardInterrupt`` traceback during shutdown)."""
+    import signal
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: os._exit(status))
 
 
 if __name__ == "__main__":

@@ -453,7 +453,8 @@ _SIGNALLER = textwrap.dedent(
                 fire()
             return real_save(*args, **kwargs)
         checkpoint.torch.save = save
-    sys.exit(cli.main(sys.argv[4:]))
+    sys.argv = ["pyppo", *sys.argv[4:]]
+    sys.exit(cli.main())  # as the pyppo command calls it
     """
 )
 
@@ -578,7 +579,7 @@ def _run_child(script: Path, mode: str, signum: int, count: int, argv: list, rng
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PYPPO_DEBUG", None)
-    proc = subprocess.Popen([sys.executable, str(script), mode, str(signum), str(count), *argv], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(int(signum)), str(count), *argv], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines, talking = [], threading.Event()
 
@@ -697,15 +698,15 @@ def test_prompt_longer_than_the_context_is_cut_with_one_warning():
     from tiny_models import tiny_llama_config
 
     torch.manual_seed(0)
-    policy = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=64))
+    policy = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=80))
     prompts = PROMPTS[:3] + ["x" * 200] + PROMPTS[3:]
     with pytest.warns(UserWarning) as record:
         tr = make_trainer(small_config(steps=1, max_new_tokens=8), policy=policy, prompts=prompts)
     messages = [str(w.message) for w in record if "longer than" in str(w.message)]
     assert len(messages) == 1
     assert messages[0].startswith("prompts: prompt 3 (")
-    assert "longer than the 56 tokens the model's context leaves (64 positions minus max_new_tokens = 8)" in messages[0]
+    assert "longer than the 72 tokens the model's context leaves (80 positions minus max_new_tokens = 8)" in messages[0]
     batch = tr.rollout(["x" * 200, "Hi"])
-    assert batch.query_ids.shape[1] == 56
-    with pytest.raises(ValueError, match=r"prompts: prompt 3 \(\d+ tokens\) longer than the 56 tokens"):
+    assert batch.query_ids.shape[1] == 72
+    with pytest.raises(ValueError, match=r"prompts: prompt 3 \(\d+ tokens\) longer than the 72 tokens"):
         make_trainer(small_config(steps=1, max_new_tokens=8, truncate_prompts=False), policy=policy, prompts=prompts)
