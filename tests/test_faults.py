@@ -435,7 +435,7 @@ _SIGNALLER = textwrap.dedent(
     from pyppo import checkpoint, cli, models
 
     def fire():
-        os.write(2, b"signaller: firing\n")
+        os.write(2, b"signaller: firing\\n")
         for _ in range(count):
             os.kill(os.getpid(), signum)
 
