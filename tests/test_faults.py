@@ -631,9 +631,10 @@ def test_random_signals_never_lose_work(tiny_dir, prompts_file, stop_straight_ro
             argv = (["train", "--resume", str(out)] if resume else
                     ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out),
                      *STOP_FLAGS])
-            mode = rng.choice(["none", "none", "loading", "save1", "save2", "save3", "save4"])
+            # Few rounds (each child imports torch: seconds), many signals each.
+            mode = rng.choice(["none", "none", "none", "loading", "save1", "save3"])
             count = rng.choice([1, 2, 3]) if mode != "none" else 0
-            external = rng.choice([0, 1, 2, 3]) if mode == "none" else rng.choice([0, 0, 1])
+            external = rng.choice([2, 3, 3]) if mode == "none" else rng.choice([0, 1, 2])
             status, err, sent = _run_child(script, mode, rng.choice([signal.SIGINT, signal.SIGTERM]), count,
                                            argv, rng, external, window, tmp_path)
             where = f"seed {seed}, round {rounds}, mode {mode} x{count}, {sent} external: {err[-2000:]}"
@@ -650,6 +651,7 @@ def test_random_signals_never_lose_work(tiny_dir, prompts_file, stop_straight_ro
                 break
         assert [_untimed(r) for r in rows] == stop_straight_rows, f"seed {seed}"
     assert total >= 21
+    print(f"seed {seed}: {total} signals in {rounds} rounds over {runs} runs")
 
 
 # ----------------------------------------------------------------------------- odd inputs
