@@ -47,7 +47,7 @@ def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, rewar
         as :func:`check_sources` and :func:`pyppo.models.load_model_and_tokenizer`.
     """
     reward_fn, prompt_list = check_sources(model, reward, prompts, config.device)
-    eval_list = prompt_sets.load_prompts(eval_prompts) if eval_prompts else None
+    eval_list = prompt_sets.load_prompts(eval_prompts, flag="--eval-prompts") if eval_prompts else None
     if before_loading is not None:
         before_loading()
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).

@@ -18,11 +18,15 @@ with one line ``pyppo: error: ...`` and exit status 2; a run stopped by ``max_co
 non-finite updates ends the same way with status 1 (its last good checkpoint kept for
 ``--resume``). ``PYPPO_DEBUG=1`` shows the traceback instead. All configuration errors are
 reported before any model is loaded.
+
+SIGINT and SIGTERM stop a run without losing work (:mod:`pyppo.stopping`): exit status 130 / 143
+after a checkpoint of the last finished step, with one line saying how to continue.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -265,6 +269,15 @@ def _check_keys(table: dict, where: str) -> dict:
             raise CLIError(f"{where}: unknown key {key!r}; known keys: {known}")
         if key in knobs and knobs[key].optional and isinstance(value, str) and value.lower() == "none":
             value = None  # TOML has no null; config.toml writes None as "none"
+        # Each source is checked on its own: a bad value that a flag overrides is still a mistake
+        # in the file.
+        if key in knobs:
+            try:
+                knobs[key].validate(key, value)
+            except ValueError as exc:
+                raise CLIError(f"{where}: {exc}") from None
+        elif not isinstance(value, str):
+            raise CLIError(f"{where}: {key!r} must be a string, got {value!r}")
         out[key] = value
     return out
 
@@ -304,8 +317,8 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         resume_dir = Path(args.resume).expanduser()
         if not resume_dir.is_dir():
             raise CLIError(f"--resume {args.resume!r}: no such run directory")
-        if checkpoint.find(resume_dir / "checkpoint") is None:
-            raise CLIError(f"--resume {args.resume!r}: no complete checkpoint/ in it (did the run save one?)")
+        if not (resume_dir / "config.toml").is_file():
+            raise CLIError(f"--resume {args.resume!r}: no config.toml in it (not a pyppo run directory)")
         resumed = _check_keys(_read_toml(resume_dir / "config.toml", "--resume config"),
                               str(resume_dir / "config.toml"))
         merged.update(resumed)
@@ -323,6 +336,7 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
                            "start a new run (--output) to change it")
         merged[key] = value
     flags = config_flag_values(args)
+    _check_lora_flags(flags, resumed if resume_dir is not None else None)
     merged.update(flags)
     # `--batch-size 8` alone should work: when the mini-batch size is still TRAIN_DEFAULTS' and does
     # not divide the batch, train on the whole batch at once.
@@ -331,9 +345,6 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         merged["mini_batch_size"] = flags["batch_size"]
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
-    for key in RUN_KEYS:
-        if run[key] is not None and not isinstance(run[key], str):
-            raise CLIError(f"{key!r} must be a string, got {run[key]!r}")
     # Paths are stored absolute in the resolved config, so `--resume` works from any directory.
     for key in ("prompts", "eval_prompts"):
         if run[key]:
@@ -352,28 +363,69 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         if Path(file).expanduser().is_file():
             run["reward"] = f"{Path(file).expanduser().resolve()}:{function}"
     ppo_config = make_config(merged)
+    if not ppo_config.lora_rank:
+        useless = [_flag(k) for k in ("lora_alpha", "lora_target_modules") if k in flags]
+        if useless:
+            raise CLIError(f"{' and '.join(useless)} only apply with --lora-rank N > 0 (LoRA is off)")
+    if ppo_config.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        import warnings
+
+        warnings.warn("fsdp has no effect in a single process (it shards over torchrun's processes: "
+                      "--nproc N or torchrun --nproc-per-node N)", UserWarning, stacklevel=2)
     if ppo_config.eval_every and not run["eval_prompts"]:
         raise CLIError(f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts)")
-    if resume_dir is not None:
-        done = checkpoint.saved_step(checkpoint.find(resume_dir / "checkpoint"))
-        if done >= ppo_config.steps:
-            raise CLIError(f"--resume {args.resume!r}: its checkpoint is at step {done}, so steps = "
-                           f"{ppo_config.steps} leaves nothing to do; pass --steps N with N > {done}")
-
     if args.output is not None:
         output = Path(args.output).expanduser()
     elif resume_dir is not None:
         output = resume_dir
     else:
         output = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    _check_output(output)
+    # A directory whose run has no checkpoint holds nothing to resume: the same command starts it
+    # over there (see cmd_train); one with a checkpoint is only continued with --resume.
     if resume_dir is None or output.resolve() != resume_dir.resolve():
-        taken = [name for name in ("metrics.jsonl", "checkpoint") if (output / name).exists()]
-        if taken:
+        if checkpoint.find(output / "checkpoint") is not None:
             raise CLIError(
-                f"--output {str(output)!r} already holds a run ({', '.join(taken)}); "
+                f"--output {str(output)!r} already holds a run with a checkpoint; "
                 f"continue it with --resume {str(output)!r} or choose another --output"
             )
     return run, ppo_config, output, resume_dir
+
+
+#: What a checkpoint's trained weights depend on: a resumed run cannot change them.
+_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "value_lora")
+
+
+def _check_lora_flags(flags: dict, resumed: dict | None) -> None:
+    """A resumed run's LoRA settings are those its checkpoint was trained with.
+
+    Raises:
+        CLIError: a LoRA flag that differs from the resumed run's config.toml.
+    """
+    if resumed is None:
+        return
+    for key in _LORA_KEYS:
+        if key in flags and key in resumed and flags[key] != resumed[key]:
+            raise CLIError(f"{_flag(key)} {flags[key]!r} differs from the resumed run's {key} {resumed[key]!r}: "
+                           "its checkpoint holds weights trained with it; start a new run (--output) to change it")
+
+
+def _check_output(output: Path) -> None:
+    """``--output`` must be a directory or creatable as one (checked before anything loads).
+
+    Raises:
+        CLIError: it, or a parent of it, is an existing file; or it cannot be written.
+    """
+    if output.exists() and not output.is_dir():
+        raise CLIError(f"--output {str(output)!r} is an existing file, not a directory")
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CLIError(f"--output {str(output)!r}: {str(parent)!r} is a file, not a directory")
+            if not os.access(output if output.exists() else parent, os.W_OK | os.X_OK):
+                raise CLIError(f"--output {str(output)!r}: no permission to write in "
+                               f"{str(output if output.exists() else parent)!r}")
+            break
 
 
 def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
@@ -396,60 +448,109 @@ def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _relaunch_with_torchrun(args.nproc)
+    from pyppo.stopping import GracefulStop
+
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
+    stop = GracefulStop(say=main_rank, single_process=int(os.environ.get("WORLD_SIZE", "1")) == 1)
+    with stop.installed():
+        return _train(args, stop, main_rank)
+
+
+def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     import gc
 
-    from pyppo import checkpoint, distributed
+    from pyppo import distributed
     from pyppo.builder import build_trainer
     from pyppo.plotting import plot_metrics
     from pyppo.skips import NonFiniteUpdateError
 
-    run, config, output, resume_dir = resolve_train_config(args)
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
     say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
+    run, config, output, resume_dir = resolve_train_config(args)
+    done = _checkpoint_step(resume_dir)
+    if done is not None and done >= config.steps:
+        say(f"{PROG}: {str(resume_dir)!r} is at step {done} (its checkpoint), steps = {config.steps}: nothing "
+            f"left to run; pass --steps N with N > {done} to train further")
+        return 0
+    if resume_dir is not None:
+        say(f"{PROG}: resuming {str(resume_dir)!r} from step {done} of {config.steps}" if done is not None else
+            f"{PROG}: {str(resume_dir)!r} has no checkpoint yet: starting it over in place from step 0 "
+            "with its config.toml")
+    elif _restartable(output):
+        say(f"{PROG}: {str(output)!r} holds a run stopped before its first checkpoint: starting it over in place")
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
     trainer = build_trainer(config, **run, before_loading=lambda: say(f"pyppo: loading {run['model']} ..."))
     # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
-    if resume_dir is not None:
+    if done is not None:
         trainer.load_checkpoint(resume_dir / "checkpoint")
+    elif _restartable(output):
+        _clear_run(output)
     created = not output.exists()
     if main_rank:
         output.mkdir(parents=True, exist_ok=True)
         write_resolved_config(output / "config.toml", run, config)
+    stop.training()
     try:
-        trainer.train(output)
+        trainer.train(output, stop=stop)
     except BaseException as exc:
         if main_rank and resume_dir is None and not any((output / n).exists() for n in ("metrics.jsonl", "checkpoint")):
-            # Stopped before its first step was logged: leave no directory that --output would
-            # refuse and --resume could not use.
+            # Failed before its first step was logged: leave no directory behind.
             (output / "config.toml").unlink(missing_ok=True)
             if created and output.is_dir() and not any(output.iterdir()):
                 output.rmdir()
-        if isinstance(exc, KeyboardInterrupt):
-            if main_rank and (output / "metrics.jsonl").is_file():
-                plot_metrics(output / "metrics.jsonl", output / "curves.png")
-            last = checkpoint.find(output / "checkpoint")
-            hint = (f"continue from its last checkpoint (step {checkpoint.saved_step(last)}) with: "
-                    f"pyppo train --resume {output}" if last else "no checkpoint was written yet (see save_every)")
-            say(f"\npyppo: interrupted; outputs so far are in {output}; {hint}")
-            return 130
         if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
             say(f"{PROG}: error: {exc}")
             return 1
         raise
-
-    world = trainer.world
+    stop.finishing()
+    finished = trainer.step_count >= config.steps
+    world, step = trainer.world, trainer.step_count
     del trainer
     gc.collect()
     distributed.leave(world)
     if not main_rank:
-        return 0
+        return stop.exit_status if not finished else 0
     if (output / "metrics.jsonl").is_file():
         plot_metrics(output / "metrics.jsonl", output / "curves.png")
+    if not finished:
+        if step == 0:
+            hint = (f"no step finished, so there is nothing to keep: the same command, or "
+                    f"pyppo train --resume {output}, starts it over in place")
+        else:
+            hint = f"its checkpoint is at step {step} of {config.steps}; continue with: pyppo train --resume {output}"
+        say(f"{PROG}: stopped by {stop.signal_name}; {hint}")
+        return stop.exit_status
     print(f"pyppo: run written to {output}")
     for name, what in _OUTPUT_FILES.items():
         if (output / name).exists():
             print(f"  {name:<18} {what}")
     return 0
+
+
+def _checkpoint_step(resume_dir: Path | None) -> int | None:
+    """The step of ``resume_dir``'s checkpoint; ``None`` without one (or without ``--resume``)."""
+    from pyppo import checkpoint
+
+    found = checkpoint.find(resume_dir / "checkpoint") if resume_dir is not None else None
+    return checkpoint.saved_step(found) if found is not None else None
+
+
+def _restartable(output: Path) -> bool:
+    """Whether ``output`` holds a run that has no checkpoint: stopped or failed before its first
+    one, it has nothing to resume, so the same command starts it over there."""
+    from pyppo import checkpoint
+
+    return output.is_dir() and any((output / name).exists() for name in _OUTPUT_FILES) \
+        and checkpoint.find(output / "checkpoint") is None
+
+
+def _clear_run(output: Path) -> None:
+    """Remove what a run without a checkpoint left (logs, curves, debris of a first save)."""
+    import shutil
+
+    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "curves.png"):
+        (output / name).unlink(missing_ok=True)
+    for debris in [output / "checkpoint", *output.glob(".checkpoint.tmp-*")]:
+        shutil.rmtree(debris, ignore_errors=True)
 
 
 def _relaunch_with_torchrun(nproc: int) -> int:
@@ -471,7 +572,23 @@ def _relaunch_with_torchrun(nproc: int) -> int:
             words.append(word)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pyppo", *words]
     print(f"pyppo: running {' '.join(command[2:])}", file=sys.stderr)
-    return subprocess.call(command)
+    # torchrun runs in a session of its own, so that a Ctrl-C reaches it once, from here, and this
+    # process stays until it has stopped its workers (each signal forwarded; see pyppo.stopping).
+    import signal
+
+    child = subprocess.Popen(command, start_new_session=True)
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - status if status < 0 else status
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,19 +686,55 @@ def build_parser() -> argparse.ArgumentParser:
 _USER_ERRORS = (CLIError, OSError, ValueError, ImportError)
 
 
+@contextlib.contextmanager
+def _plain_warnings():
+    """pyppo's own warnings as ``pyppo: warning: ...`` lines: their file and line inside pyppo
+    say nothing to a user. Other packages' warnings keep Python's format."""
+    import warnings
+
+    package = str(Path(__file__).resolve().parent)
+    formatted = warnings.formatwarning
+
+    # formatwarning, not showwarning: recording warnings (catch_warnings(record=True)) keeps working.
+    def plain(message, category, filename, lineno, line=None):
+        if str(filename).startswith(package):
+            return f"{PROG}: warning: {message}\n"
+        return formatted(message, category, filename, lineno, line)
+
+    warnings.formatwarning = plain
+    try:
+        yield
+    finally:
+        if warnings.formatwarning is plain:
+            warnings.formatwarning = formatted
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pyppo`` and ``python -m pyppo``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        status = args.func(args)
+        with _plain_warnings():
+            status = args.func(args)
     except _USER_ERRORS as exc:
         if os.environ.get("PYPPO_DEBUG"):
             raise
         message = str(exc) or type(exc).__name__
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank fails alike: say it once
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+        status = 2
+    if argv is None:  # the command line: a signal while the process exits ends it quietly
+        _exit_on_signals(int(status or 0))
     return int(status or 0)
+
+
+def _exit_on_signals(status: int) -> None:
+    """From now on SIGINT and SIGTERM end the process at once with ``status`` (its work is done;
+    Python's default would print a ``KeyboardInterrupt`` traceback during shutdown)."""
+    import signal
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: os._exit(status))
 
 
 if __name__ == "__main__":

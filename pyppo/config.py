@@ -157,8 +157,12 @@ class PPOConfig:
     # -- sampling
     max_new_tokens: int = knob(48, "response length limit, in tokens", integer(1), group="sampling")
     max_prompt_length: Optional[int] = knob(
-        None, "prompts longer than this many tokens are cut from the left; None = no cut", integer(1),
-        group="sampling", optional=True)
+        None, "prompts longer than this many tokens are cut from the left; None = only what the model's "
+        "context cannot hold (see truncate_prompts)", integer(1), group="sampling", optional=True)
+    truncate_prompts: bool = knob(
+        True, "a prompt longer than the room the model's context leaves (its positions minus "
+        "max_new_tokens) is cut from the left, with a warning naming it; false = that is an error",
+        boolean(), group="sampling")
     temperature: float = knob(
         1.0, "sampling temperature; the ratio and KL use the same softmax(z / temperature)",
         number(0.0, lo_open=True), group="sampling")

@@ -91,7 +91,7 @@ DEFAULT_PROMPTS: list[str] = [
 ]
 
 
-def load_prompts(path: str | os.PathLike) -> list[str]:
+def load_prompts(path: str | os.PathLike, *, flag: str = "--prompts") -> list[str]:
     """Read prompts from a JSON Lines file, one ``{"prompt": "..."}`` object per line.
 
     Blank lines are skipped; other keys on a line are ignored (so a data set with extra fields
@@ -99,6 +99,7 @@ def load_prompts(path: str | os.PathLike) -> list[str]:
 
     Args:
         path: the ``.jsonl`` file.
+        flag: the option that named it (``--prompts``, ``--eval-prompts``), for the messages.
 
     Returns:
         The prompts, in file order.
@@ -110,7 +111,7 @@ def load_prompts(path: str | os.PathLike) -> list[str]:
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"prompts file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     prompts: list[str] = []
     for where, obj in read_objects(path, expected='a JSON object {"prompt": "..."}'):
         if "prompt" not in obj:
@@ -120,7 +121,7 @@ def load_prompts(path: str | os.PathLike) -> list[str]:
             raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
         prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"prompts file {str(path)!r} holds no prompt")
+        raise ValueError(f"{flag} {str(path)!r}: the file holds no prompt (one {{\"prompt\": ...}} per line)")
     return prompts
 
 

@@ -10,8 +10,9 @@ neutral value and hides the model's own config for the duration of the call. See
 
 from __future__ import annotations
 
+import warnings
 from contextlib import ExitStack, contextmanager
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -37,7 +38,9 @@ NEUTRAL_SAMPLING: Dict[str, Any] = {
     "encoder_no_repeat_ngram_size": 0,
     "min_new_tokens": 0,
     "renormalize_logits": False,
-    "remove_invalid_values": False,
+    # Leaves finite logits untouched; a diverged model's NaN/inf ones would make the sampler raise,
+    # so they are replaced, the rollout finishes, and the trainer names its non-finite log-probs.
+    "remove_invalid_values": True,
 }
 
 
@@ -157,6 +160,63 @@ def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor
                               generation_config=gen_config, **kwargs)
 
 
+def prompt_token_limit(model: nn.Module, *, max_new_tokens: int, max_prompt_length: Optional[int]) -> tuple:
+    """``(limit, room)``: the most tokens a prompt keeps (``max_prompt_length``, and at most the
+    ``room`` the model's context leaves: its ``max_position_embeddings`` minus ``max_new_tokens``);
+    ``None`` for no limit / no known context.
+
+    Raises:
+        ValueError: ``max_new_tokens`` leaves no room in the model's context.
+    """
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    room = None
+    if isinstance(context, int) and context > 0:
+        room = context - max_new_tokens
+        if room < 1:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
+                             f"context of {context} positions")
+    limits = [n for n in (max_prompt_length, room) if n is not None]
+    return (min(limits) if limits else None), room
+
+
+def check_prompt_lengths(tokenizer, prompts: Sequence[str], *, use_chat_template: bool, room: Optional[int],
+                         max_new_tokens: int, max_prompt_length: Optional[int], truncate: bool,
+                         what: str = "prompts") -> None:
+    """Say which prompts the model's context cannot hold (more tokens than ``room``, what
+    :func:`prompt_token_limit` returns): a warning that they are cut from the left (``truncate``),
+    else an error. Prompts that only ``max_prompt_length`` (asked for) cuts are not reported.
+    Indices are positions in ``prompts``.
+
+    Raises:
+        ValueError: with ``truncate`` false, a prompt longer than ``room`` (naming it).
+    """
+    if not prompts or room is None or (max_prompt_length is not None and max_prompt_length <= room):
+        return
+    texts = _prompt_texts(tokenizer, prompts, use_chat_template)
+    encoded = tokenizer(texts, add_special_tokens=not _uses_template(tokenizer, use_chat_template))
+    long = [(i, len(ids)) for i, ids in enumerate(encoded["input_ids"]) if len(ids) > room]
+    if not long:
+        return
+    listed = ", ".join(f"{i} ({n} tokens)" for i, n in long[:5]) + (f" and {len(long) - 5} more" if len(long) > 5 else "")
+    head = (f"{what}: prompt{'s' if len(long) > 1 else ''} {listed} longer than the {room} tokens the model's "
+            f"context leaves ({room + max_new_tokens} positions minus max_new_tokens = {max_new_tokens})")
+    if not truncate:
+        raise ValueError(f"{head}; shorten {'them' if len(long) > 1 else 'it'}, lower max_new_tokens, or set "
+                         "truncate_prompts = true to cut from the left")
+    warnings.warn(f"{head}: cut from the left to the last {room} tokens", UserWarning, stacklevel=2)
+
+
+def _uses_template(tokenizer, use_chat_template: bool) -> bool:
+    return bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def _prompt_texts(tokenizer, prompts: Sequence[str], use_chat_template: bool) -> List[str]:
+    if _uses_template(tokenizer, use_chat_template):
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                              add_generation_prompt=True) for p in prompts]
+    return list(prompts)
+
+
 def encode_prompts(tokenizer, prompts: List[str], *, use_chat_template: bool, max_prompt_length,
                    device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Tokenise prompts, left-padded (through the chat template when the tokenizer has one).
@@ -175,12 +235,8 @@ def encode_prompts(tokenizer, prompts: List[str], *, use_chat_template: bool, ma
     Raises:
         ValueError: a prompt encodes to zero tokens.
     """
-    use_template = use_chat_template and getattr(tokenizer, "chat_template", None)
-    if use_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
-    else:
-        texts = list(prompts)
+    use_template = _uses_template(tokenizer, use_chat_template)
+    texts = _prompt_texts(tokenizer, prompts, use_chat_template)
     kwargs: Dict[str, Any] = {}
     if max_prompt_length is not None:
         kwargs.update(truncation=True, max_length=max_prompt_length)

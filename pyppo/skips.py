@@ -7,11 +7,28 @@ import math
 import warnings
 from typing import Dict, Mapping
 
-__all__ = ["NonFiniteUpdateError", "SkipPolicy"]
+__all__ = ["NonFiniteUpdateError", "NonFiniteRolloutError", "check_rollout_finite", "SkipPolicy"]
 
 
 class NonFiniteUpdateError(RuntimeError):
     """``max_consecutive_skips`` updates in a row had a NaN/inf loss or gradient: training stopped."""
+
+
+class NonFiniteRolloutError(NonFiniteUpdateError):
+    """A rollout's log-probs, values or rewards are NaN/inf: the model has diverged, and training
+    stopped before anything of the step was logged or checkpointed."""
+
+
+def check_rollout_finite(counts: Mapping[str, float], tokens: float, where: str) -> None:
+    """Raise :class:`NonFiniteRolloutError` when any of ``counts`` (name -> number of non-finite
+    response tokens, over all ranks) is not 0; ``tokens`` is the number of response tokens.
+    Checked before the advantages are whitened, whose statistics such values would make NaN."""
+    bad = {name: int(n) for name, n in counts.items() if n}
+    if bad:
+        listed = ", ".join(f"{name} ({n} of {int(tokens)} response tokens)" for name, n in bad.items())
+        raise NonFiniteRolloutError(
+            f"{where}: the rollout has non-finite {listed}: the model probably diverged "
+            "(try a lower lr, a max_grad_norm, or lr_warmup_steps)")
 
 
 class SkipPolicy:

@@ -24,6 +24,7 @@ normaliser, the KL controller's input and the metrics global, and DDP or FSDP2 t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -48,8 +49,10 @@ from .ops import gae, kl_penalty, masked_mean, shape_rewards
 from .ops.losses import LOG_RATIO_CLAMP, loss_normalizer, ppo_value_loss
 from .prompts import PromptSampler
 from .rewards import score_responses
-from .rollout import encode_prompts, generation_config, response_mask_from_eos
-from .skips import NonFiniteUpdateError, SkipPolicy
+from .rollout import (check_prompt_lengths, encode_prompts, generation_config, prompt_token_limit,
+                      response_mask_from_eos)
+from .skips import NonFiniteUpdateError, SkipPolicy, check_rollout_finite
+from .stopping import GracefulStop, StepAbandoned
 from .stats import PHASES, PhaseTimer, RunningStats
 
 __all__ = ["PPOTrainer", "StepResult", "METRIC_KEYS", "NonFiniteUpdateError"]
@@ -235,6 +238,14 @@ class PPOTrainer:
         self.reward_fn = reward_fn
         self.sampler = PromptSampler(prompts, c.seed)
         self.eval_prompts = list(eval_prompts or [])
+        # Checked once, up front: a prompt the context cannot hold would otherwise make generation
+        # crawl past the model's positions.
+        self.max_prompt_tokens, room = prompt_token_limit(self.policy, max_new_tokens=c.max_new_tokens,
+                                                          max_prompt_length=c.max_prompt_length)
+        for what, texts in (("prompts", prompts), ("eval_prompts", self.eval_prompts)):
+            check_prompt_lengths(tokenizer, texts, use_chat_template=c.use_chat_template, room=room,
+                                 max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,
+                                 truncate=c.truncate_prompts, what=what)
 
         for what, model in (("policy", self.policy), ("value model", self.value_model)):
             if not any(p.requires_grad for p in model.parameters()):
@@ -300,7 +311,7 @@ class PPOTrainer:
         """Sample one response per prompt and cut it after its first EOS (points 1 and 2)."""
         c = self.config
         query_ids, query_mask = encode_prompts(self.tokenizer, prompts, use_chat_template=c.use_chat_template,
-                                               max_prompt_length=c.max_prompt_length, device=self.device)
+                                               max_prompt_length=self.max_prompt_tokens, device=self.device)
         self.policy.eval()
         # FSDP2: every decode step all-gathers, so synced_gpus keeps each rank stepping until all
         # are done.
@@ -334,11 +345,21 @@ class PPOTrainer:
         c = self.config
         batch.rewards, batch.kl = shape_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs,
                                                 batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
+        self.check_finite(batch)
         batch.advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask,
                                               gamma=c.gamma, lam=c.lam)
         valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
         if c.whiten_advantages and valid >= 2:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
+
+    def check_finite(self, batch: RolloutBuffer) -> None:
+        """Stop with :class:`~pyppo.skips.NonFiniteRolloutError` when the rollout's log-probs,
+        values or rewards hold NaN/inf at response positions (counted over every rank)."""
+        m = batch.response_mask
+        names = ("old_logprobs", "ref_logprobs", "values", "rewards")
+        counts = [int((~torch.isfinite(getattr(batch, name)) & m).sum()) for name in names] + [int(m.sum())]
+        counts = distributed.all_sum(counts, self.world)
+        check_rollout_finite(dict(zip(names, counts[:-1])), counts[-1], f"step {self.step_count + 1}")
 
     def first_pass_is_rollout_pass(self) -> bool:
         """Whether the first epoch's first minibatch is one micro-batch, so that its policy
@@ -523,7 +544,8 @@ class PPOTrainer:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
 
     # ------------------------------------------------------------------------------ the run
-    def train(self, output_dir: str | os.PathLike, *, progress: bool = True) -> List[Dict[str, float]]:
+    def train(self, output_dir: str | os.PathLike, *, progress: bool = True,
+              stop: Optional[GracefulStop] = None) -> List[Dict[str, float]]:
         """Run steps ``step_count + 1 … config.steps``, logging to ``output_dir``.
 
         Appends one JSON object per step to ``metrics.jsonl`` and, with ``log_samples``, one per
@@ -535,6 +557,12 @@ class PPOTrainer:
         it checkpointed them) and a torn last line are dropped first, with a warning. To resume,
         call :meth:`load_checkpoint` first. With several processes every rank calls this; rank 0
         writes.
+
+        ``stop`` (installed :class:`~pyppo.stopping.GracefulStop` handlers): after a SIGINT or
+        SIGTERM the loop ends after the current step, or without it when a second signal abandons
+        it (the state of the last finished step is put back), and a checkpoint of the last
+        finished step is written if none is; then this returns (``self.step_count`` tells where it
+        stopped).
 
         Returns:
             the metrics of the steps run now.
@@ -551,11 +579,27 @@ class PPOTrainer:
             for log in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
                 checkpoint.truncate_log(out / log, self.step_count)
         history: List[Dict[str, float]] = []
+        # The step the newest checkpoint holds, when it is the current state (0: nothing to save).
+        saved_step = self.step_count if self.step_count in (0, getattr(self, "_loaded_step", None)) else None
+        stopped = False
+        hooks = [] if stop is None else (
+            [opt.register_step_pre_hook(stop.commit) for opt in (self.policy_optimizer, self.value_optimizer)]
+            + [m.register_forward_pre_hook(stop.poll) for m in (self.policy, self.ref_policy, self.value_model)
+               if m is not None])
         with tqdm(total=c.steps, initial=self.step_count, desc="ppo", disable=not (progress and main),
-                  dynamic_ncols=True) as bar:
+                  dynamic_ncols=True) as bar, _removing(hooks):
             while self.step_count < c.steps:
+                if stop is not None and stop.should_stop(lambda v: distributed.all_sum(v, self.world)):
+                    stopped = True
+                    break
+                start_state = self._step_start_state() if stop is not None else None
                 try:
-                    result = self.step()
+                    with stop.step() if stop is not None else contextlib.nullcontext():
+                        result = self.step()
+                except StepAbandoned:
+                    self._restore_step_start(start_state)
+                    stopped = True
+                    break
                 except NonFiniteUpdateError as exc:
                     last = checkpoint.find(out / "checkpoint")
                     where = ("no checkpoint was written" if last is None else
@@ -571,9 +615,33 @@ class PPOTrainer:
                 bar.update(1)
                 bar.set_postfix(score=f"{result.metrics['score_mean']:.3f}", kl=f"{result.metrics['kl_mean']:.3f}")
                 if last_step or (c.save_every and self.step_count % c.save_every == 0):
+                    with stop.save() if stop is not None else contextlib.nullcontext():
+                        self.save_checkpoint(out / "checkpoint")
+                        self.export_policy(out / "policy")
+                    saved_step = self.step_count
+            if stopped and saved_step != self.step_count:
+                with stop.save():  # the last finished step, so that --resume loses nothing
                     self.save_checkpoint(out / "checkpoint")
-                    self.export_policy(out / "policy")
         return history
+
+    def _step_start_state(self) -> dict:
+        """What a step changes before its first optimizer step (cheap to copy): put back by
+        :meth:`_restore_step_start` when the step is abandoned, so that a checkpoint written then is
+        exactly the last finished step's."""
+        return {"rng": checkpoint.capture_rng(), "sampler": self.sampler.state_dict(),
+                "shuffle_generator": self.shuffle_generator.get_state(), "kl_ctl": self.kl_ctl.state_dict(),
+                "skips": self.skips.state_dict(), "optimizer_steps": self.optimizer_steps,
+                "step_count": self.step_count}
+
+    def _restore_step_start(self, state: dict) -> None:
+        checkpoint.restore_rng(state["rng"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.shuffle_generator.set_state(state["shuffle_generator"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.skips.load_state_dict(state["skips"])
+        self.optimizer_steps, self.step_count = state["optimizer_steps"], state["step_count"]
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        self.value_optimizer.zero_grad(set_to_none=True)
 
     def _log(self, out: Path, result: StepResult, eval_rows: List[dict]) -> None:
         b = result.batch
@@ -721,7 +789,7 @@ class PPOTrainer:
         self.shuffle_generator.set_state(st["shuffle_generator"])
         checkpoint.restore_rng(st["rank_rng"][self.world.rank] if "rank_rng" in st else st)
         self.skips.load_state_dict(st)
-        self.step_count = int(st["step"])
+        self.step_count = self._loaded_step = int(st["step"])
         # Checkpoints from before the warm-up existed: their runs are past any warm-up.
         self.optimizer_steps = int(st.get("optimizer_steps", 2**62))
         return d
@@ -753,3 +821,13 @@ def ratio_stats(seen: list) -> Dict[str, float]:
     return {"max_abs_logratio": max_abs, "ratio_min": float(ratio.min()),
             "ratio_max": float(ratio.max()), "ratio_mean": float(ratio.mean()),
             "approx_kl": float((ratio - 1 - logratio).mean())}
+
+
+@contextlib.contextmanager
+def _removing(handles: list):
+    """Remove the hook ``handles`` on leaving the block."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -211,8 +212,8 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
         assert flag in _error_line(capsys) and (out / "config.toml").read_text() == config_before
 
     # A resume with nothing left to do says so (before anything is loaded or written).
-    assert cli.main(["train", "--resume", str(out), "--steps", "2"]) == 2
-    assert "checkpoint is at step 2" in _error_line(capsys) and (out / "config.toml").read_text() == config_before
+    assert cli.main(["train", "--resume", str(out), "--steps", "2"]) == 0
+    assert "nothing left to run" in capsys.readouterr().err and (out / "config.toml").read_text() == config_before
 
     # Resume for one more step: same directory, metrics appended, config updated.
     assert cli.main(["train", "--resume", str(out), "--steps", "3", "--model", str(tiny_dir)]) == 0
@@ -232,22 +233,149 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
     assert untimed(rows3[2]) == untimed(rows[2])
 
 
-def test_ctrl_c_points_at_the_last_checkpoint(tiny_dir, tmp_path, capsys, monkeypatch):
-    from pyppo.trainer import PPOTrainer
+# ---------------------------------------------------------------- inputs checked before loading
 
-    real_step = PPOTrainer.step
 
-    def step(self):
-        if self.step_count == 1:
-            raise KeyboardInterrupt
-        return real_step(self)
+@pytest.fixture
+def no_loading(monkeypatch):
+    import pyppo.models
 
-    monkeypatch.setattr(PPOTrainer, "step", step)
+    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
+
+
+def test_output_that_is_a_file_or_under_one_is_refused_before_loading(tmp_path, capsys, no_loading):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli.main(["train", "--output", str(afile)]) == 2
+    assert f"--output {str(afile)!r} is an existing file, not a directory" in _error_line(capsys)
+    assert cli.main(["train", "--output", str(afile / "sub" / "run")]) == 2
+    assert f"{str(afile)!r} is a file, not a directory" in _error_line(capsys)
+
+
+def test_every_config_source_is_validated(tmp_path, capsys, no_loading):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('lr = "fast"\n')
+    # The flag would win, but the file's value is still wrong: said, naming the file.
+    assert cli.main(["train", "--config", str(cfg), "--lr", "1e-3", "--output", str(tmp_path / "o")]) == 2
+    line = _error_line(capsys)
+    assert str(cfg) in line and "lr must be a finite number > 0.0, got 'fast'" in line
+
+
+def test_lora_and_fsdp_flags_that_do_nothing(tmp_path, capsys, no_loading):
+    out = str(tmp_path / "o")
+    for flags in (["--lora-alpha", "8"], ["--lora-target-modules", "q_proj"]):
+        assert cli.main(["train", *flags, "--output", out]) == 2
+        assert f"{flags[0]} only apply with --lora-rank N > 0" in _error_line(capsys)
+    with pytest.warns(UserWarning, match="fsdp has no effect in a single process"):
+        _resolve(["--fsdp", "--output", out])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("lora_rank = 16\nlora_alpha = 32.0\n")
+    assert cli.main(["train", "--resume", str(run), "--lora-rank", "8"]) == 2
+    assert "--lora-rank 8 differs from the resumed run's lora_rank 16" in _error_line(capsys)
+
+
+def test_empty_eval_prompts_names_the_flag(tmp_path, capsys):
+    empty = tmp_path / "held_out.jsonl"
+    empty.write_text("\n")
+    assert cli.main(["train", "--eval-prompts", str(empty), "--output", str(tmp_path / "o")]) == 2
+    assert f"--eval-prompts {str(empty)!r}: the file holds no prompt" in _error_line(capsys)
+
+
+def test_wording_of_help_and_messages(capsys):
+    from pyppo.config import PPOConfig
+
+    with pytest.raises(ValueError, match=r"^lr must be a finite number > 0.0, got 0$"):
+        PPOConfig(lr=0)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "'file.py:function'" in " ".join(capsys.readouterr().out.split())
+
+
+def test_directory_left_by_a_failed_first_step_is_reused(tiny_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["train", "--model", str(tiny_dir), "--output", str(out), *TINY_FLAGS, "--save-every", "1"]
-    assert cli.main(argv) == 130
-    assert f"continue from its last checkpoint (step 1) with: pyppo train --resume {out}" in capsys.readouterr().err
-    # Interrupted before the first step: no checkpoint, and no run directory left behind.
-    monkeypatch.setattr(PPOTrainer, "step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
-    assert cli.main(["train", "--model", str(tiny_dir), "--output", str(tmp_path / "early"), *TINY_FLAGS]) == 130
-    assert "no checkpoint was written yet" in capsys.readouterr().err and not (tmp_path / "early").exists()
+    out.mkdir()
+    (out / "config.toml").write_text("steps = 1\n")  # all a run that failed in its first step leaves
+    assert cli.main(["train", "--model", str(tiny_dir), "--output", str(out), *TINY_FLAGS]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
+    # A prompt longer than the tiny model's 2048 positions (its tokenizer has a token per character).
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n" + json.dumps({"prompt": "rain " * 420}) + "\n")
+    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o"),
+            *TINY_FLAGS, "--steps", "1"]
+    # A child process: pytest records warnings instead of printing them.
+    res = subprocess.run([sys.executable, "-m", "pyppo", *argv], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    err = res.stderr
+    warning = [line for line in err.splitlines() if "longer than" in line]
+    assert len(warning) == 1, err
+    assert warning[0].startswith("pyppo: warning: prompts: prompt 1 (")
+    assert "longer than the 2044 tokens the model's context leaves (2048 positions minus max_new_tokens = 4)" \
+        in warning[0] and "cut from the left" in warning[0]
+    assert str(Path(cli.__file__).parent) not in err  # no file:line prefix from inside pyppo
+    refused = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o2"),
+               *TINY_FLAGS, "--no-truncate-prompts"]
+    assert cli.main(refused) == 2
+    err = capsys.readouterr().err  # after the loading lines: one error, no traceback
+    errors = [line for line in err.splitlines() if line.startswith("pyppo: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err and not (tmp_path / "o2").exists()
+    assert "prompt 1 (" in errors[0] and "shorten it, lower max_new_tokens, or set truncate_prompts = true" in errors[0]
+
+
+def test_nproc_launcher_forwards_each_signal_and_waits(tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess as sp
+    import threading
+
+    # Stands in for torchrun: counts the signals it gets, exits after the second (as a worker would).
+    child = tmp_path / "child.py"
+    log = tmp_path / "signals.txt"
+    child.write_text(
+        "import signal, sys, time\n"
+        "got = []\n"
+        "def handler(signum, frame):\n"
+        f"    got.append(signum); open({str(log)!r}, 'a').write(f'{{signum}}\\n')\n"
+        "    if len(got) == 2: sys.exit(130)\n"
+        "signal.signal(signal.SIGINT, handler); signal.signal(signal.SIGTERM, handler)\n"
+        f"open({str(log)!r}, 'w').close()\n"
+        "while True: time.sleep(0.05)\n")
+    real_popen, started = sp.Popen, []
+
+    def popen(command, **kwargs):
+        assert command[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"] and kwargs["start_new_session"]
+        proc = real_popen([sys.executable, str(child)], **kwargs)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(sp, "Popen", popen)
+    monkeypatch.setattr(sys, "argv", ["pyppo", "train", "--nproc", "2", "--steps", "1"])
+
+    def interrupt():
+        while not log.exists():
+            threading.Event().wait(0.05)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.kill(os.getpid(), signum)
+            threading.Event().wait(0.3)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    assert cli.main(["train", "--nproc", "2", "--steps", "1"]) == 130
+    assert started[0].poll() == 130  # waited for: nothing left running
+    assert log.read_text().split() == [str(int(signal.SIGINT)), str(int(signal.SIGTERM))]
+
+
+def test_config_errors_under_torchrun_are_said_once(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("steps = \n")
+    monkeypatch.setenv("RANK", "1")  # any rank but 0 fails alike, silently
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    assert f"--config {str(cfg)!r}: invalid TOML" in _error_line(capsys)  # the file is named

@@ -67,10 +67,11 @@ def test_a_run_leaves_a_policy_that_transformers_and_pyppo_load(tmp_path, capsys
     start = AutoModelForCausalLM.from_pretrained(tiny)
     assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), start.parameters()))
     assert (tmp_path / "a" / "eval_samples.jsonl").is_file()
-    # A refused resume (a full fine-tune's checkpoint into a LoRA run) leaves the run's files alone.
+    # A refused resume (a full fine-tune's checkpoint into a LoRA run) leaves the run's files alone;
+    # refused before anything loads.
     config_before = (tmp_path / "a" / "config.toml").read_text()
     assert cli.main(["train", "--resume", str(tmp_path / "a"), "--steps", "2", "--lora-rank", "4"]) == 2
-    assert "do not match" in capsys.readouterr().err
+    assert "--lora-rank 4 differs from the resumed run's lora_rank 0" in capsys.readouterr().err
     assert (tmp_path / "a" / "config.toml").read_text() == config_before
     # ... and a new run starts from it.
     assert cli.main(["train", "--model", str(policy_dir), *flags, "--output", str(tmp_path / "b")]) == 0

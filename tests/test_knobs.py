@@ -264,6 +264,7 @@ ELSEWHERE = {
     "target_kl": (test_trainer, "test_adaptive_kl_controller_is_applied"),
     "kl_horizon": (test_trainer, "test_adaptive_kl_controller_is_applied"),
     "max_consecutive_skips": (test_faults, "test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint"),
+    "truncate_prompts": (test_faults, "test_prompt_longer_than_the_context_is_cut_with_one_warning"),
     "dtype": (test_precision, "test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters"),
     "gradient_checkpointing": (test_precision, "test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update"),
     "fsdp": (test_distributed, "test_two_ranks_update_like_one_process"),

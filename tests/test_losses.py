@@ -550,3 +550,45 @@ def test_value_clipfrac_counts_no_clip_where_nothing_is_clipped():
     torch.testing.assert_close(loss, 0.5 * ((values - returns) ** 2).mean())
     _, stats = ppo_value_loss(values, old_values, returns, mask, cliprange_value=0.1)
     assert stats["vf_clipfrac"].item() > 0  # and real clips are still counted
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+def _loss_inputs(device="cpu", B=3, T=5):
+    g = torch.Generator().manual_seed(0)
+    t = lambda: torch.randn(B, T, generator=g).to(device)  # noqa: E731
+    mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    return t(), t(), t(), mask
+
+
+@pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
+def test_losses_run_on_meta_tensors(loss_agg):
+    lp, old, adv, mask = _loss_inputs("meta")
+    loss, stats = ppo_policy_loss(lp, old, adv, mask, loss_agg=loss_agg)
+    assert loss.device.type == "meta" and loss.shape == () and stats["ratio_max"].shape == ()
+    vloss, vstats = ppo_value_loss(lp, old, adv, mask.float(), loss_agg=loss_agg)
+    assert vloss.device.type == "meta" and set(vstats) == {"vf_clipfrac", "explained_variance"}
+
+
+def test_losses_compile_with_fullgraph_and_match_eager():
+    lp, old, adv, mask = _loss_inputs()
+
+    def both(lp, old, adv, mask):
+        pg, pg_stats = ppo_policy_loss(lp, old, adv, mask, cliprange_low=0.2, cliprange_high=0.3)
+        vf, vf_stats = ppo_value_loss(lp, old, adv, mask)
+        return pg, vf, pg_stats["clipfrac"], pg_stats["ratio_max"], vf_stats["vf_clipfrac"]
+
+    compiled = torch.compile(both, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(lp, old, adv, mask), both(lp, old, adv, mask)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_loss_errors_name_the_op():
+    lp, old, adv, mask = _loss_inputs()
+    with pytest.raises(ValueError, match=r"^pyppo\.ppo_policy_loss: cliprange_low must be in \[0, 1\)"):
+        ppo_policy_loss(lp, old, adv, mask, cliprange_low=1.5)
+    with pytest.raises(ValueError, match=r"^pyppo\.ppo_value_loss: mask has no valid token"):
+        ppo_value_loss(lp, old, adv, torch.zeros_like(mask))
+    with pytest.raises(ValueError, match=r"^pyppo\.aggregate_loss: loss_agg must be one of"):
+        aggregate_loss(lp, mask, "sum")

@@ -9,7 +9,7 @@ import torch
 
 from ._non_differentiable import first_derivative_only
 from .kl import kl_penalty
-from .losses import _as_bool_mask, aggregate_loss, loss_token_weights, ppo_policy_loss
+from .losses import _as_bool_mask, aggregate_loss, loss_token_weights, named_errors, ppo_policy_loss
 
 __all__ = ["linear_ppo_loss"]
 
@@ -17,15 +17,9 @@ _OP = "pyppo.linear_ppo_loss"
 
 
 def _named(fn):
-    # The losses' own checks raise messages without an op name; say which op the user called.
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ValueError as e:
-            raise ValueError(f"{_OP}: {e}") from None
-
-    return call
+    # The losses' own checks raise messages without an op name (or their own): say which op the
+    # user called.
+    return named_errors(fn, "linear_ppo_loss")
 
 
 def linear_ppo_loss(

@@ -33,6 +33,7 @@ exactly the minibatch loss instead of a mean of per-micro-batch means.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, Optional, Tuple
 
@@ -59,6 +60,25 @@ LOG_RATIO_CLAMP = 20.0
 Stats = Dict[str, torch.Tensor]
 
 
+def named_errors(fn, op: Optional[str] = None):
+    """``fn`` with its ``ValueError`` messages starting ``pyppo.<op>:`` (``op`` defaults to
+    ``fn``'s name), as the compiled ops' argument checks do; another op's prefix is replaced, so
+    the message names the function the user called."""
+    prefix = f"pyppo.{op or fn.__name__}: "
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as exc:
+            message = str(exc)
+            if message.startswith("pyppo.") and ": " in message:
+                message = message.split(": ", 1)[1]
+            raise ValueError(prefix + message) from None
+
+    return wrapper
+
+
 def _check_positive_or_none(name: str, value) -> None:
     if value is None:
         return
@@ -82,11 +102,22 @@ def _as_bool_mask(mask: torch.Tensor, name: str) -> torch.Tensor:
     if mask.is_floating_point() or mask.is_complex() or mask.dtype in (
         torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     ):
-        # A mask of arbitrary weights would silently become a weighting; insist on 0/1.
-        if not bool(((mask == 0) | (mask == 1)).all()):
+        # A mask of arbitrary weights would silently become a weighting; insist on 0/1 (where the
+        # values can be read: not while tracing).
+        if _can_read(mask) and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"{name} must be bool or contain only 0 and 1")
         return mask != 0
     raise ValueError(f"{name} must be a bool or 0/1 tensor, got dtype {mask.dtype}")
+
+
+def _can_read(t: torch.Tensor) -> bool:
+    """Whether a value check may read ``t`` on the host: not for meta or fake tensors, and not while
+    ``torch.compile`` traces (a host read there is a graph break, and fails under ``fullgraph``)."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -120,6 +151,7 @@ def _check_float_2d(
         raise ValueError(f"{mask_name} is on {mask.device} but {first} is on {device}")
 
 
+@named_errors
 def loss_normalizer(mask: torch.Tensor, loss_agg: str = "token-mean") -> int:
     """The count that ``loss_agg`` divides by, for ``mask [B, T]`` (bool or 0/1).
 
@@ -144,12 +176,16 @@ def _agg_count(m: torch.Tensor, loss_agg: str, normalizer: Optional[float]):
     sequences with one (``seq-mean-*``) of the bool mask ``m``."""
     if normalizer is not None:
         return normalizer
-    count = int(m.sum()) if loss_agg == "token-mean" else int(m.any(dim=-1).sum())
-    if count == 0:
+    # A 0-d tensor, not a Python int: no host sync, so the losses trace (meta tensors,
+    # torch.compile(fullgraph=True)). The empty check needs the value; where it cannot be read,
+    # an empty mask gives a loss of 0.
+    count = m.sum() if loss_agg == "token-mean" else m.any(dim=-1).sum()
+    if _can_read(count) and int(count) == 0:
         raise ValueError(f"mask has no valid token: {loss_agg} is undefined (pass normalizer)")
-    return count
+    return count.clamp_min(1)
 
 
+@named_errors
 def aggregate_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
@@ -211,6 +247,7 @@ def aggregate_loss(
     return seq_mean / norm
 
 
+@named_errors
 def loss_token_weights(
     mask: torch.Tensor,
     loss_agg: str = "token-mean",
@@ -261,12 +298,12 @@ def loss_token_weights(
     return torch.where(m, w, torch.zeros((), dtype=dtype, device=m.device))
 
 
-def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
-    if n == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return (torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / n).float()
+def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the ``n`` (a 0-d tensor) valid tokens of ``m``; 0 when there is none."""
+    return (torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / n.clamp_min(1)).float()
 
 
+@named_errors
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -381,7 +418,7 @@ def ppo_policy_loss(
     loss = aggregate_loss(pg_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
 
     with torch.no_grad():
-        n = int(m.sum())
+        n = m.sum()
         r = ratio.detach()
         k3 = r - 1.0 - log_ratio.detach()
         stats = {
@@ -392,14 +429,14 @@ def ppo_policy_loss(
             "logratio_clampfrac": _masked_stat_mean(
                 (raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).to(dt), m, n
             ),
-            "ratio_max": (
-                torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max().float()
-                if n > 0 else torch.zeros((), dtype=torch.float32, device=r.device)
-            ),
+            "ratio_max": torch.where(
+                n > 0, torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max(), zero
+            ).float() if r.numel() else torch.zeros((), dtype=torch.float32, device=r.device),
         }
     return loss, stats
 
 
+@named_errors
 def ppo_value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -471,7 +508,7 @@ def ppo_value_loss(
     loss = aggregate_loss(vf_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
 
     with torch.no_grad():
-        n = int(m.sum())
+        n = m.sum()
         stats = {
             "vf_clipfrac": _masked_stat_mean(clipped.to(dt), m, n),
             "explained_variance": _explained_variance(v.detach(), ret, m),
@@ -479,6 +516,7 @@ def ppo_value_loss(
     return loss, stats
 
 
+@named_errors
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Fraction of the variance of the returns that the value predictions explain.
 
