@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from .output_dir import check_output_dir
+
 __all__ = ["build_parser", "main", "resolve_train_config"]
 
 PROG = "pyppo"
@@ -366,7 +368,8 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     if not ppo_config.lora_rank:
         useless = [_flag(k) for k in ("lora_alpha", "lora_target_modules") if k in flags]
         if useless:
-            raise CLIError(f"{' and '.join(useless)} only apply with --lora-rank N > 0 (LoRA is off)")
+            verb = "applies" if len(useless) == 1 else "apply"
+            raise CLIError(f"{' and '.join(useless)} only {verb} with --lora-rank N > 0 (LoRA is off)")
     if ppo_config.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         import warnings
 
@@ -380,7 +383,7 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
         output = resume_dir
     else:
         output = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    _check_output(output)
+    check_output_dir(output)
     # A directory whose run has no checkpoint holds nothing to resume: the same command starts it
     # over there (see cmd_train); one with a checkpoint is only continued with --resume.
     if resume_dir is None or output.resolve() != resume_dir.resolve():
@@ -408,24 +411,6 @@ def _check_lora_flags(flags: dict, resumed: dict | None) -> None:
         if key in flags and key in resumed and flags[key] != resumed[key]:
             raise CLIError(f"{_flag(key)} {flags[key]!r} differs from the resumed run's {key} {resumed[key]!r}: "
                            "its checkpoint holds weights trained with it; start a new run (--output) to change it")
-
-
-def _check_output(output: Path) -> None:
-    """``--output`` must be a directory or creatable as one (checked before anything loads).
-
-    Raises:
-        CLIError: it, or a parent of it, is an existing file; or it cannot be written.
-    """
-    if output.exists() and not output.is_dir():
-        raise CLIError(f"--output {str(output)!r} is an existing file, not a directory")
-    for parent in output.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise CLIError(f"--output {str(output)!r}: {str(parent)!r} is a file, not a directory")
-            if not os.access(output if output.exists() else parent, os.W_OK | os.X_OK):
-                raise CLIError(f"--output {str(output)!r}: no permission to write in "
-                               f"{str(output if output.exists() else parent)!r}")
-            break
 
 
 def write_resolved_config(path: Path, run: dict, ppo_config) -> None:

@@ -710,6 +710,7 @@ def run(args: argparse.Namespace) -> int:
     from pyppo import _C
     from pyppo.builder import build_trainer
     from pyppo.cli import config_flag_values, make_config
+    from pyppo.output_dir import check_output_dir
 
     if args.warmup_steps < 0:
         raise ValueError("--warmup-steps must be >= 0")
@@ -725,6 +726,7 @@ def run(args: argparse.Namespace) -> int:
         settings["mini_batch_size"] = settings["batch_size"]
     config = make_config(settings)
     output = Path(args.output).expanduser()
+    check_output_dir(output)  # before the model loads, not after the profiled step
 
     trainer = build_trainer(config, model=args.model, reward=args.reward, prompts=args.prompts,
                             before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr))

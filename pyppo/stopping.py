@@ -175,5 +175,6 @@ class GracefulStop:
                    "the other processes are inside the step")
             self._write(f"pyppo: {name}: {why}; it finishes first (a third time: exit at once)")
             return
-        self._write(f"pyppo: {name}: exiting at once; the last complete checkpoint is kept")
+        self._write(f"pyppo: {name}: exiting at once; a checkpoint already complete is kept (with none, "
+                    "the same command starts the run over)")
         os._exit(128 + signum)

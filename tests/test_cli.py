@@ -255,6 +255,23 @@ def test_output_that_is_a_file_or_under_one_is_refused_before_loading(tmp_path, 
     assert f"{str(afile)!r} is a file, not a directory" in _error_line(capsys)
 
 
+def test_profile_and_bench_check_output_before_any_work(tmp_path, capsys, no_loading, monkeypatch):
+    import pyppo.bench.harness
+
+    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("the benchmark ran before --output was checked")
+
+    monkeypatch.setattr(pyppo.bench.harness, "run_suites", refuse)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli.main(["profile", "--output", str(afile / "sub")]) == 2
+    assert f"--output {str(afile / 'sub')!r}: {str(afile)!r} is a file, not a directory" in _error_line(capsys)
+    assert cli.main(["bench", "--sizes", "tiny", "--ops", "gae", "--output", str(afile)]) == 2
+    assert f"--output {str(afile)!r} is an existing file, not a directory" in _error_line(capsys)
+    assert cli.main(["bench", "--sizes", "tiny", "--ops", "gae", "--json", str(afile / "r.json")]) == 2
+    assert f"--json {str(afile)!r} is an existing file, not a directory" in _error_line(capsys)
+
+
 def test_every_config_source_is_validated(tmp_path, capsys, no_loading):
     cfg = tmp_path / "c.toml"
     cfg.write_text('lr = "fast"\n')
@@ -268,7 +285,7 @@ def test_lora_and_fsdp_flags_that_do_nothing(tmp_path, capsys, no_loading):
     out = str(tmp_path / "o")
     for flags in (["--lora-alpha", "8"], ["--lora-target-modules", "q_proj"]):
         assert cli.main(["train", *flags, "--output", out]) == 2
-        assert f"{flags[0]} only apply with --lora-rank N > 0" in _error_line(capsys)
+        assert f"{flags[0]} only applies with --lora-rank N > 0" in _error_line(capsys)
     with pytest.warns(UserWarning, match="fsdp has no effect in a single process"):
         _resolve(["--fsdp", "--output", out])
     run = tmp_path / "run"

@@ -45,6 +45,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..output_dir import check_output_dir
 from .memory import quiet_stderr
 
 __all__ = ["add_arguments", "run", "quiet_stderr"]
@@ -139,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
     from .table import format_table
 
     sizes = _sizes(args)
+    # Before any timing: a bad path would otherwise only fail once the results exist.
+    if args.output is not None:
+        check_output_dir(Path(args.output).expanduser())
+    if args.json:
+        check_output_dir(Path(args.json).expanduser().parent, "--json")
     if args.peer is not None and args.suite is not None:
         raise ValueError("--peer and --suite: choose one")
     if args.threads is not None:
