@@ -628,18 +628,11 @@ class PPOTrainer:
         """What a step changes before its first optimizer step (cheap to copy): put back by
         :meth:`_restore_step_start` when the step is abandoned, so that a checkpoint written then is
         exactly the last finished step's."""
-        return {"rng": checkpoint.capture_rng(), "sampler": self.sampler.state_dict(),
-                "shuffle_generator": self.shuffle_generator.get_state(), "kl_ctl": self.kl_ctl.state_dict(),
-                "skips": self.skips.state_dict(), "optimizer_steps": self.optimizer_steps,
-                "step_count": self.step_count}
+        return {"rng": checkpoint.capture_rng(), **self.progress_state()}
 
     def _restore_step_start(self, state: dict) -> None:
         checkpoint.restore_rng(state["rng"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.shuffle_generator.set_state(state["shuffle_generator"])
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.skips.load_state_dict(state["skips"])
-        self.optimizer_steps, self.step_count = state["optimizer_steps"], state["step_count"]
+        self.load_progress_state(state)
         self.policy_optimizer.zero_grad(set_to_none=True)
         self.value_optimizer.zero_grad(set_to_none=True)
 
@@ -747,11 +740,8 @@ class PPOTrainer:
         rngs = distributed.gather_objects(checkpoint.capture_rng(), self.world)
         saved = None
         if self.world.is_main:
-            state = {"format": 2, "step": self.step_count, "optimizer_steps": self.optimizer_steps,
-                     "kl_ctl": self.kl_ctl.state_dict(),
-                     "sampler": self.sampler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
-                     **rngs[0], "world_size": self.world.size, "rank_rng": rngs, **self.skips.state_dict(),
-                     "config": self.config.to_dict()}
+            state = {"format": 2, **self.progress_state(), **rngs[0], "world_size": self.world.size,
+                     "rank_rng": rngs, "config": self.config.to_dict()}
             saved = checkpoint.save(directory, {
                 "policy.pt": policy_state, "value_model.pt": value_state,
                 "optimizers.pt": {"policy": policy_optim, "value": value_optim}, "trainer_state.pt": state})
@@ -784,15 +774,28 @@ class PPOTrainer:
                                           files["optimizers.pt"]["policy"], prefix="model.", what="policy")
         checkpoint.restore_training_state(self.value_module, self.value_optimizer, files["value_model.pt"],
                                           files["optimizers.pt"]["value"], what="value model")
+        self.load_progress_state(st)
+        checkpoint.restore_rng(st["rank_rng"][self.world.rank] if "rank_rng" in st else st)
+        self._loaded_step = self.step_count
+        return d
+
+    def progress_state(self) -> dict:
+        """Where the run is, apart from weights and RNGs: the step, the applied optimizer steps,
+        the KL controller, the prompt position, the shuffle generator and the skip counters (what
+        a checkpoint's ``trainer_state.pt`` holds beside them)."""
+        return {"step": self.step_count, "optimizer_steps": self.optimizer_steps, "kl_ctl": self.kl_ctl.state_dict(),
+                "sampler": self.sampler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
+                **self.skips.state_dict()}
+
+    def load_progress_state(self, st: dict) -> None:
+        """Put back what :meth:`progress_state` returned."""
         self.kl_ctl.load_state_dict(st["kl_ctl"])
         self.sampler.load_state_dict(st["sampler"])
         self.shuffle_generator.set_state(st["shuffle_generator"])
-        checkpoint.restore_rng(st["rank_rng"][self.world.rank] if "rank_rng" in st else st)
         self.skips.load_state_dict(st)
-        self.step_count = self._loaded_step = int(st["step"])
+        self.step_count = int(st["step"])
         # Checkpoints from before the warm-up existed: their runs are past any warm-up.
         self.optimizer_steps = int(st.get("optimizer_steps", 2**62))
-        return d
 
 
 def rollout_metrics(batch: RolloutBuffer) -> Dict[str, float]:
