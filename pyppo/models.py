@@ -43,6 +43,7 @@ __all__ = [
     "make_reference",
     "position_ids_from_mask",
     "resolve_model_source",
+    "share_frozen_weights",
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -505,6 +506,41 @@ class ValueModel(nn.Module):
         # The head runs in its own dtype (float32 unless the whole module was cast), so a bf16
         # backbone still yields float32 values.
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def share_frozen_weights(source: nn.Module, target: nn.Module) -> int:
+    """Make ``target``'s parameters use ``source``'s tensors wherever both are frozen and equal.
+
+    A reward model fine-tuned from nothing (a score head on the base checkpoint), or one whose
+    backbone the run does not change, holds the reference's weights a second time. Both models
+    are frozen for the whole run, so one copy serves both, and every output stays bit for bit
+    what it was. A parameter is shared when it has the same name in both models (``model.layers.0
+    .mlp.up_proj.weight``), the same shape, dtype and device, is a plain tensor (not a DTensor or a
+    quantised weight), has ``requires_grad=False`` on both sides, and holds the same values
+    (``torch.equal``).
+
+    Args:
+        source: the model whose tensors are kept (the frozen reference).
+        target: the model whose equal parameters are pointed at ``source``'s (the reward model).
+
+    Returns:
+        the bytes no longer held twice (0 when nothing matched).
+    """
+    if source is target:
+        return 0
+    kept = dict(source.named_parameters())
+    saved = 0
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            other = kept.get(name)
+            if (other is None or other is param or param.requires_grad or other.requires_grad
+                    or type(param.data) is not torch.Tensor or type(other.data) is not torch.Tensor
+                    or param.shape != other.shape or param.dtype != other.dtype or param.device != other.device
+                    or param.data_ptr() == other.data_ptr() or not torch.equal(param, other)):
+                continue
+            param.data = other.data
+            saved += param.numel() * param.element_size()
+    return saved
 
 
 def make_reference(policy: nn.Module) -> nn.Module:

@@ -80,10 +80,12 @@ def _packable(module: nn.Module) -> bool:
             and w.dtype == torch.float32)
 
 
-def _packed_forward(packed: torch.Tensor, bias):
+def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias):
+    # The closure must not refer to itself: a reference cycle would keep the packed copy alive
+    # until the cyclic garbage collector ran, possibly through the update that follows.
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            return torch.nn.functional.linear(x, forward.weight, bias)
+            return torch.nn.functional.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     return forward
@@ -127,9 +129,8 @@ def packed_linear_weights(model: nn.Module, batch_size: int) -> Iterator[int]:
             for module in model.modules():
                 if _packable(module) and "forward" not in module.__dict__:
                     packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), max(1, batch_size))
-                    forward = _packed_forward(packed, None if module.bias is None else module.bias.detach())
-                    forward.weight = module.weight
-                    module.forward = forward
+                    module.forward = _packed_forward(packed, module.weight,
+                                                     None if module.bias is None else module.bias.detach())
                     patched.append(module)
         yield len(patched)
     finally:

@@ -48,7 +48,7 @@ from .lora import add_lora
 from .ops import gae, kl_penalty, masked_mean, shape_rewards
 from .ops.losses import LOG_RATIO_CLAMP, loss_normalizer, ppo_value_loss
 from .prompts import PromptSampler
-from .rewards import score_responses
+from .rewards import SequenceClassifierReward, score_responses
 from .rollout import (check_prompt_lengths, encode_prompts, generation_config, prompt_token_limit,
                       response_mask_from_eos)
 from .skips import NonFiniteUpdateError, SkipPolicy, check_rollout_finite
@@ -121,6 +121,18 @@ def make_adamw(model: nn.Module, lr: float, c: PPOConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     fused = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, eps=c.adam_eps, weight_decay=c.weight_decay, fused=fused or None)
+
+
+def share_reward_weights(ref: Optional[nn.Module], reward_fn: RewardFn) -> int:
+    """Bytes of a classifier reward model's weights now shared with the frozen reference (equal
+    and frozen in both: :func:`pyppo.models.share_frozen_weights`); 0 for other rewards, or without
+    a separate reference (LoRA)."""
+    from .models import share_frozen_weights
+
+    reward = getattr(reward_fn, "__wrapped__", reward_fn)  # load_reward's validating wrapper
+    if ref is None or not isinstance(reward, SequenceClassifierReward):
+        return 0
+    return share_frozen_weights(ref, reward.model)
 
 
 def enable_gradient_checkpointing(model: nn.Module, what: str) -> None:
@@ -210,6 +222,7 @@ class PPOTrainer:
 
         self.policy, self.ref_policy, self.value_model = prepare_models(c, policy, ref_policy, value_model,
                                                                         self.device)
+        self.shared_weight_bytes = share_reward_weights(self.ref_policy, reward_fn)
         head = LogprobHead(self.policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden,
                            dtype=self.dtype)
         # FSDP2 shards the policy in place; rank 0 keeps its structure (no weights) to export into.

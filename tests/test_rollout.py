@@ -93,6 +93,26 @@ def test_packed_linear_weights_match_f_linear_and_are_removed_on_exit():
     assert torch.equal(layers[0](x), before[0])  # the original forward is back
 
 
+def test_packed_copies_are_freed_on_exit_without_the_garbage_collector():
+    # A packed copy is as large as the weights; freed only by the cyclic collector it could stay
+    # alive through the update that follows the rollout.
+    import gc
+    import weakref
+
+    from pyppo.rollout import packed_linear_weights
+
+    model = tiny_causal_lm()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad(), packed_linear_weights(model, 2) as n:
+            refs = [weakref.ref(layer.__dict__["forward"]) for layer in _linears(model)]
+        assert n == len(refs) > 0
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
 def test_packed_linear_weights_are_removed_when_sampling_raises():
     from pyppo.rollout import packed_linear_weights
 
