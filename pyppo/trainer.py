@@ -45,7 +45,6 @@ from .config import PPOConfig
 from .forward import AdaptersDisabled, LogprobHead, PolicyObjective, autocast, policy_objective, response_values
 from .kl_control import AdaptiveKLController, FixedKLController
 from .lora import add_lora
-from .memory import release_free_memory
 from .ops import gae, kl_penalty, masked_mean, shape_rewards
 from .ops.losses import LOG_RATIO_CLAMP, loss_normalizer, ppo_value_loss
 from .prompts import PromptSampler
@@ -303,7 +302,6 @@ class PPOTrainer:
         # for its rows: point 4's policy forward of those rows and point 5 happen inside it.
         first_pass = self.first_pass_is_rollout_pass()
         self.evaluate(batch, first_perm, timer, first_policy=not first_pass)              # 4
-        self.release_free_memory()
         if not first_pass:
             with timer.phase("advantages"):
                 self.advantages(batch, kl_coef)                                           # 5
@@ -316,12 +314,6 @@ class PPOTrainer:
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
                    **rollout_metrics(batch), **update_metrics, **timer.metrics()}
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
-
-    def release_free_memory(self) -> None:
-        """On a CPU, hand the heap's free pages back to the system between phases
-        (:mod:`pyppo.memory`: the resident peak, not the live memory, is what it lowers)."""
-        if self.device.type == "cpu":
-            release_free_memory()
 
     def local_share(self, prompts: List[str]) -> List[str]:
         """This rank's contiguous share of the global batch's prompts (all of them with one process)."""
@@ -525,7 +517,6 @@ class PPOTrainer:
             with autocast(self.device, self.dtype):
                 pg_loss, pg_stats, logprobs, _ = self.policy_module(mu, objective=objective)
             pg_loss.backward()
-            self.release_free_memory()
             with autocast(self.device, self.dtype):
                 values = response_values(self.value_module, mu)
         else:
@@ -534,7 +525,6 @@ class PPOTrainer:
             self.fill_rollout(rollout, mu, logprobs.detach(), entropy.detach())
             pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, objective)
             pg_loss.backward()
-            self.release_free_memory()
             logprobs = logprobs.detach()
             with autocast(self.device, self.dtype):
                 values = response_values(self.value_module, mu)
