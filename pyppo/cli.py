@@ -357,6 +357,8 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[dict, object, Path, 
     model_path = Path(run["model"]).expanduser()
     if model_path.exists():
         run["model"] = str(model_path.resolve())
+    if not isinstance(run["reward"], str) or not run["reward"]:
+        raise CLIError(f"--reward must be 'sentiment', a model directory or 'module:function', got {run['reward']!r}")
     reward_path = Path(run["reward"]).expanduser()
     if reward_path.is_dir():
         run["reward"] = str(reward_path.resolve())

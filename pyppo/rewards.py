@@ -235,7 +235,15 @@ class SequenceClassifierReward:
                              f"(architectures: {', '.join(architectures)}); its score head would be random")
         self.name = str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        self.model, info = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True,
+                                                                              output_loading_info=True)
+        if info.get("missing_keys"):
+            # A checkpoint without a classifier head (a causal LM whose config names no
+            # architecture, say) would get a freshly initialised one: random scores.
+            missing = sorted(info["missing_keys"])
+            raise ValueError(f"reward model {str(path)!r}: its checkpoint has no weights for "
+                             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; "
+                             "they would be initialised at random, and so would the scores")
         self.model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.batch_size = batch_size
@@ -321,7 +329,9 @@ def _load_function(spec: str) -> Callable:
         except AttributeError:
             raise AttributeError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
-        raise TypeError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
+        kind = type(obj).__name__
+        raise TypeError(f"reward {spec!r}: {attr!r} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}, "
+                        "not a function")
     return obj
 
 

@@ -59,7 +59,7 @@ def test_module_function_spec(tmp_path, monkeypatch):
     assert load_reward("pyppo_test_reward_mod:Scorers.ones")(["a"], ["b"]) == [1.0]
     with pytest.raises(AttributeError, match="no attribute 'missing'"):
         load_reward("pyppo_test_reward_mod:missing")
-    with pytest.raises(TypeError, match="not a function"):
+    with pytest.raises(TypeError, match="'NOT_CALLABLE' is an int, not a function"):
         load_reward("pyppo_test_reward_mod:NOT_CALLABLE")
     with pytest.raises(ModuleNotFoundError, match="pyppo_no_such_module"):
         load_reward("pyppo_no_such_module:fn")
@@ -143,4 +143,18 @@ def test_a_causal_lm_is_not_a_reward_model(tmp_path):
 
     path = save_tiny_causal_lm(tmp_path / "lm")
     with pytest.raises(ValueError, match="not a sequence-classification model.*LlamaForCausalLM"):
+        load_reward(str(path))
+
+
+def test_a_checkpoint_without_the_score_head_is_not_a_reward_model(tmp_path):
+    # A causal LM whose config names no architecture loads as a classifier with a random head.
+    import json
+
+    from tiny_models import save_tiny_causal_lm
+
+    path = save_tiny_causal_lm(tmp_path / "lm")
+    config = json.loads((path / "config.json").read_text())
+    del config["architectures"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"no weights for score\.weight; they would be initialised at random"):
         load_reward(str(path))
