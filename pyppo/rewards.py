@@ -211,7 +211,9 @@ class SequenceClassifierReward:
 
     Raises:
         FileNotFoundError: ``path`` is not a directory with a ``config.json``.
-        ValueError: the positive class cannot be determined, or ``label`` is unknown.
+        ValueError: the positive class cannot be determined, or ``label`` is unknown; the
+            directory holds a causal LM, or a checkpoint without weights the classifier needs
+            (its score head): they would be initialised at random.
     """
 
     def __init__(
