@@ -511,10 +511,10 @@ class ValueModel(nn.Module):
 def share_frozen_weights(source: nn.Module, target: nn.Module) -> int:
     """Make ``target``'s parameters use ``source``'s tensors wherever both are frozen and equal.
 
-    A reward model fine-tuned from nothing (a score head on the base checkpoint), or one whose
-    backbone the run does not change, holds the reference's weights a second time. Both models
-    are frozen for the whole run, so one copy serves both, and every output stays bit for bit
-    what it was. A parameter is shared when it has the same name in both models (``model.layers.0
+    A reward model that is a score head on the reference's checkpoint (or was fine-tuned from it
+    in part) holds the reference's weights, or some of them, a second time. Both models are
+    frozen for the whole run, so one copy serves both, and every output stays bit for bit what it
+    was. A parameter is shared when it has the same name in both models (``model.layers.0
     .mlp.up_proj.weight``), the same shape, dtype and device, is a plain tensor (not a DTensor or a
     quantised weight), has ``requires_grad=False`` on both sides, and holds the same values
     (``torch.equal``).
