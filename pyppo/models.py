@@ -533,7 +533,7 @@ def share_frozen_weights(source: nn.Module, target: nn.Module) -> int:
     with torch.no_grad():
         for name, param in target.named_parameters():
             other = kept.get(name)
-            if (other is None or other is param or param.requires_grad or other.requires_grad
+            if (other is None or param.requires_grad or other.requires_grad
                     or type(param.data) is not torch.Tensor or type(other.data) is not torch.Tensor
                     or param.shape != other.shape or param.dtype != other.dtype or param.device != other.device
                     or param.data_ptr() == other.data_ptr() or not torch.equal(param, other)):
