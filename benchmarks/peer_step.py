@@ -215,7 +215,7 @@ def worker_prepare(spec: dict) -> dict:
     _set_threads(spec["threads"])
     from pyppo import models, rewards
     from pyppo.prompts import DEFAULT_PROMPTS, PromptSampler
-    from pyppo.rollout import encode_prompts
+    from pyppo.rollout.tokens import encode_prompts
 
     policy, tokenizer = models.load_model_and_tokenizer(models.DEFAULT_MODEL)
     hf_dir = Path(policy.name_or_path)
@@ -245,7 +245,7 @@ def worker_pyppo(spec: dict) -> dict:
     _set_threads(spec["threads"])
     import torch
     from pyppo import __version__
-    from pyppo.builder import build_trainer
+    from pyppo.cli.build import build_trainer
     from pyppo.config import PPOConfig
 
     start = time.perf_counter()

@@ -3,9 +3,9 @@
     python benchmarks/sampling.py                       # SmolLM2-135M, 8 prompts x 32 tokens, 2 threads
     python benchmarks/sampling.py --batch 32 --tokens 16 --json benchmarks/results/sampling.json
 
-Times :func:`pyppo.rollout.generate` (what the trainer samples with) twice per round, interleaved:
+Times :func:`pyppo.rollout.hf_generate.generate` (what the trainer samples with) twice per round, interleaved:
 with the linear layers' weights packed by oneDNN (the trainer's CPU float32 path,
-``pyppo.rollout.packed_linear_weights``) and with plain ``F.linear`` (MKL), the same prompts and
+``pyppo.rollout.hf_generate.packed_linear_weights``) and with plain ``F.linear`` (MKL), the same prompts and
 seed each time, exactly ``--tokens`` decode steps (EOS does not stop generation here, so every
 round does the same work). It reports the median seconds of each, their ratio, ms per decode
 step (prefill measured apart and subtracted), and the per-step floor: the larger of (the model's
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    import pyppo.rollout as rollout
+    import pyppo.rollout.hf_generate as rollout
+    from pyppo.rollout.tokens import encode_prompts
     from pyppo.config import PPOConfig
     from pyppo.models import load_model_and_tokenizer
     from pyppo.prompts import DEFAULT_PROMPTS
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     model.eval()
     tok.padding_side = "left"
     prompts = (list(DEFAULT_PROMPTS) * (args.batch // len(DEFAULT_PROMPTS) + 1))[:args.batch]
-    ids, mask = rollout.encode_prompts(tok, prompts, use_chat_template=True, max_prompt_length=None, device="cpu")
+    ids, mask = encode_prompts(tok, prompts, use_chat_template=True, max_prompt_length=None, device="cpu")
     gen = rollout.generation_config(PPOConfig(max_new_tokens=args.tokens), eos_token_id=tok.eos_token_id,
                                     pad_token_id=tok.eos_token_id)
     gen.eos_token_id = None  # every round runs exactly --tokens decode steps

@@ -2,6 +2,6 @@
 
 import sys
 
-from pyppo.cli import main
+from pyppo.cli.main import main
 
 sys.exit(main())

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_trainer import make_trainer, small_config  # noqa: E402
 
-from pyppo import checkpoint  # noqa: E402
-from pyppo.stats import RunningStats  # noqa: E402
+from pyppo.run import checkpoint  # noqa: E402
+from pyppo.trainer.step_stats import RunningStats  # noqa: E402
 
 
 def update_config(fsdp: bool, batch_size: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyppo.buffer import RolloutBuffer
+from pyppo.trainer.buffer import RolloutBuffer
 
 
 def make_buffer(B=10, P=4, T=5, seed=0):

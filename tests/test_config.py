@@ -80,7 +80,7 @@ def test_flags_set_every_kind_of_field(tmp_path):
     args = cli.build_parser().parse_args([
         "train", "--max-grad-norm", "none", "--no-whiten-advantages", "--kl-estimator", "k3", "--device", "cpu",
         "--micro-batch-size", "4", "--gamma", "0.5", "--output", str(tmp_path / "o")])
-    _, cfg, _, _ = cli.resolve_train_config(args)
+    cfg = cli.resolve_train_config(args).config
     assert (cfg.max_grad_norm, cfg.whiten_advantages, cfg.kl_estimator, cfg.device, cfg.micro_batch_size,
             cfg.gamma) == (None, False, "k3", "cpu", 4, 0.5)
 
@@ -91,6 +91,6 @@ def test_resolved_config_keeps_none_over_a_non_none_default(tmp_path):
     path = tmp_path / "config.toml"
     cli.write_resolved_config(path, {"model": "m", "reward": "sentiment", "prompts": None}, cfg)
     args = cli.build_parser().parse_args(["train", "--config", str(path), "--output", str(tmp_path / "o")])
-    _, back, _, _ = cli.resolve_train_config(args)
+    back = cli.resolve_train_config(args).config
     assert back.cliprange_value is None and back.max_grad_norm is None
     assert back == cfg  # every field is written, so the file alone gives the run's settings back

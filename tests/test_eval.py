@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pyppo import cli
-from pyppo.plotting import PANELS
+from pyppo.run.plotting import PANELS
 from test_trainer import PROMPTS, count_e, make_trainer, small_config
 from tiny_models import save_tiny_causal_lm, tiny_tokenizer
 

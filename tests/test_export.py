@@ -1,4 +1,4 @@
-"""pyppo.export.save_policy on tiny random models: plain and LoRA exports, merged and adapter-only,
+"""pyppo.run.export.save_policy on tiny random models: plain and LoRA exports, merged and adapter-only,
 what they load as, the atomic swap, and the model being left untouched."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-import pyppo.export as export
-from pyppo.export import save_policy
+import pyppo.run.export as export
+from pyppo.run.export import save_policy
 from pyppo.models import load_model_and_tokenizer, resolve_model_source
 from tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_tokenizer
 

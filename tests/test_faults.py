@@ -23,10 +23,10 @@ import torch
 
 from pyppo import cli
 from pyppo.rewards import RewardError, load_reward
-from pyppo.checkpoint import CHECKPOINT_FILES
-from pyppo.checkpoint import find as find_checkpoint
+from pyppo.run.checkpoint import CHECKPOINT_FILES
+from pyppo.run.checkpoint import find as find_checkpoint
 from pyppo.config import PPOConfig
-from pyppo.skips import NonFiniteUpdateError
+from pyppo.run.nonfinite import NonFiniteUpdateError
 from test_trainer import PROMPTS, count_e, make_trainer, small_config
 from tiny_models import save_tiny_causal_lm
 
@@ -236,7 +236,7 @@ def _adam_steps(opt) -> set:
 
 
 def test_nan_loss_skips_that_update_only(monkeypatch):
-    import pyppo.forward as forward_mod
+    import pyppo.trainer.logprob_head as forward_mod
 
     real = forward_mod.ppo_policy_loss
     calls = {"n": 0}
@@ -338,12 +338,12 @@ def inf_tensor(prompts, responses):
     ],
 )
 def test_bad_reward_is_named_before_advantages(fn, pattern, index, wrap, monkeypatch):
-    import pyppo.trainer as trainer_mod
+    import pyppo.trainer.advantages as advantages_mod
 
     def no_gae(*args, **kwargs):  # pragma: no cover - must not be reached
         raise AssertionError("a bad reward reached GAE")
 
-    monkeypatch.setattr(trainer_mod, "gae", no_gae)
+    monkeypatch.setattr(advantages_mod, "gae", no_gae)
     tr = make_trainer(small_config(steps=1), reward=load_reward(fn) if wrap else fn)
     with pytest.raises(RewardError, match=pattern) as info:
         tr.step()
@@ -432,7 +432,8 @@ _SIGNALLER = textwrap.dedent(
     """
     import os, sys
     mode, signum, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    from pyppo import checkpoint, cli, models
+    from pyppo import cli, models
+    from pyppo.run import checkpoint
 
     def fire():
         os.write(2, b"signaller: firing\\n")
@@ -680,7 +681,7 @@ def test_diverged_model_is_reported_before_whitening_keeping_the_checkpoint(tmp_
 
 
 def test_non_finite_values_are_named(monkeypatch):
-    import pyppo.trainer as trainer_mod
+    import pyppo.trainer.ppo as trainer_mod
 
     real = trainer_mod.response_values
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyppo.buffer import RolloutBuffer
-from pyppo.forward import LogprobHead
+from pyppo.trainer.buffer import RolloutBuffer
+from pyppo.trainer.logprob_head import LogprobHead
 from tiny_models import ARCHITECTURES, tiny_arch
 
 

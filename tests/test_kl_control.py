@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pyppo.kl_control import AdaptiveKLController, FixedKLController
+from pyppo.trainer.kl_controllers import AdaptiveKLController, FixedKLController
 
 
 def test_fixed_never_changes():

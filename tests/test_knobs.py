@@ -26,7 +26,7 @@ def _optimizer_steps(tr):
 
 
 def _spy(monkeypatch, name):
-    import pyppo.trainer as trainer_mod
+    import pyppo.trainer.ppo as trainer_mod
 
     calls = []
     real = getattr(trainer_mod, name)
@@ -121,7 +121,7 @@ def check_device(tmp_path, monkeypatch):
 
 
 def check_policy_loss_knobs(tmp_path, monkeypatch):
-    import pyppo.forward as forward_mod
+    import pyppo.trainer.logprob_head as forward_mod
 
     calls = []
     real = forward_mod.ppo_policy_loss
@@ -177,7 +177,7 @@ def check_lr_warmup_steps(tmp_path, monkeypatch):
 
 
 def check_kl_loss(tmp_path, monkeypatch):
-    import pyppo.forward as forward_mod
+    import pyppo.trainer.logprob_head as forward_mod
 
     calls = []
     real = forward_mod.kl_penalty

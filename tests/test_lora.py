@@ -47,7 +47,7 @@ def test_reference_is_the_base_model_after_training():
     metrics, batch = tr.step()
     base = tiny_causal_lm(seed=0)  # make_trainer's initial policy
     mb = batch.select(torch.arange(2))
-    from pyppo.forward import LogprobHead
+    from pyppo.trainer.logprob_head import LogprobHead
 
     with torch.no_grad():
         expected = LogprobHead(base, temperature=1.0)(mb)[0]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyppo.buffer import RolloutBuffer
-from pyppo.forward import LogprobHead, autocast
+from pyppo.trainer.buffer import RolloutBuffer
+from pyppo.precision import autocast
+from pyppo.trainer.logprob_head import LogprobHead
 from test_trainer import make_trainer, small_config
 
 
@@ -86,7 +87,7 @@ def test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update(
 
 
 def test_gradient_checkpointing_on_a_model_without_it_is_refused():
-    from pyppo.trainer import enable_gradient_checkpointing
+    from pyppo.trainer.assemble import enable_gradient_checkpointing
 
     with pytest.raises(ValueError, match=r"gradient_checkpointing: the policy \(Linear\) does not support it"):
         enable_gradient_checkpointing(torch.nn.Linear(2, 2), "policy")

@@ -1,5 +1,5 @@
 """``pyppo profile`` on a tiny random Llama saved as a local HF model (no downloads), and the FLOP
-count behind its GFLOP / MFU columns (``pyppo.flops``) against ``FlopCounterMode``."""
+count behind its GFLOP / MFU columns (``pyppo.profile.flops``) against ``FlopCounterMode``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import torch
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pyppo import flops, profile
-from pyppo.stats import PHASES, PhaseTimer, current_phase
+from pyppo import cli
+from pyppo.profile import counting, flops, phases
+from pyppo.trainer.step_stats import PHASES, PhaseTimer, current_phase
 from tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_causal_lm, tiny_tokenizer
 
 # Two micro-batches per minibatch: the first update pass is not also the rollout forward, so every
@@ -36,7 +37,7 @@ def profiled(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     buf = io.StringIO()
     with redirect_stdout(buf):
-        status = profile.main(["--model", str(tiny_dir), "--output", str(out), *FLAGS])
+        status = cli.main(["profile", "--model", str(tiny_dir), "--output", str(out), *FLAGS])
     return status, out, buf.getvalue()
 
 
@@ -69,22 +70,18 @@ def test_profile_writes_trace_and_table(profiled):
 
 def test_profile_prints_the_phase_table(profiled):
     _, out, stdout = profiled
-    for title in profile.PHASE_TITLES.values():
+    for title in phases.PHASE_TITLES.values():
         assert title in stdout
     assert "pyppo % of phase" in stdout and "trace.json" in stdout
 
 
 def test_profile_via_cli(tiny_dir, tmp_path, capsys):
-    from pyppo import cli
-
     assert cli.main(["profile", "--model", str(tiny_dir), "--output", str(tmp_path), "--ppo-epochs", "2", *FLAGS]) == 0
     assert (tmp_path / "trace.json").is_file() and (tmp_path / "profile.json").is_file()
     assert "reference forward" in capsys.readouterr().out
 
 
 def test_bad_flag_is_a_user_error(tiny_dir, tmp_path, capsys):
-    from pyppo import cli
-
     assert cli.main(["profile", "--model", str(tiny_dir), "--output", str(tmp_path), "--warmup-steps", "-1"]) == 2
     assert "warmup-steps" in capsys.readouterr().err
 
@@ -260,9 +257,9 @@ def test_step_flops_per_phase_match_flop_counter(arch, config):
     """The hooks see every model call of a real step, with the shapes the trainer fed (padding,
     trimming, KV cache): their count equals FlopCounterMode's per phase, recomputation included."""
     trainer = _trainer(arch, **config)
-    with profile.ShapeRecorder(trainer) as recorder, PhaseFlopCounter() as counter:
+    with counting.ShapeRecorder(trainer) as recorder, PhaseFlopCounter() as counter:
         trainer.step()
-    counted = profile.count_phases(recorder.calls, recorder.models, causal=False,
+    counted = counting.count_phases(recorder.calls, recorder.models, causal=False,
                                    checkpointing=trainer.config.gradient_checkpointing)
     assert "generate" in counted and "update" in counted
     assert set(counted) == {p for p, n in counter.flops.items() if n}
@@ -278,10 +275,10 @@ def test_lora_step_flops_close_to_flop_counter():
     """With frozen embeddings the first block's q, k, v need no input gradient, which the count
     does not model: on this 2-layer model that is about 2 % of the update."""
     trainer = _trainer(lora_rank=4)
-    with profile.ShapeRecorder(trainer) as recorder, PhaseFlopCounter() as counter:
+    with counting.ShapeRecorder(trainer) as recorder, PhaseFlopCounter() as counter:
         trainer.step()
     assert recorder.models["policy"].adapter_params > 0 and not recorder.models["policy"].weights_trained
-    counted = profile.count_phases(recorder.calls, recorder.models, causal=False)
+    counted = counting.count_phases(recorder.calls, recorder.models, causal=False)
     for phase, n in counted.items():
         ours = n["forward"].total + n["backward"].total + n["recompute"].total
         assert ours == pytest.approx(counter.flops[phase], rel=0.03), phase
@@ -328,7 +325,7 @@ def test_profile_notes_a_model_it_cannot_count(tmp_path):
     tiny_tokenizer().save_pretrained(model_dir)
     out, buf = tmp_path / "out", io.StringIO()
     with redirect_stdout(buf):
-        status = profile.main(["--model", str(model_dir), "--output", str(out), "--max-prompt-length", "48", *FLAGS])
+        status = cli.main(["profile", "--model", str(model_dir), "--output", str(out), "--max-prompt-length", "48", *FLAGS])
     stdout = buf.getvalue()
     assert status == 0, stdout
     assert "config is not understood" in stdout and "the blocks multiply by" in stdout
@@ -381,12 +378,12 @@ def test_matmul_peak_is_measured(device):
 
 def test_an_mfu_above_the_peak_gets_a_note():
     trainer = _trainer()
-    with profile.ShapeRecorder(trainer) as recorder:
+    with counting.ShapeRecorder(trainer) as recorder:
         result = trainer.step()
-    table = {"phases": [{"phase": p, "title": profile.PHASE_TITLES[p], "seconds": result.metrics[f"time_{p}"]}
+    table = {"phases": [{"phase": p, "title": phases.PHASE_TITLES[p], "seconds": result.metrics[f"time_{p}"]}
                         for p in PHASES], "step_seconds": result.metrics["step_seconds"]}
     slow_peak = {"flops_per_s": 1.0}  # 1 FLOP/s: every phase beats it
-    info = profile.flop_table(trainer, result.batch, recorder, table, slow_peak)
+    info = counting.flop_table(trainer, result.batch, recorder, table, slow_peak)
     assert all(r["mfu"] > 1 for r in table["phases"] if r["flops"])
     assert any("update: MFU above 100 %" in note for note in info["notes"])
 
@@ -394,7 +391,7 @@ def test_an_mfu_above_the_peak_gets_a_note():
 def test_peak_size_zero_skips_the_mfu(tiny_dir, tmp_path):
     buf = io.StringIO()
     with redirect_stdout(buf):
-        assert profile.main(["--model", str(tiny_dir), "--output", str(tmp_path), *FLAGS, "--peak-size", "0"]) == 0
+        assert cli.main(["profile", "--model", str(tiny_dir), "--output", str(tmp_path), *FLAGS, "--peak-size", "0"]) == 0
     result = json.loads((tmp_path / "profile.json").read_text())
     assert result["flops"]["peak"] is None and result["flops"]["step"]["mfu"] is None
     assert result["flops"]["step"]["flops"] > 0 and "no MFU" in buf.getvalue()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pyppo.config import PPOConfig
-from pyppo.rollout import encode_prompts, generate, generation_config
+from pyppo.rollout.hf_generate import generate, generation_config
+from pyppo.rollout.tokens import encode_prompts
 from tiny_models import tiny_causal_lm, tiny_tokenizer
 
 # Every filter a checkpoint's generation_config.json might carry, at values that change sampling.
@@ -75,7 +76,7 @@ def _linears(model):
 
 
 def test_packed_linear_weights_match_f_linear_and_are_removed_on_exit():
-    from pyppo.rollout import packed_linear_weights
+    from pyppo.rollout.hf_generate import packed_linear_weights
 
     model = tiny_causal_lm()
     x = torch.randn(3, 5, model.config.hidden_size)
@@ -99,7 +100,7 @@ def test_packed_copies_are_freed_on_exit_without_the_garbage_collector():
     import gc
     import weakref
 
-    from pyppo.rollout import packed_linear_weights
+    from pyppo.rollout.hf_generate import packed_linear_weights
 
     model = tiny_causal_lm()
     gc.collect()
@@ -114,7 +115,7 @@ def test_packed_copies_are_freed_on_exit_without_the_garbage_collector():
 
 
 def test_packed_linear_weights_are_removed_when_sampling_raises():
-    from pyppo.rollout import packed_linear_weights
+    from pyppo.rollout.hf_generate import packed_linear_weights
 
     model = tiny_causal_lm()
     with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), packed_linear_weights(model, 2):
@@ -123,7 +124,7 @@ def test_packed_linear_weights_are_removed_when_sampling_raises():
 
 
 def test_packing_is_off_under_autocast_and_for_half_precision_weights():
-    from pyppo.rollout import packed_linear_weights
+    from pyppo.rollout.hf_generate import packed_linear_weights
 
     model = tiny_causal_lm()
     with torch.autocast("cpu", dtype=torch.bfloat16), packed_linear_weights(model, 2) as n:
@@ -136,7 +137,7 @@ def test_sampling_with_packed_weights_draws_the_same_tokens(monkeypatch):
     # The packed GEMMs differ from MKL's only in float32 rounding: with one seed the draws agree.
     from contextlib import contextmanager
 
-    import pyppo.rollout as rollout
+    import pyppo.rollout.hf_generate as rollout
 
     model, tok = tiny_causal_lm(), tiny_tokenizer()
     tok.padding_side = "left"

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pyppo.skips import NonFiniteUpdateError, SkipPolicy
-from pyppo.stats import PHASES, PhaseTimer, RunningStats
+from pyppo.run.nonfinite import NonFiniteUpdateError, SkipPolicy
+from pyppo.trainer.step_stats import PHASES, PhaseTimer, RunningStats
 
 
 def test_running_stats_divide_once_by_the_total_weight():

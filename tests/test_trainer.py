@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pyppo.config import PPOConfig
-from pyppo.rollout import response_mask_from_eos
+from pyppo.rollout.tokens import response_mask_from_eos
 from pyppo.trainer import METRIC_KEYS, PPOTrainer
 from reference import ref_gae, ref_masked_whiten, ref_shape_rewards
 from tiny_models import tiny_batch_mixing_lm, tiny_causal_lm, tiny_dropout_lm, tiny_tokenizer

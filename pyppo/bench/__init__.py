@@ -45,7 +45,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..output_dir import check_output_dir
+from ..run.rundir import check_output_dir
 from .memory import quiet_stderr
 
 __all__ = ["add_arguments", "run", "quiet_stderr"]

@@ -1,4 +1,4 @@
-"""Sampling responses: prompt encoding, the generation config, and the response mask.
+"""The ``transformers.generate`` rollout engine: sampling with exactly the configured distribution.
 
 The log-probs PPO computes must be those of the distribution ``generate()`` really samples from.
 ``transformers`` fills every generation field the caller leaves unset from the model's own
@@ -10,15 +10,17 @@ neutral value and hides the model's own config for the duration of the call. See
 
 from __future__ import annotations
 
-import warnings
 from contextlib import ExitStack, contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["NEUTRAL_SAMPLING", "encode_prompts", "generation_config", "generate", "packed_linear_weights",
-           "response_mask_from_eos"]
+from ..precision import autocast
+from .engine import Rollout
+from .tokens import encode_prompts, response_mask_from_eos
+
+__all__ = ["NEUTRAL_SAMPLING", "HFGenerateEngine", "generation_config", "generate", "packed_linear_weights"]
 
 #: Every field of ``GenerationConfig`` that filters or reshapes the sampling distribution, at the
 #: value that leaves ``softmax(z / temperature)`` untouched. (Fields whose neutral value is None,
@@ -161,125 +163,45 @@ def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor
                               generation_config=gen_config, **kwargs)
 
 
-def prompt_token_limit(model: nn.Module, *, max_new_tokens: int, max_prompt_length: Optional[int]) -> tuple:
-    """``(limit, room)``: the most tokens a prompt keeps (``max_prompt_length``, and at most the
-    ``room`` the model's context leaves: its ``max_position_embeddings`` minus ``max_new_tokens``);
-    ``None`` for no limit / no known context.
-
-    Raises:
-        ValueError: ``max_new_tokens`` leaves no room in the model's context.
-    """
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    room = None
-    if isinstance(context, int) and context > 0:
-        room = context - max_new_tokens
-        if room < 1:
-            raise ValueError(f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
-                             f"context of {context} positions")
-    limits = [n for n in (max_prompt_length, room) if n is not None]
-    return (min(limits) if limits else None), room
-
-
-def check_prompt_lengths(tokenizer, prompts: Sequence[str], *, use_chat_template: bool, room: Optional[int],
-                         max_new_tokens: int, max_prompt_length: Optional[int], truncate: bool,
-                         what: str = "prompts") -> None:
-    """Say which prompts the model's context cannot hold (more tokens than ``room``, what
-    :func:`prompt_token_limit` returns): a warning that they are cut from the left (``truncate``),
-    else an error. Prompts that only ``max_prompt_length`` (asked for) cuts are not reported.
-    Indices are positions in ``prompts``.
-
-    Raises:
-        ValueError: with ``truncate`` false, a prompt longer than ``room`` (naming it).
-    """
-    if not prompts or room is None or (max_prompt_length is not None and max_prompt_length <= room):
-        return
-    texts = _prompt_texts(tokenizer, prompts, use_chat_template)
-    encoded = tokenizer(texts, add_special_tokens=not _uses_template(tokenizer, use_chat_template))
-    long = [(i, len(ids)) for i, ids in enumerate(encoded["input_ids"]) if len(ids) > room]
-    if not long:
-        return
-    listed = ", ".join(f"{i} ({n} tokens)" for i, n in long[:5]) + (f" and {len(long) - 5} more" if len(long) > 5 else "")
-    head = (f"{what}: prompt{'s' if len(long) > 1 else ''} {listed} longer than the {room} tokens the model's "
-            f"context leaves ({room + max_new_tokens} positions minus max_new_tokens = {max_new_tokens})")
-    if not truncate:
-        raise ValueError(f"{head}; shorten {'them' if len(long) > 1 else 'it'}, lower max_new_tokens, or set "
-                         "truncate_prompts = true to cut from the left")
-    warnings.warn(f"{head}: cut from the left to the last {room} tokens", UserWarning, stacklevel=2)
-
-
-def _uses_template(tokenizer, use_chat_template: bool) -> bool:
-    return bool(use_chat_template and getattr(tokenizer, "chat_template", None))
-
-
-def _prompt_texts(tokenizer, prompts: Sequence[str], use_chat_template: bool) -> List[str]:
-    if _uses_template(tokenizer, use_chat_template):
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True) for p in prompts]
-    return list(prompts)
-
-
-def encode_prompts(tokenizer, prompts: List[str], *, use_chat_template: bool, max_prompt_length,
-                   device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Tokenise prompts, left-padded (through the chat template when the tokenizer has one).
+class HFGenerateEngine:
+    """The rollout engine that samples with the policy itself, through ``transformers.generate``.
 
     Args:
-        tokenizer: a ``transformers`` tokenizer with ``padding_side == "left"``.
-        prompts: ``B`` strings.
-        use_chat_template: format each prompt as one user turn with the generation prompt.
-        max_prompt_length: keep at most this many tokens of each prompt, from the end (next to the
-            response); ``None`` = all.
-        device: where the tensors go.
+        module: the policy's :class:`~pyppo.trainer.logprob_head.LogprobHead`, possibly DDP- or
+            FSDP2-wrapped: sampling goes through its ``forward(None, sample=...)``, so that FSDP2
+            gathers the weights it owns as it does for the training passes.
+        tokenizer: the policy's tokenizer, ``padding_side == "left"``, with a pad token.
+        gen_config: from :func:`generation_config`.
+        device, dtype: where the prompts go, and the autocast dtype of the forwards.
+        max_prompt_tokens: keep at most this many tokens of each prompt (from the end); ``None`` = all.
+        use_chat_template: format each prompt as one user turn (``PPOConfig.use_chat_template``).
+        synced_gpus: keep every rank decoding until all are done (FSDP2: each decode step
+            all-gathers).
 
-    Returns:
-        ``(query_ids [B, P] int64, query_mask [B, P] bool)``.
-
-    Raises:
-        ValueError: a prompt encodes to zero tokens.
+    ``sampler_logprobs`` is ``None``: the trainer's own forwards give the log-probs, and
+    ``generate`` samples from exactly that distribution (:data:`NEUTRAL_SAMPLING`).
     """
-    use_template = _uses_template(tokenizer, use_chat_template)
-    texts = _prompt_texts(tokenizer, prompts, use_chat_template)
-    kwargs: Dict[str, Any] = {}
-    if max_prompt_length is not None:
-        kwargs.update(truncation=True, max_length=max_prompt_length)
-    old_side = getattr(tokenizer, "truncation_side", "right")
-    tokenizer.truncation_side = "left"
-    try:
-        # The chat template already holds the special tokens it wants.
-        enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=not use_template, **kwargs)
-    finally:
-        tokenizer.truncation_side = old_side
-    ids = enc["input_ids"].to(device)
-    mask = enc["attention_mask"].to(device).bool()
-    if not bool(mask.any(dim=1).all()):
-        raise ValueError("prompts: a prompt encoded to zero tokens")
-    return ids, mask
 
+    def __init__(self, module: nn.Module, tokenizer: Any, gen_config, *, device: torch.device, dtype: torch.dtype,
+                 max_prompt_tokens: Optional[int], use_chat_template: bool, synced_gpus: bool = False):
+        self.module, self.tokenizer, self.gen_config = module, tokenizer, gen_config
+        self.device, self.dtype = device, dtype
+        self.max_prompt_tokens, self.use_chat_template = max_prompt_tokens, use_chat_template
+        self.extra = {"synced_gpus": True} if synced_gpus else {}
 
-def response_mask_from_eos(
-    response_ids: torch.Tensor, eos_token_id: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mask of each response up to and including its first EOS.
-
-    Built from the position of the first EOS, never from ``token != pad``: the pad token may equal
-    EOS (it does for SmolLM2) and the real EOS must stay in. A response that is only EOS has one
-    valid position; a response without EOS (cut by the length limit) is valid everywhere.
-
-    Args:
-        response_ids: ``[B, T]`` int64, right-padded generated tokens, ``T >= 1``.
-        eos_token_id: the EOS id.
-
-    Returns:
-        ``(response_mask [B, T] bool, lengths [B] int64, has_eos [B] bool)``; every length >= 1.
-
-    Raises:
-        ValueError: ``response_ids`` not 2-D or with ``T == 0``.
-    """
-    if response_ids.dim() != 2 or response_ids.shape[1] == 0:
-        raise ValueError(f"response_ids must be [B, T] with T >= 1, got shape {tuple(response_ids.shape)}")
-    T = response_ids.shape[1]
-    is_eos = response_ids == eos_token_id
-    has_eos = is_eos.any(dim=1)
-    first = is_eos.to(torch.uint8).argmax(dim=1)  # argmax returns the first maximal index
-    lengths = torch.where(has_eos, first + 1, torch.full_like(first, T))
-    mask = torch.arange(T, device=response_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
-    return mask, lengths, has_eos
+    def generate(self, prompts: Sequence[str]) -> Rollout:
+        """Sample one response per prompt and cut it after its first EOS."""
+        prompts = list(prompts)
+        query_ids, query_mask = encode_prompts(self.tokenizer, prompts, use_chat_template=self.use_chat_template,
+                                               max_prompt_length=self.max_prompt_tokens, device=self.device)
+        self.module.eval()
+        with torch.no_grad(), autocast(self.device, self.dtype):  # no_grad: DDP then expects no backward
+            sequences = self.module(None, sample=(query_ids, query_mask, self.gen_config, self.extra))
+        response_ids = sequences[:, query_ids.shape[1]:]
+        eos, pad = int(self.gen_config.eos_token_id), int(self.gen_config.pad_token_id)
+        response_mask, lengths, has_eos = response_mask_from_eos(response_ids, eos)
+        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad))
+        responses = self.tokenizer.batch_decode(
+            [row[:n].tolist() for row, n in zip(response_ids.cpu(), lengths.tolist())], skip_special_tokens=True)
+        return Rollout(query_ids=query_ids, query_mask=query_mask, response_ids=response_ids,
+                       response_mask=response_mask, has_eos=has_eos, prompts=prompts, responses=responses)

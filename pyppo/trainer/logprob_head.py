@@ -20,10 +20,11 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..ops import aggregate_loss, gather_logprobs, kl_penalty, linear_logprobs, ppo_policy_loss
+from ..precision import autocast, autocast_dtype
 from .buffer import RolloutBuffer
-from .ops import aggregate_loss, gather_logprobs, kl_penalty, linear_logprobs, ppo_policy_loss
 
-__all__ = ["LogprobHead", "AdaptersDisabled", "PolicyObjective", "policy_objective", "response_values", "autocast"]
+__all__ = ["LogprobHead", "AdaptersDisabled", "PolicyObjective", "policy_objective", "response_values"]
 
 # The head path is kept when it reproduces model(...).logits to float32 rounding (relative to the
 # logits' scale); a transform after the head (scale, soft-cap) is far outside this.
@@ -45,18 +46,6 @@ def _linear_head_candidate(model: nn.Module) -> Optional[Tuple[nn.Module, nn.Lin
     if backbone is None or backbone is model or not isinstance(head, nn.Linear):
         return None
     return backbone, head
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """The precision context of every model forward: ``torch.autocast`` to ``dtype`` (bfloat16),
-    or nothing for float32. Parameters stay float32 either way (the master weights)."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
 
 
 @torch.no_grad()
@@ -166,7 +155,7 @@ class LogprobHead(nn.Module):
 
         ``reference=True`` runs a ``peft`` model with its adapters disabled: the frozen base, which
         is the reference policy of a LoRA run. ``sample=(query_ids, query_mask, generation_config,
-        kwargs)`` instead returns :func:`pyppo.rollout.generate`'s sequences: sampling also goes
+        kwargs)`` instead returns :func:`pyppo.rollout.hf_generate.generate`'s sequences: sampling also goes
         through this ``forward``, so that FSDP2 gathers the weights it owns (embeddings, head)
         for it as it does for the training passes.
 
@@ -177,7 +166,7 @@ class LogprobHead(nn.Module):
         (no ``[b, T, V]`` logits, no recompute in the backward); otherwise from the log-probs.
         """
         if sample is not None:
-            from .rollout import generate
+            from ..rollout.hf_generate import generate
 
             query_ids, query_mask, gen_config, kwargs = sample
             return generate(self.model, query_ids, query_mask, gen_config, **kwargs)
@@ -196,7 +185,7 @@ class LogprobHead(nn.Module):
         backbone, head = self._head
         hidden = backbone(**self._inputs(mb)).last_hidden_state[:, -(mb.response_length + 1):-1]
         weight, bias = head.weight, head.bias
-        low = _autocast_dtype(hidden.device)
+        low = autocast_dtype(hidden.device)
         if low is not None:
             # The head's GEMM in the autocast dtype, as the sampler's lm_head call; the ops
             # accumulate in float32 and keep the logits unrounded.
@@ -219,7 +208,7 @@ class LogprobHead(nn.Module):
     def _objective(self, mb: RolloutBuffer, o: PolicyObjective, return_entropy: bool):
         want_entropy = return_entropy or o.entropy_coef > 0
         if self._head is not None and o.fused:
-            from .ops import linear_ppo_loss
+            from ..ops import linear_ppo_loss
 
             hidden, weight, bias = self._hidden_and_head(mb)
             return linear_ppo_loss(

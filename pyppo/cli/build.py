@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from . import models, prompts as prompt_sets, rewards
-from .config import PPOConfig
-from .distributed import local_device
-from .trainer import PPOTrainer
+from .. import models, prompts as prompt_sets, rewards
+from ..config import PPOConfig
+from ..distributed import local_device
+from ..trainer import PPOTrainer
 
 __all__ = ["check_sources", "build_trainer"]
 
@@ -52,6 +52,6 @@ def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, rewar
         before_loading()
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).
     policy, tokenizer = models.load_model_and_tokenizer(model)
-    trainer = PPOTrainer(config, policy, None, None, tokenizer, reward_fn, prompt_list, eval_prompts=eval_list)
-    trainer.base_model_source = model  # an exported adapter names it as its base
-    return trainer
+    # An exported adapter names `model` as its base.
+    return PPOTrainer(config, policy, None, None, tokenizer, reward_fn, prompt_list, eval_prompts=eval_list,
+                      base_model_source=model)

@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from .models import position_ids_from_mask
+from ..models import position_ids_from_mask
 
 __all__ = ["RolloutBuffer"]
 
@@ -40,7 +40,9 @@ class RolloutBuffer:
     sampling distribution), ``ref_logprobs``, ``values``, ``rewards``, ``kl``, ``advantages``,
     ``returns`` (all ``[B, T]`` float32), ``raw_scores [B]`` (what the reward returned) and
     ``scores [B]`` (clipped and penalised, what the rewards are shaped from) float32,
-    ``has_eos [B]`` bool, and the decoded ``prompts`` / ``responses`` (lists of ``B`` strings).
+    ``has_eos [B]`` bool, the decoded ``prompts`` / ``responses`` (lists of ``B`` strings), and
+    ``sampler_logprobs [B, T]`` float32: the rollout engine's own log-probs of the sampled tokens,
+    when it reports them (:class:`pyppo.rollout.Rollout`; ``None`` from ``transformers.generate``).
 
     Raises:
         ValueError: (at construction, and from :meth:`validate`) a field with the wrong batch size
@@ -64,6 +66,7 @@ class RolloutBuffer:
     has_eos: Optional[torch.Tensor] = None
     prompts: Optional[List[str]] = None
     responses: Optional[List[str]] = None
+    sampler_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.query_mask = self.query_mask.bool()
@@ -99,7 +102,8 @@ class RolloutBuffer:
         if self.response_ids.shape[0] != B:
             raise ValueError(f"response_ids has batch size {self.response_ids.shape[0]}, expected {B}")
         expected = {"query_mask": (B, P), "response_mask": (B, T)}
-        for name in ("old_logprobs", "entropy", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns"):
+        for name in ("old_logprobs", "entropy", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns",
+                     "sampler_logprobs"):
             expected[name] = (B, T)
         for name in ("raw_scores", "scores", "has_eos"):
             expected[name] = (B,)

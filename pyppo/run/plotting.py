@@ -6,7 +6,7 @@ import math
 import os
 from pathlib import Path
 
-from .jsonl import read_objects
+from ..jsonl import read_objects
 
 __all__ = ["PANELS", "plot_metrics", "read_metrics"]
 

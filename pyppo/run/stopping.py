@@ -13,7 +13,7 @@ they kill) without losing work. Both signals are handled alike:
    (:meth:`GracefulStop.poll`, called from hooks), places where unwinding runs every cleanup,
    never from inside one (an exception raised by a handler could land in a ``finally``);
 3. the third exits at once (status 128 + signal number). Checkpoints are swapped in atomically
-   (:mod:`pyppo.checkpoint`), so the last complete one is kept, as after SIGKILL.
+   (:mod:`pyppo.run.checkpoint`), so the last complete one is kept, as after SIGKILL.
 
 While the models load (until :meth:`GracefulStop.training`) there is nothing to keep: the first
 signal exits at once. Messages are written with ``os.write``: a handler calling ``print`` while the

@@ -1,64 +1,10 @@
-"""Profile one PPO step: wall time per phase and the share spent inside pyppo's ops.
-
-Runs :class:`pyppo.trainer.PPOTrainer` for ``--warmup-steps`` steps (default 1, unprofiled: the
-first step pays one-time costs such as allocator growth and lazy initialisation), then one step
-under :mod:`torch.profiler`, and prints a table with one row per phase — generate, policy
-forward, reference forward, value forward, score, advantages, update — giving its wall seconds
-(the trainer's own per-phase timer, ``time_<phase>`` in its metrics), its share of the step, and
-the seconds and share of it spent inside pyppo ops (profiler events whose name starts with
-``pyppo::``; nested or overlapping op events are counted once). The trainer wraps each phase in
-``torch.profiler.record_function("pyppo/<phase>")``, so the phases also show up as ranges in the
-trace and in any profiler a user runs around their own training loop.
-
-Per phase the table also gives the model work done in it:
-
-* ``GFLOP``: model FLOPs (forward + backward matmuls) counted analytically by :mod:`pyppo.flops`
-  from each model's config and the shapes it was actually fed during the profiled step — forward
-  pre-hooks on the policy's, the reference's and the value model's decoders and heads record every
-  call's batch, new positions and keys (attention mask or KV cache), so the micro-batches, the
-  KV-cached decode steps and skipped phases are counted as they ran, not as the batch suggests.
-  Causal attention; backward 2× the forward for trained weights, 1× for frozen (LoRA) ones;
-  recomputation (gradient checkpointing, the attention kernel's scores, ``linear_logprobs``'
-  logits) is not in it but is given as ``recompute_flops`` and HFU. A model whose config is not
-  understood (not a Llama / Qwen2 / SmolLM2-style decoder: missing names, mixture of experts,
-  blocks that do not match the config) gets a note and no FLOPs; the reward model is not counted.
-* ``GFLOP/s`` (over the phase's wall seconds) and ``MFU %`` = GFLOP/s / peak, the model FLOPs
-  utilization of PaLM (Chowdhery et al. 2022, appendix B). The peak is measured on the models'
-  device with the run's threads, just before and just after the profiled step (the higher is
-  kept; on a shared machine the other load varies, and an MFU above 100 % gets a note): the
-  median of timed ``torch.mm`` calls on ``--peak-size`` square matrices (default 2048) in the
-  compute dtype (float32, or bfloat16 with ``--dtype bfloat16``, float32 shown beside it), and at
-  the policy's own GEMM shapes (below the table). ``--peak-size 0`` skips it (no MFU).
-* ``tokens``, ``pad`` and ``tokens/s``: generate: tokens sampled, ``B × T`` (pad: sampled after a
-  row's EOS; the prompt positions prefilled and their padding are given below the table); a
-  forward: positions fed, ``B × (P + T)`` as the micro-batches were fed (pad: padding positions);
-  update: those × ``ppo_epochs`` (each through the policy and the value model). The step row:
-  total FLOPs, the step's MFU, tokens sampled per step second.
-
-Files written to ``--output DIR`` (default: the current directory):
-
-* ``trace.json``: the Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
-* ``profile.json``: the table (each phase row with ``flops``, ``forward_flops``,
-  ``backward_flops``, ``recompute_flops``, ``flops_per_s``, ``mfu``, ``hfu``, ``tokens``,
-  ``padding_tokens``, ``tokens_per_s``; ``null`` where unknown), ``flops`` (the step's totals,
-  the peak measurements, each model's shape, notes), the pyppo ops by time, the step's metrics
-  and the settings.
-
-Times include the profiler's own overhead (a few percent for a model forward; more for phases
-made of many tiny ops, e.g. token-by-token generation). On CUDA the pyppo seconds are host-side
-(launch) time, and the device time of pyppo's kernels is reported alongside.
-
-Interface used by ``pyppo.cli``: :func:`add_arguments` (parser) and :func:`run` (args) -> int;
-:func:`main` (argv) -> int for ``python -m pyppo.profile``.
-"""
+"""The model work of a profiled step: every forward's shapes, recorded by hooks on the models
+(:class:`ShapeRecorder`), counted as FLOPs per phase (:mod:`pyppo.profile.flops`), the device's
+measured matmul peak, MFU / HFU (PaLM, Chowdhery et al. 2022, appendix B), and
+:func:`profile_step`, which runs one step under :mod:`torch.profiler` and builds the table."""
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import json
-import math
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -67,218 +13,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..trainer.step_stats import current_phase
 from .flops import (Flops, TransformerShape, UnsupportedConfig, backward_flops, block_flops, check_against_model,
                     head_flops, measure_matmul_flops, recompute_flops, transformer_shape)
-from .stats import current_phase
+from .phases import phase_table
 
-__all__ = ["add_arguments", "run", "main", "profile_step", "phase_table", "format_table", "PHASE_TITLES"]
-
-#: trainer phase key -> the name shown in the table
-PHASE_TITLES = {
-    "generate": "generate",
-    "policy_forward": "policy forward",
-    "ref_forward": "reference forward",
-    "value_forward": "value forward",
-    "score": "score",
-    "advantages": "advantages",
-    "update": "update",
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# analysis
-
-
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(a, b) for a, b in out]
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length of the intersection of two merged interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def _span(e) -> tuple[float, float]:
-    return float(e.time_range.start), float(e.time_range.end)
-
-
-def phase_table(events, metrics: dict) -> dict:
-    """Per-phase rows from the profiler's events (``prof.events()``) and the step's metrics.
-
-    Returns ``{"phases": [...], "pyppo_ops": [...], "step_seconds": s, "pyppo_seconds": s}``;
-    each phase row has ``phase``, ``title``, ``seconds`` (trainer timer), ``share_of_step``,
-    ``profiler_seconds`` (the ``pyppo/<phase>`` ranges), ``pyppo_seconds``, ``pyppo_share``
-    (of the phase) and ``pyppo_device_seconds``.
-    """
-    from pyppo.stats import PHASES
-
-    ranges: dict[str, list] = {p: [] for p in PHASES}
-    op_events = []
-    for e in events:
-        name = e.name
-        if name.startswith("pyppo/"):
-            phase = name[len("pyppo/"):]
-            if phase in ranges:
-                ranges[phase].append(_span(e))
-        elif name.startswith("pyppo::"):
-            op_events.append(e)
-    op_spans = _merge([_span(e) for e in op_events])
-
-    # pyppo ops by name (an op nested in another pyppo op is counted under its own name too)
-    by_name: dict[str, dict] = {}
-    for e in op_events:
-        row = by_name.setdefault(e.name, {"name": e.name, "calls": 0, "seconds": 0.0, "device_seconds": 0.0})
-        row["calls"] += 1
-        row["seconds"] += (e.time_range.end - e.time_range.start) * 1e-6
-        row["device_seconds"] += float(getattr(e, "device_time_total", 0.0) or 0.0) * 1e-6
-
-    step_s = float(metrics.get("step_seconds", 0.0))
-    rows = []
-    for phase in PHASES:
-        merged = _merge(ranges[phase])
-        prof_s = sum(b - a for a, b in merged) * 1e-6
-        seconds = float(metrics.get(f"time_{phase}", prof_s))
-        pyppo_s = _overlap(merged, op_spans) * 1e-6
-        device_s = sum(
-            float(getattr(e, "device_time_total", 0.0) or 0.0)
-            for e in op_events
-            if any(a <= e.time_range.start <= b for a, b in merged)
-        ) * 1e-6
-        rows.append({
-            "phase": phase,
-            "title": PHASE_TITLES.get(phase, phase),
-            "seconds": seconds,
-            "share_of_step": seconds / step_s if step_s > 0 else None,
-            "profiler_seconds": prof_s,
-            "pyppo_seconds": pyppo_s,
-            "pyppo_share": pyppo_s / prof_s if prof_s > 0 else 0.0,
-            "pyppo_device_seconds": device_s,
-        })
-    phase_total = sum(r["seconds"] for r in rows)
-    return {
-        "phases": rows,
-        "other_seconds": max(0.0, step_s - phase_total),
-        "step_seconds": step_s,
-        "pyppo_seconds": sum(b - a for a, b in op_spans) * 1e-6,
-        "pyppo_ops": sorted(by_name.values(), key=lambda r: -r["seconds"]),
-    }
-
-
-def _sig(x: Optional[float], digits: int = 3) -> str:
-    """``x`` to ``digits`` significant digits, without an exponent."""
-    if x is None:
-        return "-"
-    if x == 0 or not math.isfinite(x):
-        return f"{x:.0f}" if x == 0 else str(x)
-    return f"{x:.{max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))}f}"
-
-
-def _flop_cells(r: dict) -> tuple:
-    """GFLOP, GFLOP/s, MFU %, tokens, pad, tokens/s of a row (a phase's or the step's)."""
-    if r.get("tokens") is None:  # no model work in it
-        return ("-",) * 6
-    if r.get("flops") is None:  # a model whose config is not understood
-        flops = ("n/a",) * 3
-    else:
-        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
-        flops = (_sig(r["flops"] / 1e9), _sig(r["flops_per_s"] / 1e9 if r["flops_per_s"] else None), _sig(mfu))
-    return flops + (str(r["tokens"]), str(r["padding_tokens"]), _sig(r["tokens_per_s"]))
-
-
-def _flop_notes(table: dict) -> List[str]:
-    info = table["flops"]
-    rows = {r["phase"]: r for r in table["phases"]}
-    lines = list(info["notes"])
-    described = "; ".join(f"{name}: {d}" for name, d in info["models"].items() if d)
-    if described:
-        lines.append(f"FLOPs: model FLOPs (matmuls; forward + backward) from each model's config ({described}) "
-                     "and the shapes it was fed in this step (forward hooks); causal attention; "
-                     "backward 2x the forward for trained weights, 1x for frozen ones (pyppo.flops).")
-    recompute = info["step"]["recompute_flops"]
-    if recompute:
-        hfu = info["step"]["hfu"]
-        hfu = _sig(None if hfu is None else 100 * hfu)
-        what = "gradient checkpointing's second forward, " if info["gradient_checkpointing"] else ""
-        lines.append(f"MFU = GFLOP/s / peak (PaLM's definition: model FLOPs only). The step's backwards also "
-                     f"recompute {_sig(recompute / 1e9)} GFLOP ({what}the scores of the attention kernel, the "
-                     f"logits of linear_logprobs): hardware FLOPs utilization {hfu} %.")
-    peak = info["peak"]
-    if peak:
-        others = [f"{k} {_sig(v / 1e9)}" for k, v in peak["by_dtype"].items() if k != peak["dtype"]]
-        line = (f"peak: torch.mm {peak['size']}x{peak['size']} {peak['dtype']} on {peak['device']}, {peak['threads']} "
-                f"thread(s): {_sig(peak['flops_per_s'] / 1e9)} GFLOP/s" + (f" ({', '.join(others)})" if others else ""))
-        if peak["model_shapes"]:
-            line += "; at the policy's shapes: " + ", ".join(
-                f"[{s['m']}x{s['k']}]x[{s['k']}x{s['n']}] {_sig(s['flops_per_s'] / 1e9)} ({s['what']})"
-                for s in peak["model_shapes"])
-        lines.append(line)
-    else:
-        lines.append("peak: not measured (--peak-size 0), so no MFU")
-    gen = rows.get("generate", {})
-    if gen.get("tokens") is not None:
-        lines.append(
-            f"tokens: generate = tokens sampled, B x T (pad: sampled after the row's EOS), after a prefill of "
-            f"{gen['prefill_tokens']} prompt positions ({gen['prefill_padding_tokens']} padding) and "
-            f"{gen['decode_forwards']} decode forwards; a forward = positions fed, B x (P + T) (pad: padding "
-            f"positions); update = those x {info['ppo_epochs']} epoch(s), through the policy and the value model "
-            "each; step = tokens sampled per step second.")
-    lines.append("score and advantages: no model FLOPs (the reward function's own model is not counted).")
-    return lines
-
-
-def format_table(table: dict, header: str = "") -> str:
-    with_flops = "flops" in table
-    cols = ("phase", "ms", "% of step", "pyppo ops ms", "pyppo % of phase")
-    if with_flops:
-        cols += ("GFLOP", "GFLOP/s", "MFU %", "tokens", "pad", "tokens/s")
-    extra = _flop_cells if with_flops else (lambda r: ())
-    body = []
-    for r in table["phases"]:
-        share = "-" if r["share_of_step"] is None else f"{100 * r['share_of_step']:.1f}"
-        body.append((r["title"], f"{1e3 * r['seconds']:.2f}", share, f"{1e3 * r['pyppo_seconds']:.3f}",
-                     f"{100 * r['pyppo_share']:.1f}") + extra(r))
-    step = table["step_seconds"]
-    body.append(("(outside phases)", f"{1e3 * table['other_seconds']:.2f}",
-                 f"{100 * table['other_seconds'] / step:.1f}" if step > 0 else "-", "", "")
-                + (("",) * 6 if with_flops else ()))
-    body.append(("step", f"{1e3 * step:.2f}", "100.0", f"{1e3 * table['pyppo_seconds']:.3f}",
-                 f"{100 * table['pyppo_seconds'] / step:.1f}" if step > 0 else "-")
-                + (extra(table["flops"]["step"]) if with_flops else ()))
-    widths = [max(len(c), *(len(row[i]) for row in body)) for i, c in enumerate(cols)]
-
-    def fmt(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    lines = [header] if header else []
-    lines += [fmt(cols), fmt(["-" * w for w in widths])]
-    lines += [fmt(row) for row in body[:-2]]
-    lines.append(fmt(["-" * w for w in widths]))
-    lines += [fmt(row) for row in body[-2:]]
-    if with_flops:
-        lines.append("")
-        lines += _flop_notes(table)
-    if table["pyppo_ops"]:
-        lines.append("")
-        lines.append("pyppo ops: " + ", ".join(
-            f"{r['name'][len('pyppo::'):]} {r['calls']}x {1e3 * r['seconds']:.2f} ms" for r in table["pyppo_ops"]))
-    return "\n".join(lines)
-
+__all__ = ["ShapeRecorder", "count_phases", "flop_table", "measure_peak", "profile_step", "square_peaks"]
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs, MFU and tokens
@@ -376,7 +116,7 @@ def _decoder(model: nn.Module) -> Optional[nn.Module]:
 
 class ShapeRecorder:
     """Forward pre-hooks that note, as :class:`Call` s, what each model of a step was fed, by phase
-    (:func:`pyppo.stats.current_phase`): the decoder of the policy, of the reference and of the
+    (:func:`pyppo.trainer.step_stats.current_phase`): the decoder of the policy, of the reference and of the
     value model (batch, new positions, keys from the attention mask or the KV cache), the LM and
     value heads (positions), and the trainer's ``LogprobHead`` s, whose hidden-state path feeds
     the LM head's weight to ``linear_logprobs`` directly (``b × T`` response positions). Hooks
@@ -483,8 +223,8 @@ class ShapeRecorder:
 
 def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpointing: bool = False,
                  causal: bool = True) -> Dict[str, dict]:
-    """Per phase: ``forward``, ``backward`` and ``recompute`` :class:`~pyppo.flops.Flops`
-    (recompute: :func:`~pyppo.flops.recompute_flops` of the trained blocks, and the logits
+    """Per phase: ``forward``, ``backward`` and ``recompute`` :class:`~pyppo.profile.flops.Flops`
+    (recompute: :func:`~pyppo.profile.flops.recompute_flops` of the trained blocks, and the logits
     ``linear_logprobs`` recomputes in its backward), ``omitted`` (the models whose config is not understood; the
     phase's FLOPs are then unknown), ``positions`` (name -> positions fed to that model's
     decoder), ``forwards`` (decoder calls), ``prefill`` (positions of calls without cached keys)
@@ -650,7 +390,7 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     "flops": flop_table(...), **phase_table(...)}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench import quiet_stderr
+    from ..bench import quiet_stderr
 
     for _ in range(warmup_steps):
         trainer.step()
@@ -677,98 +417,3 @@ def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_sha
     peak = measure_peak(trainer, result.batch, recorder.models, peak_size, before) if peak_size else None
     table["flops"] = flop_table(trainer, result.batch, recorder, table, peak)
     return table
-
-
-#: What ``pyppo profile`` changes from PPOConfig's defaults: one small step after the warm-up.
-PROFILE_DEFAULTS = {"batch_size": 4, "mini_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 16}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``pyppo profile`` options to ``parser``: the model, reward and prompts, every
-    ``PPOConfig`` field (as ``pyppo train``), and the profiler's own options."""
-    from pyppo.cli import add_config_flags, add_source_flags, field_defaults
-
-    add_source_flags(parser, required_defaults=True, eval_prompts=False)
-    prof = parser.add_argument_group("profiler")
-    prof.add_argument("--warmup-steps", type=int, default=1, metavar="N",
-                      help="unprofiled steps first, so one-time costs stay out (default 1)")
-    prof.add_argument("--threads", type=int, default=None, metavar="N",
-                      help="torch.set_num_threads(N) first (default: torch's choice)")
-    prof.add_argument("--peak-size", type=int, default=2048, metavar="N",
-                      help="the MFU's peak: torch.mm of N x N matrices, measured around the step (default 2048; "
-                           "0 = no peak, no MFU)")
-    prof.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
-    prof.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
-    prof.add_argument("--output", metavar="DIR", default=".",
-                      help="where trace.json and profile.json go (default: the current directory)")
-    add_config_flags(parser, field_defaults(PROFILE_DEFAULTS))
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``pyppo profile`` with parsed ``args``; returns the exit status."""
-    import pyppo
-    from pyppo import _C
-    from pyppo.builder import build_trainer
-    from pyppo.cli import config_flag_values, make_config
-    from pyppo.output_dir import check_output_dir
-
-    if args.warmup_steps < 0:
-        raise ValueError("--warmup-steps must be >= 0")
-    if args.peak_size < 0:
-        raise ValueError("--peak-size must be >= 0")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
-    flags = config_flag_values(args)
-    settings = {**PROFILE_DEFAULTS, **flags, "steps": args.warmup_steps + 1}
-    if "mini_batch_size" not in flags:  # one minibatch: the whole profiled batch
-        settings["mini_batch_size"] = settings["batch_size"]
-    config = make_config(settings)
-    output = Path(args.output).expanduser()
-    check_output_dir(output)  # before the model loads, not after the profiled step
-
-    trainer = build_trainer(config, model=args.model, reward=args.reward, prompts=args.prompts,
-                            before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr))
-    print(f"pyppo profile: {args.warmup_steps} warm-up step(s), then one profiled step ...", file=sys.stderr)
-    table = profile_step(trainer, output, warmup_steps=args.warmup_steps,
-                         record_shapes=args.record_shapes, with_stack=args.with_stack, peak_size=args.peak_size)
-
-    device = trainer.device
-    env = {
-        "pyppo": getattr(pyppo, "__version__", "unknown"),
-        "torch": torch.__version__,
-        "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": _C.cpu_capability(),
-    }
-    header = (f"pyppo profile: {args.model} on {env['device']}, {env['torch_threads']} threads "
-              f"({env['cpu_capability']}); batch {config.batch_size}, mini-batch {config.mini_batch_size}, "
-              f"{config.ppo_epochs} epoch(s), max {config.max_new_tokens} new tokens "
-              f"(mean response {table['metrics'].get('response_length_mean', float('nan')):.1f})")
-    result = {
-        "created": _dt.datetime.now().isoformat(timespec="seconds"),
-        "model": args.model,
-        "reward": args.reward,
-        "config": config.to_dict(),
-        "warmup_steps": args.warmup_steps,
-        "env": env,
-        "trace": "trace.json",
-        **table,
-    }
-    (output / "profile.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(format_table(table, header))
-    print()
-    print(f"wrote {output / 'trace.json'} and {output / 'profile.json'}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pyppo profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

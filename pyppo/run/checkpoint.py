@@ -1,4 +1,4 @@
-"""Checkpoints that survive SIGKILL, JSON-lines logs that match them, and RNG capture.
+"""Checkpoints that survive SIGKILL, the trainer's state in them, and RNG capture.
 
 A checkpoint is a directory of ``torch.save`` files (:data:`CHECKPOINT_FILES`). :func:`save` swaps
 it in atomically so that at every instant a complete checkpoint is at a known path:
@@ -17,7 +17,6 @@ are removed by the next save.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import random
 import shutil
@@ -29,8 +28,10 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_FILES", "save", "swap_in", "find", "load", "saved_step", "truncate_log", "capture_rng", "restore_rng",
-           "training_state", "restore_training_state"]
+from .. import distributed
+
+__all__ = ["CHECKPOINT_FILES", "save", "swap_in", "find", "load", "saved_step", "capture_rng", "restore_rng",
+           "training_state", "restore_training_state", "save_trainer", "load_trainer"]
 
 CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
 
@@ -159,38 +160,6 @@ def saved_step(directory: str | os.PathLike) -> int:
     return int(torch.load(Path(directory) / "trainer_state.pt", map_location="cpu", weights_only=True)["step"])
 
 
-def truncate_log(path: Path, last_step: int) -> None:
-    """Drop the rows of a JSON-lines log whose ``step`` is after ``last_step``, and a torn last line.
-
-    A run killed after logging a step but before checkpointing it logged steps that the resumed
-    run takes again. Rewritten atomically; untouched when there is nothing to drop.
-    """
-    if not path.is_file():
-        return
-    keep: List[str] = []
-    dropped = 0
-    with open(path, "r") as f:
-        for line in f:
-            try:
-                ok = line.endswith("\n") and float(json.loads(line)["step"]) <= last_step
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if ok:
-                keep.append(line)
-            else:
-                dropped += 1
-    if not dropped:
-        return
-    warnings.warn(f"{path}: dropped {dropped} line(s) logged after step {last_step} (the checkpoint's) or torn",
-                  RuntimeWarning, stacklevel=3)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def capture_rng() -> Dict[str, Any]:
     """torch (CPU and every CUDA device), numpy and python RNG states, as ``weights_only`` values."""
     np_state = np.random.get_state()
@@ -227,10 +196,8 @@ def training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     """``(weights, optimizer state)`` of what trains in ``module`` (a plain, DDP- or
     FSDP2-wrapped module): every parameter with ``requires_grad`` (all of a full fine-tune, only
     the adapters and heads with LoRA; frozen weights are rebuilt from the initial model). Weight
-    names lose ``prefix`` (``"model."`` of a :class:`~pyppo.forward.LogprobHead`), so they are the
+    names lose ``prefix`` (``"model."`` of a :class:`~pyppo.trainer.logprob_head.LogprobHead`), so they are the
     model's own. Under FSDP2 this is a collective and only rank 0 gets the full tensors."""
-    from . import distributed
-
     inner = distributed.unwrap(module)
     names = _trained_names(inner)
     if distributed.is_sharded(inner):
@@ -253,8 +220,6 @@ def restore_training_state(module: torch.nn.Module, optimizer: torch.optim.Optim
         ValueError: ``weights`` lacks a trained weight or has one ``module`` does not know (a LoRA
             checkpoint into a full fine-tune, or the reverse), naming a few of them.
     """
-    from . import distributed
-
     inner = distributed.unwrap(module)
     known = {k[len(prefix):] for k in inner.state_dict() if k.startswith(prefix)}
     missing = sorted(set(n[len(prefix):] for n in _trained_names(inner)) - set(weights))
@@ -277,3 +242,55 @@ def restore_training_state(module: torch.nn.Module, optimizer: torch.optim.Optim
         return
     inner.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(optimizer_state)
+
+
+def save_trainer(trainer: Any, directory: str | os.PathLike) -> Optional[Path]:
+    """Write everything needed to resume exactly, swapped in atomically (SIGKILL-safe: :func:`save`): the trained weights of both models (every weight, or only the
+    LoRA adapters and the value head), both AdamW states, and the trainer state (step, KL
+    controller, prompt position, shuffle generator, every rank's RNGs, skip counters, config).
+    The warm-up's learning rate is a function of the applied optimizer steps, which are saved. Every rank calls it;
+    rank 0 writes and gets the directory, the others ``None``."""
+    policy_state, policy_optim = training_state(trainer.policy_module, trainer.policy_optimizer,
+                                                           prefix="model.")
+    value_state, value_optim = training_state(trainer.value_module, trainer.value_optimizer)
+    rngs = distributed.gather_objects(capture_rng(), trainer.world)
+    saved = None
+    if trainer.world.is_main:
+        state = {"format": 2, **trainer.state_dict(), **rngs[0], "world_size": trainer.world.size,
+                 "rank_rng": rngs, "config": trainer.config.to_dict()}
+        saved = save(directory, {
+            "policy.pt": policy_state, "value_model.pt": value_state,
+            "optimizers.pt": {"policy": policy_optim, "value": value_optim}, "trainer_state.pt": state})
+    distributed.barrier(trainer.world)
+    return saved
+
+def load_trainer(trainer: Any, directory: str | os.PathLike) -> Path:
+    """Restore a checkpoint written by :func:`save_trainer` into ``trainer``, so that the next step is the
+    one the saving run would have taken. A checkpoint left half-swapped by a killed save is
+    recovered from ``<directory>.old``, with a warning. Every file is read before anything is
+    restored. The reference and the frozen base weights are not in the checkpoint: build the
+    trainer from the same initial policy. Every rank calls it.
+
+    Returns:
+        the directory actually loaded.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint (naming the missing files).
+        ValueError: a corrupt file; a different KL controller type or prompt count; weights that
+            do not match the trained ones (e.g. a LoRA checkpoint into a full fine-tune); or a
+            checkpoint of another number of processes.
+    """
+    d, files = load(directory, trainer.device)
+    st = files["trainer_state.pt"]
+    saved_n = int(st.get("world_size", 1))
+    if saved_n != trainer.world.size:
+        raise ValueError(f"checkpoint {str(d)!r} was written by {saved_n} process(es), this run has "
+                         f"{trainer.world.size}; resume with torchrun --nproc-per-node {saved_n}")
+    restore_training_state(trainer.policy_module, trainer.policy_optimizer, files["policy.pt"],
+                                      files["optimizers.pt"]["policy"], prefix="model.", what="policy")
+    restore_training_state(trainer.value_module, trainer.value_optimizer, files["value_model.pt"],
+                                      files["optimizers.pt"]["value"], what="value model")
+    trainer.load_state_dict(st)
+    restore_rng(st["rank_rng"][trainer.world.rank] if "rank_rng" in st else st)
+    trainer.resumed_step = trainer.step_count
+    return d

@@ -1,0 +1,102 @@
+"""The command line's flags and settings that more than one command shares: one flag per
+``PPOConfig`` field, generated from the fields' metadata (``pyppo train`` and ``pyppo profile``),
+the model / reward / prompts flags, and the one-line user error. Imports nothing of the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+__all__ = ["CLIError", "PROG", "add_config_flags", "add_source_flags", "config_flag_values", "field_defaults",
+           "flag_name", "make_config"]
+
+PROG = "pyppo"
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, no traceback."""
+
+
+def flag_name(name: str) -> str:
+    """``lora_rank`` -> ``--lora-rank``."""
+    return "--" + name.replace("_", "-")
+
+
+def _flag_type(knob):
+    base = {"int": int, "float": float}.get(knob.check.kind, str)
+
+    def parse(text: str):
+        if knob.optional and text.lower() == "none":
+            return None
+        return base(text)
+
+    parse.__name__ = base.__name__  # argparse says "invalid int value: ..."
+    return parse
+
+
+def add_config_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """Add a flag for every ``PPOConfig`` field, grouped as in ``docs/trainer.md``.
+
+    ``defaults`` are the values shown in ``--help`` (the command's own preset over the field
+    defaults). A flag not given leaves no attribute, so flags only override what they name.
+    """
+    from pyppo.config import config_knobs
+
+    groups: dict = {}
+    for name, knob in config_knobs():
+        if knob.group not in groups:
+            groups[knob.group] = parser.add_argument_group(f"PPO settings: {knob.group}")
+        shown = "none" if defaults[name] is None else defaults[name]
+        kwargs = dict(dest=name, default=argparse.SUPPRESS, help=f"{knob.help} (default: {shown})")
+        if knob.check.kind == "bool":
+            groups[knob.group].add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            metavar = knob.check.metavar + ("|none" if knob.optional else "")
+            groups[knob.group].add_argument(flag_name(name), type=_flag_type(knob), metavar=metavar, **kwargs)
+
+
+def config_flag_values(args: argparse.Namespace) -> dict:
+    """The ``PPOConfig`` fields that were given as flags."""
+    from pyppo.config import config_knobs
+
+    return {name: getattr(args, name) for name, _ in config_knobs() if hasattr(args, name)}
+
+
+def field_defaults(preset: dict) -> dict:
+    """Every field's default, with ``preset`` over it."""
+    from pyppo.config import PPOConfig
+
+    return {f.name: f.default for f in dataclasses.fields(PPOConfig)} | preset
+
+
+def make_config(settings: dict):
+    """``PPOConfig(**settings)`` (its checks take a TOML integer where a float is expected).
+
+    Raises:
+        CLIError: an invalid value (the config's message, naming the key).
+    """
+    from pyppo.config import PPOConfig
+
+    try:
+        return PPOConfig(**settings)
+    except (TypeError, ValueError) as exc:
+        raise CLIError(f"invalid configuration: {exc}") from None
+
+
+def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = False,
+                     eval_prompts: bool = True) -> None:
+    """``--model``, ``--reward``, ``--prompts`` (what to train; shared with ``pyppo profile``) and,
+    with ``eval_prompts``, ``--eval-prompts``."""
+    from pyppo.models import DEFAULT_MODEL
+
+    src = p.add_argument_group("what to train")
+    src.add_argument("--model", metavar="NAME|DIR|FILE.gguf", default=DEFAULT_MODEL if required_defaults else None,
+                     help=f"policy to start from: {DEFAULT_MODEL!r} (default), a local HF model dir or a .gguf file")
+    src.add_argument("--reward", metavar="SPEC", default="sentiment" if required_defaults else None,
+                     help="'sentiment' (default, VADER compound of the response), 'module:function', "
+                          "'file.py:function', or a local HF sequence-classification model dir")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help='prompts, one {"prompt": ...} per line (default: the built-in set)')
+    if eval_prompts:
+        src.add_argument("--eval-prompts", metavar="FILE.jsonl",
+                         help="held-out prompts (same format), evaluated every --eval-every steps and after the last")

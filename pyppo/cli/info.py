@@ -1,0 +1,89 @@
+"""``pyppo info``: versions and build flags of the installed pyppo, and the peers it patches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+__all__ = ["cmd_info", "collect_info"]
+
+
+def collect_info() -> dict:
+    """Versions and build flags, as a flat dict (what ``pyppo info --json`` prints)."""
+    import torch
+
+    import pyppo
+    from pyppo import _C
+
+    return {
+        "pyppo": getattr(pyppo, "__version__", "unknown"),
+        "torch_built_against": getattr(_C, "torch_version", "unknown"),
+        "torch_running": torch.__version__,
+        "cuda": bool(getattr(_C, "with_cuda", False)),
+        "cuda_archs": getattr(_C, "cuda_archs", ""),
+        "cuda_available": torch.cuda.is_available(),
+        "openmp": bool(getattr(_C, "with_openmp", False)),
+        "num_threads": int(_C.num_threads()),
+        "cpu_capability": _cpu_capability(_C),
+        "cpu_isas": _C.cpu_isas,
+        "build_type": getattr(_C, "build_type", "unknown"),
+        "compiler": getattr(_C, "compiler", "unknown"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "integrations": _integrations(),
+    }
+
+
+def _integrations() -> dict:
+    from pyppo.integrations import peer_status
+
+    return peer_status()
+
+
+def _cpu_capability(C) -> str:
+    try:
+        return C.cpu_capability()
+    except (RuntimeError, ValueError) as exc:  # a bad PYPPO_CPU_CAPABILITY: info is where one looks
+        return f"invalid ({str(exc).splitlines()[0]})"
+
+
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    cuda = _on_off(info["cuda"])
+    if info["cuda"]:
+        cuda += f" (archs {info['cuda_archs'] or '?'}; device {'available' if info['cuda_available'] else 'not available'})"
+    torch_line = info["torch_running"]
+    if info["torch_built_against"] != info["torch_running"]:
+        torch_line += f"  (MISMATCH: built against {info['torch_built_against']})"
+    rows = [
+        ("pyppo", info["pyppo"]),
+        ("torch (running)", torch_line),
+        ("torch (built against)", info["torch_built_against"]),
+        ("CUDA kernels", cuda),
+        ("OpenMP", f"{_on_off(info['openmp'])}, {info['num_threads']} threads"),
+        ("CPU kernels", f"{info['cpu_capability']} (built: {info['cpu_isas']})"),
+        ("build", f"{info['build_type']}, {info['compiler']}"),
+        ("python", info["python"]),
+        ("platform", info["platform"]),
+    ]
+    for peer, st in info["integrations"].items():
+        written = ", ".join(st["written_for"])
+        if st["installed"] is None:
+            value = f"not installed (adapters written for {written})"
+        elif st["supported"]:
+            value = f"{st['installed']} (patch() supported)"
+        else:
+            value = f"{st['installed']} (adapters written for {written}: patch() needs force=True)"
+        rows.append((f"integration {peer}", value))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0

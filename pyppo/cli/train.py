@@ -1,0 +1,367 @@
+"""``pyppo train``: PPO on a causal LM. With no arguments it runs the embedded default
+(SmolLM2-135M-Instruct, VADER sentiment reward, built-in prompts). Settings come from, in
+increasing priority: the trainer's defaults, :data:`TRAIN_DEFAULTS`, the ``config.toml`` of
+``--resume DIR``, ``--config FILE.toml``, then the flags. The resolved settings are written to
+``<output>/config.toml`` before training starts, so every run can be reproduced or resumed from its
+own directory. SIGINT and SIGTERM stop a run without losing work (:mod:`pyppo.run.stopping`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+from ..run.rundir import OUTPUT_FILES, RunDir, check_output_dir
+from .flags import PROG, CLIError, add_config_flags, add_source_flags, config_flag_values, field_defaults, flag_name, make_config
+
+__all__ = ["TRAIN_DEFAULTS", "RUN_KEYS", "add_train_arguments", "cmd_train", "resolve_train_config", "TrainPlan", "write_resolved_config"]
+
+#: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
+RUN_KEYS = ("model", "reward", "prompts", "eval_prompts")
+
+#: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
+#: default (SmolLM2-135M, sentiment reward) shows its mean score rising within 15 minutes on a
+#: 2-core CPU. One epoch of two minibatches: each batch gives two optimizer steps and the second
+#: is measured against the policy that sampled it, so PPO stays proximal (a second epoch doubled
+#: the update's cost and pushed step 1's approx_kl to 0.9). Smaller batches or shorter responses
+#: let the sentiment score's step-to-step noise (VADER on 16-token responses) hide the trend.
+TRAIN_DEFAULTS = {
+    "steps": 20,
+    "batch_size": 32,
+    "mini_batch_size": 16,
+    "ppo_epochs": 1,
+    "max_new_tokens": 16,
+    "lr": 7e-5,
+    "kl_coef": 0.06,
+    # A checkpoint (~3.2 GB: two fp32 models and their Adam moments) every 10 steps, so that an
+    # interrupted run loses at most 10 steps (~6 min).
+    "save_every": 10,
+}
+
+def _read_toml(path: Path, what: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    if not path.is_file():
+        raise CLIError(f"{what} {str(path)!r} does not exist")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise CLIError(f"{what} {str(path)!r}: invalid TOML: {exc}") from None
+
+
+def _same_source(a: str, b) -> bool:
+    """Whether two model/reward/prompts specs name the same thing (paths compared resolved)."""
+    if not isinstance(b, str):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() or pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
+def _check_keys(table: dict, where: str) -> dict:
+    """The settings of a flat TOML table, with ``"none"`` read as None for optional fields.
+
+    Raises:
+        CLIError: an unknown key or a table, naming it and the known keys.
+    """
+    from pyppo.config import config_knobs
+
+    knobs = dict(config_knobs())
+    out = {}
+    for key, value in table.items():
+        if key not in RUN_KEYS and key not in knobs:
+            known = ", ".join(sorted(set(RUN_KEYS) | set(knobs)))
+            if isinstance(value, dict):
+                raise CLIError(f"{where}: unknown table [{key}]; settings are flat keys: {known}")
+            raise CLIError(f"{where}: unknown key {key!r}; known keys: {known}")
+        if key in knobs and knobs[key].optional and isinstance(value, str) and value.lower() == "none":
+            value = None  # TOML has no null; config.toml writes None as "none"
+        # Each source is checked on its own: a bad value that a flag overrides is still a mistake
+        # in the file.
+        if key in knobs:
+            try:
+                knobs[key].validate(key, value)
+            except ValueError as exc:
+                raise CLIError(f"{where}: {exc}") from None
+        elif not isinstance(value, str):
+            raise CLIError(f"{where}: {key!r} must be a string, got {value!r}")
+        out[key] = value
+    return out
+
+
+class TrainPlan(NamedTuple):
+    """What ``pyppo train`` will do: train ``config`` on ``run``'s ``model``, ``reward``, ``prompts``
+    and ``eval_prompts`` (``None`` = built-in prompts / none) into ``output``, from the checkpoint
+    of ``resume_dir`` at ``resume_step`` (``None``: from step 0)."""
+
+    run: dict
+    config: Any
+    output: Path
+    resume_dir: Optional[Path]
+    resume_step: Optional[int]
+
+
+def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
+    """Merge, in increasing priority: the field defaults, :data:`TRAIN_DEFAULTS`, ``--resume``'s
+    config.toml, ``--config`` and the flags; then find the checkpoint to resume from.
+
+    Raises:
+        CLIError: unknown key, missing file, invalid value (PPOConfig's validation message).
+    """
+    from pyppo.models import DEFAULT_MODEL
+
+    merged: dict = {"model": DEFAULT_MODEL, "reward": "sentiment", "prompts": None, "eval_prompts": None,
+                    **TRAIN_DEFAULTS}
+    resume_dir, resumed = None, {}
+    if args.resume is not None:
+        resume_dir = Path(args.resume).expanduser()
+        if not resume_dir.is_dir():
+            raise CLIError(f"--resume {args.resume!r}: no such run directory")
+        if not (resume_dir / "config.toml").is_file():
+            raise CLIError(f"--resume {args.resume!r}: no config.toml in it (not a pyppo run directory)")
+        resumed = _check_keys(_read_toml(resume_dir / "config.toml", "--resume config"),
+                              str(resume_dir / "config.toml"))
+        merged.update(resumed)
+    if args.config is not None:
+        path = Path(args.config).expanduser()
+        merged.update(_check_keys(_read_toml(path, "--config"), str(path)))
+    for key in RUN_KEYS:
+        value = getattr(args, key)
+        if value is None:
+            continue
+        # A resumed run continues the same model, reward and prompts: switching them mid-run
+        # would make its checkpoint and its config.toml describe different experiments.
+        if resume_dir is not None and key in resumed and not _same_source(value, resumed[key]):
+            raise CLIError(f"--{key} {value!r} differs from the resumed run's {key} {resumed[key]!r}; "
+                           "start a new run (--output) to change it")
+        merged[key] = value
+    flags = config_flag_values(args)
+    _check_lora_flags(flags, resumed if resume_dir is not None else None)
+    merged.update(flags)
+    # `--batch-size 8` alone should work: when the mini-batch size is still TRAIN_DEFAULTS' and does
+    # not divide the batch, train on the whole batch at once.
+    if ("batch_size" in flags and merged.get("mini_batch_size") == TRAIN_DEFAULTS["mini_batch_size"]
+            and "mini_batch_size" not in flags and flags["batch_size"] % TRAIN_DEFAULTS["mini_batch_size"] != 0):
+        merged["mini_batch_size"] = flags["batch_size"]
+
+    run = {key: merged.pop(key) for key in RUN_KEYS}
+    # Paths are stored absolute in the resolved config, so `--resume` works from any directory.
+    for key in ("prompts", "eval_prompts"):
+        if run[key]:
+            path = Path(run[key]).expanduser()
+            if not path.is_file():
+                raise CLIError(f"{flag_name(key)} {run[key]!r}: no such file")
+            run[key] = str(path.resolve())
+    model_path = Path(run["model"]).expanduser()
+    if model_path.exists():
+        run["model"] = str(model_path.resolve())
+    if not isinstance(run["reward"], str) or not run["reward"]:
+        raise CLIError(f"--reward must be 'sentiment', a model directory or 'module:function', got {run['reward']!r}")
+    reward_path = Path(run["reward"]).expanduser()
+    if reward_path.is_dir():
+        run["reward"] = str(reward_path.resolve())
+    elif ".py:" in run["reward"]:  # file.py:function: the file, found from any directory later
+        file, _, function = run["reward"].rpartition(":")
+        if Path(file).expanduser().is_file():
+            run["reward"] = f"{Path(file).expanduser().resolve()}:{function}"
+    ppo_config = make_config(merged)
+    if not ppo_config.lora_rank:
+        useless = [flag_name(k) for k in ("lora_alpha", "lora_target_modules") if k in flags]
+        if useless:
+            verb = "applies" if len(useless) == 1 else "apply"
+            raise CLIError(f"{' and '.join(useless)} only {verb} with --lora-rank N > 0 (LoRA is off)")
+    if ppo_config.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        import warnings
+
+        warnings.warn("fsdp has no effect in a single process (it shards over torchrun's processes: "
+                      "--nproc N or torchrun --nproc-per-node N)", UserWarning, stacklevel=2)
+    if ppo_config.eval_every and not run["eval_prompts"]:
+        raise CLIError(f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts)")
+    if args.output is not None:
+        output = Path(args.output).expanduser()
+    elif resume_dir is not None:
+        output = resume_dir
+    else:
+        output = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    check_output_dir(output)
+    # A directory whose run has no checkpoint holds nothing to resume: the same command starts it
+    # over there (see cmd_train); one with a checkpoint is only continued with --resume.
+    output_step = RunDir(output).checkpoint_step()
+    in_place = resume_dir is not None and output.resolve() == resume_dir.resolve()
+    if output_step is not None and not in_place:
+        raise CLIError(
+            f"--output {str(output)!r} already holds a run with a checkpoint; "
+            f"continue it with --resume {str(output)!r} or choose another --output"
+        )
+    resume_step = output_step if in_place else RunDir(resume_dir).checkpoint_step() if resume_dir is not None else None
+    return TrainPlan(run, ppo_config, output, resume_dir, resume_step)
+
+
+#: What a checkpoint's trained weights depend on: a resumed run cannot change them.
+_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "value_lora")
+
+
+def _check_lora_flags(flags: dict, resumed: dict | None) -> None:
+    """A resumed run's LoRA settings are those its checkpoint was trained with.
+
+    Raises:
+        CLIError: a LoRA flag that differs from the resumed run's config.toml.
+    """
+    if resumed is None:
+        return
+    for key in _LORA_KEYS:
+        if key in flags and key in resumed and flags[key] != resumed[key]:
+            raise CLIError(f"{flag_name(key)} {flags[key]!r} differs from the resumed run's {key} {resumed[key]!r}: "
+                           "its checkpoint holds weights trained with it; start a new run (--output) to change it")
+
+
+def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
+    """Write the settings a run actually used as flat TOML; a None setting is written ``"none"``
+    (TOML has no null), which ``--config`` and ``--resume`` read back as None."""
+    import tomli_w
+
+    table = {k: v for k, v in run.items() if v is not None}
+    table.update({k: "none" if v is None else v for k, v in dataclasses.asdict(ppo_config).items()})
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text("# Resolved pyppo configuration; `pyppo train --config` or `--resume` reads it back.\n"
+                   + tomli_w.dumps(table))
+    os.replace(tmp, path)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return _relaunch_with_torchrun(args.nproc)
+    from ..run.stopping import GracefulStop
+
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
+    stop = GracefulStop(say=main_rank, single_process=int(os.environ.get("WORLD_SIZE", "1")) == 1)
+    with stop.installed():
+        return _train(args, stop, main_rank)
+
+
+def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
+    import gc
+
+    from .. import distributed
+    from ..run.nonfinite import NonFiniteUpdateError
+    from ..run.plotting import plot_metrics
+    from .build import build_trainer
+
+    say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
+    run, config, output, resume_dir, done = resolve_train_config(args)
+    # resolve_train_config refused an output with a checkpoint that is not resumed.
+    restart = done is None and RunDir(output).holds_a_run()
+    if done is not None and done >= config.steps:
+        say(f"{PROG}: {str(resume_dir)!r} is at step {done} (its checkpoint), steps = {config.steps}: nothing "
+            f"left to run; pass --steps N with N > {done} to train further")
+        return 0
+    if resume_dir is not None:
+        say(f"{PROG}: resuming {str(resume_dir)!r} from step {done} of {config.steps}" if done is not None else
+            f"{PROG}: {str(resume_dir)!r} has no checkpoint yet: starting it over in place from step 0 "
+            "with its config.toml")
+    elif restart:
+        say(f"{PROG}: {str(output)!r} holds a run stopped before its first checkpoint: starting it over in place")
+    # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
+    trainer = build_trainer(config, **run, before_loading=lambda: say(f"pyppo: loading {run['model']} ..."))
+    # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
+    if done is not None:
+        trainer.load_checkpoint(resume_dir / "checkpoint")
+    elif restart:
+        RunDir(output).clear()
+    created = not output.exists()
+    if main_rank:
+        output.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(output / "config.toml", run, config)
+    stop.training()
+    try:
+        trainer.train(output, stop=stop)
+    except BaseException as exc:
+        if main_rank and resume_dir is None and not any((output / n).exists() for n in ("metrics.jsonl", "checkpoint")):
+            # Failed before its first step was logged: leave no directory behind.
+            (output / "config.toml").unlink(missing_ok=True)
+            if created and output.is_dir() and not any(output.iterdir()):
+                output.rmdir()
+        if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
+            say(f"{PROG}: error: {exc}")
+            return 1
+        raise
+    stop.finishing()
+    finished = trainer.step_count >= config.steps
+    world, step = trainer.world, trainer.step_count
+    del trainer
+    gc.collect()
+    distributed.leave(world)
+    if not main_rank:
+        return stop.exit_status if not finished else 0
+    if (output / "metrics.jsonl").is_file():
+        plot_metrics(output / "metrics.jsonl", output / "curves.png")
+    if not finished:
+        if step == 0:
+            hint = (f"no step finished, so there is nothing to keep: the same command, or "
+                    f"pyppo train --resume {output}, starts it over in place")
+        else:
+            hint = f"its checkpoint is at step {step} of {config.steps}; continue with: pyppo train --resume {output}"
+        say(f"{PROG}: stopped by {stop.signal_name}; {hint}")
+        return stop.exit_status
+    print(f"pyppo: run written to {output}")
+    for name in RunDir(output).existing_outputs():
+        print(f"  {name:<18} {OUTPUT_FILES[name]}")
+    return 0
+
+
+def _relaunch_with_torchrun(nproc: int) -> int:
+    """``pyppo train --nproc N ...`` is ``torchrun --nproc-per-node N -m pyppo train ...``: the same
+    words without ``--nproc``, run by torchrun (which stays in charge of the processes)."""
+    import subprocess
+
+    if nproc < 1:
+        raise CLIError(f"--nproc must be >= 1, got {nproc}")
+    if "RANK" in os.environ:
+        raise CLIError("--nproc inside torchrun: launch either with torchrun or with --nproc, not both")
+    words, skip = [], False
+    for word in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif word == "--nproc":
+            skip = True
+        elif not word.startswith("--nproc="):
+            words.append(word)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pyppo", *words]
+    print(f"pyppo: running {' '.join(command[2:])}", file=sys.stderr)
+    # torchrun runs in a session of its own, so that a Ctrl-C reaches it once, from here, and this
+    # process stays until it has stopped its workers (each signal forwarded; see pyppo.run.stopping).
+    import signal
+
+    child = subprocess.Popen(command, start_new_session=True)
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - status if status < 0 else status
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    add_source_flags(p)
+    io = p.add_argument_group("files")
+    io.add_argument("--config", metavar="FILE.toml", help="settings file (flat keys, as the flags; flags override it)")
+    io.add_argument("--output", metavar="DIR", help="run directory (default: runs/<timestamp>, or the --resume dir)")
+    io.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint/ and config.toml")
+    io.add_argument("--nproc", metavar="N", type=int,
+                    help="run N processes: shorthand for torchrun --nproc-per-node N -m pyppo train ...")
+    add_config_flags(p, field_defaults(TRAIN_DEFAULTS))

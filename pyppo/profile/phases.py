@@ -1,0 +1,216 @@
+"""The phase table of a profiled step: wall seconds per phase (the trainer's own timer), the
+share of each spent inside pyppo's ops (profiler events named ``pyppo::*``, overlaps counted once),
+and its printed form with the FLOP columns of :mod:`pyppo.profile.counting`."""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+from ..trainer.step_stats import PHASES
+
+__all__ = ["PHASE_TITLES", "format_table", "phase_table"]
+
+#: trainer phase key -> the name shown in the table
+PHASE_TITLES = {
+    "generate": "generate",
+    "policy_forward": "policy forward",
+    "ref_forward": "reference forward",
+    "value_forward": "value forward",
+    "score": "score",
+    "advantages": "advantages",
+    "update": "update",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# analysis
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _span(e) -> tuple[float, float]:
+    return float(e.time_range.start), float(e.time_range.end)
+
+
+def phase_table(events, metrics: dict) -> dict:
+    """Per-phase rows from the profiler's events (``prof.events()``) and the step's metrics.
+
+    Returns ``{"phases": [...], "pyppo_ops": [...], "step_seconds": s, "pyppo_seconds": s}``;
+    each phase row has ``phase``, ``title``, ``seconds`` (trainer timer), ``share_of_step``,
+    ``profiler_seconds`` (the ``pyppo/<phase>`` ranges), ``pyppo_seconds``, ``pyppo_share``
+    (of the phase) and ``pyppo_device_seconds``.
+    """
+    ranges: dict[str, list] = {p: [] for p in PHASES}
+    op_events = []
+    for e in events:
+        name = e.name
+        if name.startswith("pyppo/"):
+            phase = name[len("pyppo/"):]
+            if phase in ranges:
+                ranges[phase].append(_span(e))
+        elif name.startswith("pyppo::"):
+            op_events.append(e)
+    op_spans = _merge([_span(e) for e in op_events])
+
+    # pyppo ops by name (an op nested in another pyppo op is counted under its own name too)
+    by_name: dict[str, dict] = {}
+    for e in op_events:
+        row = by_name.setdefault(e.name, {"name": e.name, "calls": 0, "seconds": 0.0, "device_seconds": 0.0})
+        row["calls"] += 1
+        row["seconds"] += (e.time_range.end - e.time_range.start) * 1e-6
+        row["device_seconds"] += float(getattr(e, "device_time_total", 0.0) or 0.0) * 1e-6
+
+    step_s = float(metrics.get("step_seconds", 0.0))
+    rows = []
+    for phase in PHASES:
+        merged = _merge(ranges[phase])
+        prof_s = sum(b - a for a, b in merged) * 1e-6
+        seconds = float(metrics.get(f"time_{phase}", prof_s))
+        pyppo_s = _overlap(merged, op_spans) * 1e-6
+        device_s = sum(
+            float(getattr(e, "device_time_total", 0.0) or 0.0)
+            for e in op_events
+            if any(a <= e.time_range.start <= b for a, b in merged)
+        ) * 1e-6
+        rows.append({
+            "phase": phase,
+            "title": PHASE_TITLES.get(phase, phase),
+            "seconds": seconds,
+            "share_of_step": seconds / step_s if step_s > 0 else None,
+            "profiler_seconds": prof_s,
+            "pyppo_seconds": pyppo_s,
+            "pyppo_share": pyppo_s / prof_s if prof_s > 0 else 0.0,
+            "pyppo_device_seconds": device_s,
+        })
+    phase_total = sum(r["seconds"] for r in rows)
+    return {
+        "phases": rows,
+        "other_seconds": max(0.0, step_s - phase_total),
+        "step_seconds": step_s,
+        "pyppo_seconds": sum(b - a for a, b in op_spans) * 1e-6,
+        "pyppo_ops": sorted(by_name.values(), key=lambda r: -r["seconds"]),
+    }
+
+
+def _sig(x: Optional[float], digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, without an exponent."""
+    if x is None:
+        return "-"
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.0f}" if x == 0 else str(x)
+    return f"{x:.{max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))}f}"
+
+
+def _flop_cells(r: dict) -> tuple:
+    """GFLOP, GFLOP/s, MFU %, tokens, pad, tokens/s of a row (a phase's or the step's)."""
+    if r.get("tokens") is None:  # no model work in it
+        return ("-",) * 6
+    if r.get("flops") is None:  # a model whose config is not understood
+        flops = ("n/a",) * 3
+    else:
+        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
+        flops = (_sig(r["flops"] / 1e9), _sig(r["flops_per_s"] / 1e9 if r["flops_per_s"] else None), _sig(mfu))
+    return flops + (str(r["tokens"]), str(r["padding_tokens"]), _sig(r["tokens_per_s"]))
+
+
+def _flop_notes(table: dict) -> List[str]:
+    info = table["flops"]
+    rows = {r["phase"]: r for r in table["phases"]}
+    lines = list(info["notes"])
+    described = "; ".join(f"{name}: {d}" for name, d in info["models"].items() if d)
+    if described:
+        lines.append(f"FLOPs: model FLOPs (matmuls; forward + backward) from each model's config ({described}) "
+                     "and the shapes it was fed in this step (forward hooks); causal attention; "
+                     "backward 2x the forward for trained weights, 1x for frozen ones (pyppo.profile.flops).")
+    recompute = info["step"]["recompute_flops"]
+    if recompute:
+        hfu = info["step"]["hfu"]
+        hfu = _sig(None if hfu is None else 100 * hfu)
+        what = "gradient checkpointing's second forward, " if info["gradient_checkpointing"] else ""
+        lines.append(f"MFU = GFLOP/s / peak (PaLM's definition: model FLOPs only). The step's backwards also "
+                     f"recompute {_sig(recompute / 1e9)} GFLOP ({what}the scores of the attention kernel, the "
+                     f"logits of linear_logprobs): hardware FLOPs utilization {hfu} %.")
+    peak = info["peak"]
+    if peak:
+        others = [f"{k} {_sig(v / 1e9)}" for k, v in peak["by_dtype"].items() if k != peak["dtype"]]
+        line = (f"peak: torch.mm {peak['size']}x{peak['size']} {peak['dtype']} on {peak['device']}, {peak['threads']} "
+                f"thread(s): {_sig(peak['flops_per_s'] / 1e9)} GFLOP/s" + (f" ({', '.join(others)})" if others else ""))
+        if peak["model_shapes"]:
+            line += "; at the policy's shapes: " + ", ".join(
+                f"[{s['m']}x{s['k']}]x[{s['k']}x{s['n']}] {_sig(s['flops_per_s'] / 1e9)} ({s['what']})"
+                for s in peak["model_shapes"])
+        lines.append(line)
+    else:
+        lines.append("peak: not measured (--peak-size 0), so no MFU")
+    gen = rows.get("generate", {})
+    if gen.get("tokens") is not None:
+        lines.append(
+            f"tokens: generate = tokens sampled, B x T (pad: sampled after the row's EOS), after a prefill of "
+            f"{gen['prefill_tokens']} prompt positions ({gen['prefill_padding_tokens']} padding) and "
+            f"{gen['decode_forwards']} decode forwards; a forward = positions fed, B x (P + T) (pad: padding "
+            f"positions); update = those x {info['ppo_epochs']} epoch(s), through the policy and the value model "
+            "each; step = tokens sampled per step second.")
+    lines.append("score and advantages: no model FLOPs (the reward function's own model is not counted).")
+    return lines
+
+
+def format_table(table: dict, header: str = "") -> str:
+    with_flops = "flops" in table
+    cols = ("phase", "ms", "% of step", "pyppo ops ms", "pyppo % of phase")
+    if with_flops:
+        cols += ("GFLOP", "GFLOP/s", "MFU %", "tokens", "pad", "tokens/s")
+    extra = _flop_cells if with_flops else (lambda r: ())
+    body = []
+    for r in table["phases"]:
+        share = "-" if r["share_of_step"] is None else f"{100 * r['share_of_step']:.1f}"
+        body.append((r["title"], f"{1e3 * r['seconds']:.2f}", share, f"{1e3 * r['pyppo_seconds']:.3f}",
+                     f"{100 * r['pyppo_share']:.1f}") + extra(r))
+    step = table["step_seconds"]
+    body.append(("(outside phases)", f"{1e3 * table['other_seconds']:.2f}",
+                 f"{100 * table['other_seconds'] / step:.1f}" if step > 0 else "-", "", "")
+                + (("",) * 6 if with_flops else ()))
+    body.append(("step", f"{1e3 * step:.2f}", "100.0", f"{1e3 * table['pyppo_seconds']:.3f}",
+                 f"{100 * table['pyppo_seconds'] / step:.1f}" if step > 0 else "-")
+                + (extra(table["flops"]["step"]) if with_flops else ()))
+    widths = [max(len(c), *(len(row[i]) for row in body)) for i, c in enumerate(cols)]
+
+    def fmt(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [header] if header else []
+    lines += [fmt(cols), fmt(["-" * w for w in widths])]
+    lines += [fmt(row) for row in body[:-2]]
+    lines.append(fmt(["-" * w for w in widths]))
+    lines += [fmt(row) for row in body[-2:]]
+    if with_flops:
+        lines.append("")
+        lines += _flop_notes(table)
+    if table["pyppo_ops"]:
+        lines.append("")
+        lines.append("pyppo ops: " + ", ".join(
+            f"{r['name'][len('pyppo::'):]} {r['calls']}x {1e3 * r['seconds']:.2f} ms" for r in table["pyppo_ops"]))
+    return "\n".join(lines)

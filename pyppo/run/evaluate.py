@@ -1,0 +1,67 @@
+"""Held-out evaluation: responses to prompts the policy does not train on, their scores under
+the training reward, and their KL to the reference (``eval_every``, ``--eval-prompts``)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import distributed
+from ..ops import kl_penalty
+from ..precision import autocast
+from ..rewards import score_responses
+
+__all__ = ["evaluate_prompts"]
+
+
+@torch.no_grad()
+def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[str]] = None) -> Tuple[Dict[str, float], List[dict]]:
+    """Sample one response to each held-out prompt (``trainer.eval_prompts`` by default) as a
+    rollout does, score it with the training reward and measure its KL to the reference.
+
+    Returns:
+        ``(metrics, rows)``: ``eval/score_mean`` (raw scores), ``eval/kl_mean`` (the
+        ``kl_estimator`` summed over each response's tokens, averaged over responses, nats),
+        ``eval/response_length_mean`` and ``eval/eos_fraction``; and one row per prompt
+        (``step``, ``prompt``, ``response``, ``score``, ``kl``). The same on every rank.
+
+    Raises:
+        ValueError: no prompts. RewardError: as ``trainer.step``.
+    """
+    prompts = list(trainer.eval_prompts if prompts is None else prompts)
+    if not prompts:
+        raise ValueError("evaluate_prompts: no prompts (pass eval_prompts to the trainer)")
+    n, b = trainer.world.size, trainer.local_batch_size
+    # Every rank runs the same number of batches (FSDP's collectives need it): its share is
+    # padded with its last prompt, and the padding's results are dropped.
+    mine = prompts[trainer.world.rank::n]
+    per_rank = -(-len(prompts) // n)
+    padded = mine + [mine[-1] if mine else prompts[-1]] * (per_rank - len(mine))
+    rows: List[dict] = []
+    for start in range(0, per_rank, b):
+        chunk = padded[start:start + b]
+        batch = trainer.rollout(chunk)
+        scores = score_responses(trainer.reward_fn, batch.prompts, batch.responses,
+                                 where=f"evaluation after step {trainer.step_count}")
+        logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
+        for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
+            mb, ix = batch.select(idx), idx.to(trainer.device)
+            with autocast(trainer.device, trainer.dtype):
+                logprobs[ix] = trainer.policy_module(mb)[0]
+                ref[ix] = trainer.ref_logprobs(mb)[0]
+        kl = kl_penalty(logprobs, ref, estimator=trainer.config.kl_estimator)
+        kl = torch.where(batch.response_mask, kl, torch.zeros_like(kl)).sum(dim=1)
+        lengths = batch.response_mask.sum(dim=1)
+        for i in range(len(batch)):
+            if start + i < len(mine):
+                rows.append({"step": trainer.step_count, "prompt": batch.prompts[i], "response": batch.responses[i],
+                             "score": float(scores[i]), "kl": float(kl[i]), "length": int(lengths[i]),
+                             "eos": bool(batch.has_eos[i])})
+    # Back in the prompts' order: rank r evaluated prompts r, r + n, r + 2n, ...
+    by_rank = distributed.gather_objects(rows, trainer.world)
+    ordered = [by_rank[i % n][i // n] for i in range(len(prompts))]
+    mean = lambda key: sum(float(r[key]) for r in ordered) / len(ordered)  # noqa: E731
+    metrics = {"eval/score_mean": mean("score"), "eval/kl_mean": mean("kl"),
+               "eval/response_length_mean": mean("length"), "eval/eos_fraction": mean("eos")}
+    return metrics, [{k: r[k] for k in ("step", "prompt", "response", "score", "kl")} for r in ordered]

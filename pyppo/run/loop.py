@@ -1,0 +1,139 @@
+"""The run loop: steps until ``config.steps``, with logs, the progress bar, held-out evaluation,
+checkpoint and export cadences, and the signal hooks that stop a run without losing work.
+
+The loop drives any trainer with the :class:`~pyppo.trainer.PPOTrainer` interface (``step``,
+``state_dict``, ``save_checkpoint``, ...); it imports none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Dict, List, Optional
+
+from .. import distributed
+from . import checkpoint
+from .nonfinite import NonFiniteUpdateError
+from .rundir import RunDir
+from .stopping import GracefulStop, StepAbandoned
+
+__all__ = ["train"]
+
+
+def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
+          stop: Optional[GracefulStop] = None) -> List[Dict[str, float]]:
+    """Run ``trainer``'s steps ``step_count + 1 … config.steps``, logging to ``output_dir``.
+
+    Appends one JSON object per step to ``metrics.jsonl`` and, with ``log_samples``, one per
+    sample (``step``, ``prompt``, ``response``, raw ``score``) to ``samples.jsonl``; with
+    ``eval_every``, evaluates on the eval prompts (``trainer.evaluate_prompts``), adds ``eval/*``
+    to that step's row and appends the samples to ``eval_samples.jsonl``. Every ``save_every``
+    steps and after the last step it writes ``checkpoint/`` and the policy as a Hugging Face
+    directory, ``policy/``. Rows logged after the checkpoint being resumed (a run killed before
+    it checkpointed them) and a torn last line are dropped first, with a warning. To resume,
+    call ``trainer.load_checkpoint`` first. With several processes every rank calls this; rank 0
+    writes.
+
+    ``stop`` (installed :class:`~pyppo.run.stopping.GracefulStop` handlers): after a SIGINT or
+    SIGTERM the loop ends after the current step, or without it when a second signal abandons
+    it (the state of the last finished step is put back), and a checkpoint of the last
+    finished step is written if none is; then this returns (``trainer.step_count`` tells where
+    it stopped).
+
+    Returns:
+        the metrics of the steps run now.
+
+    Raises:
+        NonFiniteUpdateError: as ``trainer.step``; the step is neither logged nor checkpointed,
+            and the message names the last good checkpoint.
+    """
+    from tqdm.auto import tqdm
+
+    run, c, main = RunDir(output_dir), trainer.config, trainer.world.is_main
+    if main:
+        run.path.mkdir(parents=True, exist_ok=True)
+        run.truncate_logs(trainer.step_count)
+    history: List[Dict[str, float]] = []
+    # The step the newest checkpoint holds, when it is the current state (0: nothing to save).
+    saved_step = trainer.step_count if trainer.step_count in (0, trainer.resumed_step) else None
+    stopped = False
+    with tqdm(total=c.steps, initial=trainer.step_count, desc="ppo", disable=not (progress and main),
+              dynamic_ncols=True) as bar, _signal_hooks(trainer, stop):
+        while trainer.step_count < c.steps:
+            if stop is not None and stop.should_stop(lambda v: distributed.all_sum(v, trainer.world)):
+                stopped = True
+                break
+            start_state = _step_start_state(trainer) if stop is not None else None
+            try:
+                with stop.step() if stop is not None else contextlib.nullcontext():
+                    result = trainer.step()
+            except StepAbandoned:
+                _restore_step_start(trainer, start_state)
+                stopped = True
+                break
+            except NonFiniteUpdateError as exc:
+                last = run.find_checkpoint()
+                where = ("no checkpoint was written" if last is None else
+                         f"the last good checkpoint is {str(last)!r} (step {checkpoint.saved_step(last)})")
+                raise NonFiniteUpdateError(f"{exc}; {where}") from exc
+            last_step = trainer.step_count == c.steps
+            eval_rows: List[dict] = []
+            if trainer.eval_prompts and (last_step or (c.eval_every and trainer.step_count % c.eval_every == 0)):
+                eval_metrics, eval_rows = trainer.evaluate_prompts()
+                result.metrics.update(eval_metrics)
+            history.append(result.metrics)
+            _log(trainer, run, result, eval_rows)
+            bar.update(1)
+            bar.set_postfix(score=f"{result.metrics['score_mean']:.3f}", kl=f"{result.metrics['kl_mean']:.3f}")
+            if last_step or (c.save_every and trainer.step_count % c.save_every == 0):
+                with stop.save() if stop is not None else contextlib.nullcontext():
+                    trainer.save_checkpoint(run.checkpoint)
+                    trainer.export_policy(run.policy)
+                saved_step = trainer.step_count
+        if stopped and saved_step != trainer.step_count:
+            with stop.save():  # the last finished step, so that --resume loses nothing
+                trainer.save_checkpoint(run.checkpoint)
+    return history
+
+
+@contextlib.contextmanager
+def _signal_hooks(trainer: Any, stop: Optional[GracefulStop]):
+    """While the loop runs: a signal is acted on at the next forward of any model (a step may be
+    abandoned there) and no optimizer step starts once it may not (``stop.commit``)."""
+    handles = [] if stop is None else (
+        [opt.register_step_pre_hook(stop.commit) for opt in (trainer.policy_optimizer, trainer.value_optimizer)]
+        + [m.register_forward_pre_hook(stop.poll) for m in (trainer.policy, trainer.ref_policy, trainer.value_model)
+           if m is not None])
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _step_start_state(trainer: Any) -> dict:
+    """What a step changes before its first optimizer step (cheap to copy): put back by
+    :func:`_restore_step_start` when the step is abandoned, so that a checkpoint written then is
+    exactly the last finished step's."""
+    return {"rng": checkpoint.capture_rng(), **trainer.state_dict()}
+
+
+def _restore_step_start(trainer: Any, state: dict) -> None:
+    checkpoint.restore_rng(state["rng"])
+    trainer.load_state_dict(state)
+    trainer.policy_optimizer.zero_grad(set_to_none=True)
+    trainer.value_optimizer.zero_grad(set_to_none=True)
+
+
+def _log(trainer: Any, run: RunDir, result: Any, eval_rows: List[dict]) -> None:
+    """Append the step's metrics, and its samples (every rank's, with ``log_samples``) and
+    held-out rows, to the run's logs (rank 0 writes)."""
+    b = result.batch
+    samples = [{"step": trainer.step_count, "prompt": p, "response": r, "score": s}
+               for p, r, s in zip(b.prompts, b.responses, b.raw_scores.tolist())] if trainer.config.log_samples else []
+    samples = [row for rank_rows in distributed.gather_objects(samples, trainer.world) for row in rank_rows]
+    if not trainer.world.is_main:
+        return
+    run.append("metrics.jsonl", [result.metrics])
+    run.append("samples.jsonl", samples)
+    run.append("eval_samples.jsonl", eval_rows)

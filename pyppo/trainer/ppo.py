@@ -1,0 +1,493 @@
+"""The PPO step for language models. ``docs/trainer.md`` walks through it; each step is:
+
+1. take ``batch_size`` prompts and sample a response to each (pure sampling at ``temperature``,
+   by the rollout engine: :mod:`pyppo.rollout`);
+2. cut each response after its first EOS;
+3. score each (prompt, response); clip the score, then subtract ``missing_eos_penalty``;
+4. the rollout's forwards: ``old_logprobs`` and the entropy (policy), ``ref_logprobs`` (frozen
+   reference), ``values`` (value model), at the response positions;
+5. ``shape_rewards`` -> the advantage estimator (:mod:`pyppo.trainer.advantages`, GAE) ->
+   ``masked_whiten`` of the advantages over the whole batch;
+6. ``ppo_epochs`` passes over shuffled minibatches (gradient accumulation over micro-batches):
+   ``policy_loss + vf_coef * value_loss - entropy_coef * entropy``, gradient clipping, AdamW;
+7. update the KL coefficient (adaptive when ``target_kl`` is set);
+8. return the step's metrics and its batch.
+
+The first PPO ratio is exactly 1: the first epoch's row order is drawn before point 4, and point 4
+runs on exactly the micro-batches (same rows, order and padding) that the first epoch trains on,
+so the first training forward repeats a computation bit for bit, batch-invariant model or not.
+That holds in bfloat16 too (every forward runs under the same autocast) and with LoRA (the
+reference is the policy with its adapters disabled, and the adapters start at 0).
+
+When the first minibatch is one micro-batch, point 4's policy forward of its rows runs with grad
+(:meth:`PPOTrainer.first_policy_forward`): its detached log-probs are the rollout's, and the first
+:meth:`PPOTrainer.micro_step` trains on the live ones, so that forward is not run twice.
+
+Under ``torchrun`` each of the N processes samples ``batch_size / N`` prompts of one global order
+and trains on its share of each minibatch; :mod:`pyppo.distributed` makes the whitening, the loss
+normaliser, the KL controller's input and the metrics global, and DDP or FSDP2 the gradients.
+The run around the steps (logs, cadences, signals, evaluation, checkpoints, export) is
+:mod:`pyppo.run`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import distributed
+from ..config import PPOConfig
+from ..ops import shape_rewards
+from ..ops.losses import loss_normalizer, ppo_value_loss
+from ..precision import autocast
+from ..prompts import PromptSampler
+from ..rewards import score_responses
+from ..rollout import HFGenerateEngine, RolloutEngine
+from ..rollout.hf_generate import generation_config
+from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
+from ..run import checkpoint as run_checkpoint, evaluate, export, loop
+from ..run.nonfinite import NonFiniteUpdateError, SkipPolicy, check_rollout_finite
+from ..run.stopping import GracefulStop
+from .advantages import get_estimator
+from .assemble import (check_arguments, check_trainable, logprob_modules, make_adamw, prepare_models,
+                       prepare_tokenizer, share_reward_weights)
+from .buffer import RolloutBuffer
+from .kl_controllers import AdaptiveKLController, FixedKLController
+from .logprob_head import PolicyObjective, policy_objective, response_values
+from .step_stats import PHASES, PhaseTimer, RunningStats, ratio_stats, record_token_stats, rollout_metrics
+
+__all__ = ["PPOTrainer", "StepResult", "MicroStepResult", "METRIC_KEYS", "NonFiniteUpdateError"]
+
+#: Keys every step's metrics have; diagnostics come on top (``step``, ``clipfrac_lower``,
+#: ``ratio_mean``, ``ratio_max``, ``vf_clipfrac``, grad norms, ``eos_fraction``, ``first_*``...).
+METRIC_KEYS = (
+    "score_mean", "reward_mean", "kl_mean", "kl_coef", "entropy_mean", "policy_loss", "value_loss",
+    "clipfrac", "approx_kl", "explained_variance", "response_length_mean", "step_seconds",
+) + tuple(f"time_{p}" for p in PHASES)
+
+RewardFn = Callable[[List[str], List[str]], Sequence[float]]
+
+
+@dataclass
+class StepResult:
+    """What :meth:`PPOTrainer.step` returns: its ``metrics`` (python numbers) and its ``batch``
+    (prompts, responses, raw and final scores, and every per-token tensor of the step)."""
+
+    metrics: Dict[str, float]
+    batch: RolloutBuffer
+
+    def __iter__(self):  # metrics, batch = trainer.step()
+        return iter((self.metrics, self.batch))
+
+
+class MicroStepResult(NamedTuple):
+    """What :meth:`PPOTrainer.micro_step` returns, detached, each ``[b, T]``."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    values: torch.Tensor
+    returns: torch.Tensor
+    response_mask: torch.Tensor
+
+
+class PPOTrainer:
+    """PPO for a causal LM policy with a separate value model.
+
+    Args:
+        config: a :class:`~pyppo.config.PPOConfig`; ``config.device`` says where the models run
+            (they are moved there).
+        policy: a ``transformers`` causal LM (trained in place).
+        ref_policy: frozen reference; ``None`` = a frozen deep copy of ``policy`` taken now.
+        value_model: ``forward(input_ids, attention_mask, position_ids) -> [B, L]`` float32;
+            ``None`` = ``ValueModel.from_causal_lm(policy)`` (seeded by ``config.seed``).
+        tokenizer: the policy's tokenizer; needs an EOS token. Its ``padding_side`` is set to
+            ``"left"``; a missing pad token is taken to be EOS.
+        reward_fn: ``(prompts, responses) -> scores``, one finite float per pair.
+        prompts: the prompt strings to sample from.
+        eval_prompts: held-out prompts for :meth:`evaluate_prompts`; :meth:`train` evaluates them
+            every ``eval_every`` steps and after the last.
+        base_model_source: what an adapter-only export names as its base (``pyppo train`` passes
+            its ``--model``); ``None`` = peft's record of the base's path.
+
+    With ``lora_rank > 0`` the policy is wrapped in ``peft`` LoRA adapters here (``policy`` then
+    holds the ``PeftModel``) and ``ref_policy`` must be ``None``. Under ``torchrun`` every rank
+    builds the trainer with the same arguments.
+
+    Attributes:
+        world: this process's :class:`~pyppo.distributed.World` (rank, number of processes, device).
+        policy_module, value_module: the models as the forwards call them (DDP- or FSDP2-wrapped
+            under torchrun); ``policy`` and ``value_model`` are the models themselves.
+        engine: the :class:`~pyppo.rollout.RolloutEngine` that samples (``transformers.generate``).
+        resumed_step: the step of the checkpoint :meth:`load_checkpoint` restored (``None``).
+
+    Raises:
+        ValueError: a bad argument (naming it), ``config.device`` names a missing device, or a
+            batch size does not divide by the number of processes.
+    """
+
+    def __init__(self, config: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module],
+                 value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[str],
+                 *, eval_prompts: Optional[Sequence[str]] = None, base_model_source: Optional[str] = None):
+        check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts)
+        self.config = c = config
+        self.world = distributed.join(c.device)
+        c.check_world_size(self.world.size)
+        self.device, self.dtype = self.world.device, c.torch_dtype
+        # Every rank seeds alike, so the models are built identically everywhere; sampling is
+        # reseeded per rank below.
+        random.seed(c.seed)
+        np.random.seed(c.seed % 2**32)
+        torch.manual_seed(c.seed)
+
+        self.policy, self.ref_policy, self.value_model = prepare_models(c, policy, ref_policy, value_model,
+                                                                        self.device)
+        self.shared_weight_bytes = share_reward_weights(self.ref_policy, reward_fn)
+        modules = logprob_modules(c, self.policy, self.ref_policy, self.value_model, self.world, self.dtype)
+        self.policy_logprobs, self.policy_module = modules["policy_logprobs"], modules["policy_module"]
+        self.value_module, self.ref_logprobs = modules["value_module"], modules["ref_logprobs"]
+        self.export_replica = modules["export_replica"]
+        n = self.world.size
+        self.local_batch_size, self.local_mini_batch_size = c.batch_size // n, c.mini_batch_size // n
+        self.micro_batch_size = c.micro_batch_size or self.local_mini_batch_size
+
+        self.tokenizer = prepare_tokenizer(tokenizer)
+        self.eos_token_id, self.pad_token_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
+        self.generation_config = generation_config(c, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        self.reward_fn = reward_fn
+        self.sampler = PromptSampler(prompts, c.seed)
+        self.eval_prompts = list(eval_prompts or [])
+        # Checked once, up front: a prompt the context cannot hold would otherwise make generation
+        # crawl past the model's positions.
+        self.max_prompt_tokens, room = prompt_token_limit(self.policy, max_new_tokens=c.max_new_tokens,
+                                                          max_prompt_length=c.max_prompt_length)
+        for what, texts in (("prompts", prompts), ("eval_prompts", self.eval_prompts)):
+            check_prompt_lengths(tokenizer, texts, use_chat_template=c.use_chat_template, room=room,
+                                 max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,
+                                 truncate=c.truncate_prompts, what=what)
+        self.engine: RolloutEngine = HFGenerateEngine(
+            self.policy_module, tokenizer, self.generation_config, device=self.device, dtype=self.dtype,
+            max_prompt_tokens=self.max_prompt_tokens, use_chat_template=c.use_chat_template,
+            synced_gpus=distributed.is_sharded(self.policy_module))
+
+        check_trainable(self.policy, self.value_model, c)
+        self.policy_optimizer = make_adamw(self.policy, c.lr, c)
+        self.value_optimizer = make_adamw(self.value_model, c.effective_value_lr, c)
+        self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.kl_horizon) if c.target_kl is not None
+                       else FixedKLController(c.kl_coef))
+        self.estimate_advantages = get_estimator("gae")
+        # Minibatch shuffles have their own stream, independent of how much sampling consumed.
+        self.shuffle_generator = torch.Generator().manual_seed(c.seed + 1)
+        self.skips = SkipPolicy(c.max_consecutive_skips)
+        self.step_count = 0
+        self.optimizer_steps = 0  # applied ones (skipped updates do not count): the warm-up's clock
+        self.base_model_source = base_model_source
+        self.resumed_step: Optional[int] = None
+        if self.world.active:
+            torch.manual_seed(c.seed + 1_000_003 * self.world.rank)  # each rank samples its own responses
+
+    # ------------------------------------------------------------------------------ one step
+    def step(self) -> StepResult:
+        """Run one PPO step (the eight points of the module docstring).
+
+        Returns:
+            a :class:`StepResult`. ``metrics``: :data:`METRIC_KEYS` plus diagnostics; ``kl_mean``
+            and ``reward_mean`` are summed over each response's tokens and averaged over
+            responses; ``kl_coef`` is the coefficient this step's rewards used; ``score_mean`` is
+            of the raw scores; losses and update statistics are means over the applied updates.
+
+        Raises:
+            RewardError: the reward raised or returned bad scores.
+            NonFiniteUpdateError: ``max_consecutive_skips`` non-finite updates in a row.
+        """
+        c, timer = self.config, PhaseTimer()
+        with timer.phase("generate"):
+            batch = self.rollout(self.local_share(self.sampler.sample(c.batch_size)))    # 1, 2
+        with timer.phase("score"):
+            batch.raw_scores, batch.scores = self.score(batch)                           # 3
+        first_perm = batch.epoch_permutation(self.shuffle_generator)
+        fold = self.first_pass_is_rollout_pass()
+        self.rollout_forwards(batch, first_perm, timer, first_policy=not fold)            # 4
+        first_forward = self.first_policy_forward(batch, first_perm, timer) if fold else None
+        kl_coef = float(self.kl_ctl.value)
+        with timer.phase("advantages"):
+            self.advantages(batch, kl_coef)                                               # 5
+        with timer.phase("update"):
+            update_metrics = self.update(batch, first_perm, first_forward)                # 6
+        kl_sum = float((batch.kl * batch.response_mask).sum())
+        kl_mean = distributed.all_sum([kl_sum], self.world)[0] / c.batch_size
+        self.update_kl_coef(kl_mean)                                                     # 7
+        self.step_count += 1
+        metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
+                   **rollout_metrics(batch), **update_metrics, **timer.metrics()}
+        return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
+
+    def local_share(self, prompts: List[str]) -> List[str]:
+        """This rank's contiguous share of the global batch's prompts (all of them with one process)."""
+        b, r = self.local_batch_size, self.world.rank
+        return prompts[r * b:(r + 1) * b]
+
+    def rollout(self, prompts: List[str]) -> RolloutBuffer:
+        """Sample one response per prompt with :attr:`engine` and cut it after its first EOS
+        (points 1 and 2), with the policy in eval mode (as the rollout's forwards)."""
+        self.policy.eval()
+        return RolloutBuffer(**vars(self.engine.generate(prompts)))
+
+    def score(self, batch: RolloutBuffer) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(raw_scores [B], scores [B])``: the reward's scores, then clipped to ``score_clip`` and
+        lowered by ``missing_eos_penalty`` where the response has no EOS (point 3)."""
+        c = self.config
+        raw = torch.tensor(score_responses(self.reward_fn, batch.prompts, batch.responses,
+                                           where=f"step {self.step_count + 1}"),
+                           dtype=torch.float32, device=self.device)
+        scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
+        if c.missing_eos_penalty is not None:
+            scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
+        return raw, scores
+
+    @torch.no_grad()
+    def rollout_forwards(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer, *,
+                         first_policy: bool = True) -> None:
+        """Fill ``old_logprobs``, ``entropy``, ``ref_logprobs`` and ``values`` without gradients
+        (point 4), on the micro-batches of the first epoch's layout (``first_policy=False``: the
+        first micro-batch's ``old_logprobs`` and ``entropy`` are left to
+        :meth:`first_policy_forward`)."""
+        B, T = len(batch), batch.response_length
+        for name in ("old_logprobs", "entropy", "ref_logprobs", "values"):
+            setattr(batch, name, torch.zeros(B, T, device=self.device))
+        self.value_model.eval()
+        for i, idx in enumerate(first_perm.split(self.micro_batch_size)):
+            mb, ix = batch.select(idx), idx.to(self.device)
+            with autocast(self.device, self.dtype):
+                if first_policy or i > 0:
+                    with timer.phase("policy_forward"):
+                        batch.old_logprobs[ix], batch.entropy[ix] = self.policy_module(mb, return_entropy=True)
+                with timer.phase("ref_forward"):
+                    batch.ref_logprobs[ix] = self.ref_logprobs(mb)[0]
+                with timer.phase("value_forward"):
+                    batch.values[ix] = response_values(self.value_module, mb)
+
+    def first_policy_forward(self, batch: RolloutBuffer, first_perm: torch.Tensor,
+                             timer: PhaseTimer) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Point 4's policy forward of the first micro-batch, with grad, in training mode (dropout
+        is off: :meth:`first_pass_is_rollout_pass`). Its detached log-probs and entropy are the
+        rollout's for those rows; the live ``(logprobs, entropy)``, ``[b, T]``, are returned for
+        the first :meth:`micro_step`, before any optimizer step."""
+        rows = first_perm[:self.micro_batch_size]
+        self.policy.train()
+        with timer.phase("policy_forward"), autocast(self.device, self.dtype):
+            logprobs, entropy = self.policy_module(batch.select(rows), return_entropy=True)
+        ix = rows.to(self.device)
+        batch.old_logprobs[ix], batch.entropy[ix] = logprobs.detach(), entropy.detach()
+        return logprobs, entropy
+
+    @torch.no_grad()
+    def advantages(self, batch: RolloutBuffer, kl_coef: float) -> None:
+        """Fill ``rewards``, ``kl``, ``advantages`` and ``returns`` (point 5). Whitening needs two
+        valid tokens; with fewer, the raw advantages are used."""
+        c = self.config
+        batch.rewards, batch.kl = shape_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs,
+                                                batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
+        self.check_finite(batch)
+        batch.advantages, batch.returns = self.estimate_advantages(batch, c)
+        valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
+        if c.whiten_advantages and valid >= 2:
+            batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
+
+    def check_finite(self, batch: RolloutBuffer) -> None:
+        """Stop with :class:`~pyppo.run.nonfinite.NonFiniteRolloutError` when the rollout's log-probs,
+        values or rewards hold NaN/inf at response positions (counted over every rank)."""
+        m = batch.response_mask
+        names = ("old_logprobs", "ref_logprobs", "values", "rewards")
+        counts = [int((~torch.isfinite(getattr(batch, name)) & m).sum()) for name in names] + [int(m.sum())]
+        counts = distributed.all_sum(counts, self.world)
+        check_rollout_finite(dict(zip(names, counts[:-1])), counts[-1], f"step {self.step_count + 1}")
+
+    def first_pass_is_rollout_pass(self) -> bool:
+        """Whether the first epoch's first minibatch is one micro-batch, so that its policy
+        forward, before any optimizer step, is exactly the rollout's for its rows and need not run
+        twice (the other rows still get their no-grad rollout forward). Not with dropout on: the
+        rollout's forwards run without it."""
+        return self.config.disable_dropout and self.local_mini_batch_size == self.micro_batch_size
+
+    def update_kl_coef(self, kl_mean: float) -> None:
+        """Feed this step's KL (nats per sequence) to the controller (point 7)."""
+        if math.isfinite(kl_mean):
+            self.kl_ctl.update(kl_mean, self.config.batch_size)
+        else:
+            warnings.warn(f"step {self.step_count + 1}: the rollout's KL is {kl_mean}; the KL coefficient is "
+                          "not updated", RuntimeWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------------------ the update
+    def update(self, batch: RolloutBuffer, first_perm: torch.Tensor,
+               first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Dict[str, float]:
+        """``ppo_epochs`` passes over shuffled minibatches, one optimizer step each (point 6).
+        ``first_forward``: :meth:`first_policy_forward`'s live output, the first minibatch's
+        policy forward.
+
+        Returns:
+            token-weighted means of the loss statistics and minibatch means of the losses and
+            gradient norms, over the applied updates (``nan`` when all were skipped);
+            ``explained_variance`` over every token the update saw; ``skipped_updates``; and
+            ``first_*``: the ratio statistics of the first minibatch, before any optimizer step.
+        """
+        c = self.config
+        stats, seen, first, skipped_before = RunningStats(), [], {}, self.skips.total
+        self.policy.train()
+        self.value_model.train()
+        for epoch in range(c.ppo_epochs):
+            perm = first_perm if epoch == 0 else batch.epoch_permutation(self.shuffle_generator)
+            for index, mb in enumerate(batch.minibatches(self.local_mini_batch_size, permutation=perm)):
+                where = f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"
+                live = first_forward if epoch == 0 and index == 0 else None
+                seen_mb = self.minibatch_step(mb, stats, where, first_forward=live)
+                first = first or ratio_stats(seen_mb)
+                seen += seen_mb
+        self.policy.eval()
+        self.value_model.eval()
+        # The gradients are not needed until the next update: freed now, they do not add to the
+        # memory of the next rollout.
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        self.value_optimizer.zero_grad(set_to_none=True)
+        out = {k: math.nan for k in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "ratio_max")}
+        values, returns, mask = (torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "response_mask"))
+        out.update(stats.means(), explained_variance=distributed.explained_variance(values, returns, mask, self.world),
+                   skipped_updates=self.skips.total - skipped_before)
+        return {**out, **{f"first_{k}": v for k, v in first.items()}}
+
+    def minibatch_step(self, mb: RolloutBuffer, stats: RunningStats, where: str, *,
+                       first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> List["MicroStepResult"]:
+        """One optimizer step of both models on a minibatch, accumulated over its micro-batches;
+        skipped when a loss or gradient norm is not finite. Its statistics go into ``stats``
+        when applied. Returns the micro-batches' :meth:`micro_step` results. ``first_forward``:
+        the live policy forward of the minibatch's only micro-batch (:meth:`micro_step`)."""
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        self.value_optimizer.zero_grad(set_to_none=True)
+        token_stats, losses = RunningStats(), RunningStats()
+        # The whole minibatch's count over all ranks, divided by N because DDP and FSDP average
+        # the ranks' gradients: each rank's loss is then its share of the global minibatch's sum.
+        count = distributed.all_sum([loss_normalizer(mb.response_mask, self.config.loss_agg)], self.world)[0]
+        normalizer = count / self.world.size
+        micros = list(mb.micro_batches(self.micro_batch_size))
+        seen = []
+        for i, mu in enumerate(micros):
+            sync = i == len(micros) - 1  # gradients are reduced once, after the last micro-batch
+            with distributed.gradient_sync(self.policy_module, sync), distributed.gradient_sync(self.value_module, sync):
+                seen.append(self.micro_step(mu, normalizer, token_stats, losses,
+                                                 first_forward=first_forward if i == 0 else None))
+        # The micro losses sum to this rank's share; the ranks' shares average to the minibatch's.
+        totals = distributed.reduce_metrics({k: losses.total(k) for k in losses.means()}, self.world)
+        totals.update(policy_grad_norm=self.clip_grad_norm(self.policy),
+                      value_grad_norm=self.clip_grad_norm(self.value_model))
+        if self.skips.allows(totals, where):
+            self.warm_up_learning_rates()
+            self.policy_optimizer.step()
+            self.value_optimizer.step()
+            self.optimizer_steps += 1
+            stats.merge(token_stats)
+            stats.add(totals)
+        else:
+            self.policy_optimizer.zero_grad(set_to_none=True)
+            self.value_optimizer.zero_grad(set_to_none=True)
+        return seen
+
+    def warm_up_learning_rates(self) -> None:
+        """Set both learning rates for the next optimizer step: ``lr · min(1, (n + 1) /
+        lr_warmup_steps)`` after ``n`` applied steps (Goyal et al. 2017, "Accurate, Large Minibatch
+        SGD", §2.2), then constant."""
+        c = self.config
+        scale = min(1.0, (self.optimizer_steps + 1) / c.lr_warmup_steps) if c.lr_warmup_steps else 1.0
+        for opt, lr in ((self.policy_optimizer, c.lr), (self.value_optimizer, c.effective_value_lr)):
+            for group in opt.param_groups:
+                group["lr"] = lr * scale
+
+    def micro_step(self, mu: RolloutBuffer, normalizer: float, token_stats: RunningStats, losses: RunningStats,
+                   *, first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> MicroStepResult:
+        """Forward and backward of one micro-batch. The losses are divided by the minibatch's
+        ``normalizer``, so the accumulated gradient (and the sum of the micro-batch losses) is the
+        minibatch's. The policy's backward runs before the value model's forward, so the two
+        models' activations are never held at once. ``first_forward``: the policy's live
+        ``(logprobs, entropy)`` of ``mu`` (:meth:`first_policy_forward`), trained on instead of a
+        new forward."""
+        c = self.config
+        objective = PolicyObjective(
+            cliprange_low=c.cliprange, cliprange_high=c.effective_cliprange_high, dual_clip=c.dual_clip,
+            loss_agg=c.loss_agg, loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer,
+            entropy_coef=c.entropy_coef, kl_loss_coef=c.kl_loss_coef, kl_loss_estimator=c.kl_loss_estimator,
+            fused=c.fused_policy_loss)
+        if first_forward is None:
+            with autocast(self.device, self.dtype):
+                pg_loss, pg_stats, logprobs, _ = self.policy_module(mu, objective=objective)
+        else:
+            logprobs, entropy = first_forward
+            pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, objective)
+            logprobs = logprobs.detach()
+        pg_loss.backward()
+        with autocast(self.device, self.dtype):
+            values = response_values(self.value_module, mu)
+        vf_loss, vf_stats = ppo_value_loss(values, mu.values, mu.returns, mu.response_mask,
+                                           cliprange_value=c.cliprange_value, loss_agg=c.loss_agg,
+                                           loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer)
+        (c.vf_coef * vf_loss).backward()
+        terms = {k: pg_stats.pop(k) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
+        losses.add({"value_loss": float(vf_loss.detach()), **{k: float(v) for k, v in terms.items()}})
+        record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.response_mask.sum()))
+        return MicroStepResult(logprobs, mu.old_logprobs, values.detach(), mu.returns, mu.response_mask)
+
+    def clip_grad_norm(self, model: nn.Module) -> float:
+        """Clip ``model``'s gradient norm to ``max_grad_norm``; returns the norm before clipping."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+
+    # ------------------------------------------------------------------------------ state and the run
+    def state_dict(self) -> dict:
+        """Where the run is, apart from weights and RNGs: the step, the applied optimizer steps,
+        the KL controller, the prompt position, the shuffle generator and the skip counters (what
+        a checkpoint's ``trainer_state.pt`` holds beside them)."""
+        return {"step": self.step_count, "optimizer_steps": self.optimizer_steps, "kl_ctl": self.kl_ctl.state_dict(),
+                "sampler": self.sampler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
+                **self.skips.state_dict()}
+
+    def load_state_dict(self, st: dict) -> None:
+        """Put back what :meth:`state_dict` returned."""
+        self.kl_ctl.load_state_dict(st["kl_ctl"])
+        self.sampler.load_state_dict(st["sampler"])
+        self.shuffle_generator.set_state(st["shuffle_generator"])
+        self.skips.load_state_dict(st)
+        self.step_count = int(st["step"])
+        # Checkpoints from before the warm-up existed: their runs are past any warm-up.
+        self.optimizer_steps = int(st.get("optimizer_steps", 2**62))
+
+    def train(self, output_dir: str | os.PathLike, *, progress: bool = True,
+              stop: Optional[GracefulStop] = None) -> List[Dict[str, float]]:
+        """Run steps ``step_count + 1 … config.steps``, logging to ``output_dir``: see
+        :func:`pyppo.run.loop.train`."""
+        return loop.train(self, output_dir, progress=progress, stop=stop)
+
+    def evaluate_prompts(self, prompts: Optional[Sequence[str]] = None) -> Tuple[Dict[str, float], List[dict]]:
+        """Held-out evaluation (``eval_prompts`` by default): see :func:`pyppo.run.evaluate.evaluate_prompts`."""
+        return evaluate.evaluate_prompts(self, prompts)
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> Optional[Path]:
+        """Write everything needed to resume exactly: see :func:`pyppo.run.checkpoint.save_trainer`."""
+        return run_checkpoint.save_trainer(self, directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> Path:
+        """Restore a checkpoint of :meth:`save_checkpoint`: see :func:`pyppo.run.checkpoint.load_trainer`."""
+        return run_checkpoint.load_trainer(self, directory)
+
+    def export_policy(self, directory: str | os.PathLike) -> Optional[Path]:
+        """Write the policy as a Hugging Face model directory: see :func:`pyppo.run.export.export_trainer_policy`."""
+        return export.export_trainer_policy(self, directory)
