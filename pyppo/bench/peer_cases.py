@@ -213,6 +213,17 @@ def _actor_config():
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4, clip_ratio=0.2)
 
 
+def _logprobs_row(module: str, name: str, note: str = "") -> tuple:
+    """A ``(logits, labels) -> log-probs`` row (each peer has one, under its own name)."""
+    return (module, name, ("fwd", "fwd+bwd"), "logits", lambda f, i: f(i["logits"], i["labels"]), note,
+            ("logits", "labels"), ("logits",))
+
+
+def _entropy_row(module: str, name: str, note: str = "") -> tuple:
+    """A ``logits -> entropy`` row."""
+    return (module, name, ("fwd", "fwd+bwd"), "logits", lambda f, i: f(i["logits"]), note, ("logits",), ("logits",))
+
+
 def _verl() -> list[tuple]:
     core, tf = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"
     config: list = []
@@ -243,10 +254,8 @@ def _verl() -> list[tuple]:
          "cliprange_value=0.5", ("vpreds", "returns", "values", "mask"), ("vpreds",)),
         (tf, "masked_whiten", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
         (tf, "masked_mean", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
-        (tf, "logprobs_from_logits", ("fwd", "fwd+bwd"), "logits",
-         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
-        (tf, "entropy_from_logits", ("fwd", "fwd+bwd"), "logits",
-         lambda f, i: f(i["logits"]), "", ("logits",), ("logits",)),
+        _logprobs_row(tf, "logprobs_from_logits"),
+        _entropy_row(tf, "entropy_from_logits"),
     ]
 
 
@@ -261,22 +270,17 @@ def _openrlhf() -> list[tuple]:
          "kl_coef=0.01", ("scores", "kl", "mask"), ()),
         (m, "masked_mean", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"], dim=-1), "dim=-1",
          ("x", "mask"), ()),
-        (m, "log_probs_from_logits", ("fwd", "fwd+bwd"), "logits",
-         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
-        (m, "compute_entropy", ("fwd", "fwd+bwd"), "logits",
-         lambda f, i: f(i["logits"]), "(torch.compile'd by OpenRLHF)", ("logits",), ("logits",)),
+        _logprobs_row(m, "log_probs_from_logits"),
+        _entropy_row(m, "compute_entropy", "(torch.compile'd by OpenRLHF)"),
     ]
 
 
 def _trl() -> list[tuple]:
     m = "trl.trainer.utils"
     return [
-        (m, "selective_log_softmax", ("fwd", "fwd+bwd"), "logits",
-         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
-        (m, "entropy_from_logits", ("fwd", "fwd+bwd"), "logits",
-         lambda f, i: f(i["logits"]), "", ("logits",), ("logits",)),
-        (m, "selective_log_softmax_and_entropy", ("fwd", "fwd+bwd"), "logits",
-         lambda f, i: f(i["logits"], i["labels"]), "", ("logits", "labels"), ("logits",)),
+        _logprobs_row(m, "selective_log_softmax"),
+        _entropy_row(m, "entropy_from_logits"),
+        _logprobs_row(m, "selective_log_softmax_and_entropy"),
     ]
 
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PeerVersionWarning", "Target", "Peer", "Replacement", "Patch", "patch", "unpatch", "patched", "active"]
+__all__ = ["PeerVersionWarning", "Target", "targets", "Peer", "Replacement", "Patch", "patch", "unpatch", "patched", "active"]
 
 
 class PeerVersionWarning(UserWarning):
@@ -41,6 +41,12 @@ class Target:
     module: str  # the defining module, e.g. "verl.trainer.ppo.core_algos"
     name: str  # its attribute there
     adapter: Callable[..., Any]
+
+
+def targets(module: str, *adapters: Callable[..., Any]) -> tuple[Target, ...]:
+    """One :class:`Target` per adapter, each replacing the function of ``module`` that has the
+    adapter's own name."""
+    return tuple(Target(module, adapter.__name__, adapter) for adapter in adapters)
 
 
 @dataclass(frozen=True)

@@ -160,10 +160,10 @@ def compute_reward(
     """
     if kl_coef <= 0.0:
         kl_coef = 0.0
+    eos_indices = action_mask.size(1) - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)
     if reward_clip_range:
         r = r.clamp(min=reward_clip_range[0], max=reward_clip_range[1])
     reward = -kl_coef * kl
-    eos_indices = action_mask.size(1) - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)
     # score + (-β·kl) is the peer's (-β·kl) + score: IEEE addition commutes, so the bits agree.
     return reward.scatter_add_(dim=1, index=eos_indices, src=r.unsqueeze(1).to(kl.dtype))
 
@@ -300,17 +300,9 @@ def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, dim: int = 1, eps
 
 
 PEER = _patching.Peer(
-    name="openrlhf",
-    distribution="openrlhf",
-    package="openrlhf",
-    versions=("0.11.2",),
-    targets=(
-        _patching.Target("openrlhf.models.utils", "compute_approx_kl", compute_approx_kl),
-        _patching.Target("openrlhf.models.utils", "compute_reward", compute_reward),
-        _patching.Target("openrlhf.models.utils", "log_probs_from_logits", log_probs_from_logits),
-        _patching.Target("openrlhf.models.utils", "compute_entropy", compute_entropy),
-        _patching.Target("openrlhf.models.utils", "masked_mean", masked_mean),
-    ),
+    name="openrlhf", distribution="openrlhf", package="openrlhf", versions=("0.11.2",),
+    targets=_patching.targets("openrlhf.models.utils", compute_approx_kl, compute_reward, log_probs_from_logits,
+                              compute_entropy, masked_mean),
     import_help=(
         "openrlhf.models imports flash_attn at module level (openrlhf/models/ring_attn_utils.py); "
         "install flash-attn, or on a machine without CUDA call "

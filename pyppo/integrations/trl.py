@@ -228,15 +228,9 @@ def selective_log_softmax_and_entropy(
 
 
 PEER = _patching.Peer(
-    name="trl",
-    distribution="trl",
-    package="trl",
-    versions=("1.16.0",),
-    targets=(
-        _patching.Target("trl.trainer.utils", "selective_log_softmax", selective_log_softmax),
-        _patching.Target("trl.trainer.utils", "entropy_from_logits", entropy_from_logits),
-        _patching.Target("trl.trainer.utils", "selective_log_softmax_and_entropy", selective_log_softmax_and_entropy),
-    ),
+    name="trl", distribution="trl", package="trl", versions=("1.16.0",),
+    targets=_patching.targets("trl.trainer.utils", selective_log_softmax, entropy_from_logits,
+                              selective_log_softmax_and_entropy),
 )
 
 

@@ -223,17 +223,20 @@ class ShapeRecorder:
 
 def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpointing: bool = False,
                  causal: bool = True) -> Dict[str, dict]:
-    """Per phase: ``forward``, ``backward`` and ``recompute`` :class:`~pyppo.profile.flops.Flops`
+    """Per phase: ``forward``, ``backward`` (all in ``update``, where every backward runs) and ``recompute`` :class:`~pyppo.profile.flops.Flops`
     (recompute: :func:`~pyppo.profile.flops.recompute_flops` of the trained blocks, and the logits
     ``linear_logprobs`` recomputes in its backward), ``omitted`` (the models whose config is not understood; the
     phase's FLOPs are then unknown), ``positions`` (name -> positions fed to that model's
     decoder), ``forwards`` (decoder calls), ``prefill`` (positions of calls without cached keys)
     and ``sampled`` (rows of all decoder calls, which in ``generate`` is one token each)."""
     out: Dict[str, dict] = {}
+
+    def phase_row(phase: str) -> dict:
+        return out.setdefault(phase, {"forward": Flops(), "backward": Flops(), "recompute": Flops(), "omitted": set(),
+                                      "positions": {}, "forwards": 0, "prefill": 0, "sampled": 0})
+
     for call in calls:
-        row = out.setdefault(call.phase, {"forward": Flops(), "backward": Flops(), "recompute": Flops(),
-                                          "omitted": set(), "positions": {}, "forwards": 0, "prefill": 0,
-                                          "sampled": 0})
+        row = phase_row(call.phase)
         model = models[call.model]
         if call.kind == "blocks":
             row["positions"][call.model] = row["positions"].get(call.model, 0) + call.batch * call.q_len
@@ -256,8 +259,10 @@ def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpoi
             again = fwd if call.recomputed else Flops()
         row["forward"] += fwd
         if call.grad:
-            row["backward"] += bwd
-            row["recompute"] += again
+            # Every backward runs in the update, also that of the policy forward done with grad in
+            # the rollout's forwards (the first micro-batch's, which the first update pass reuses).
+            phase_row("update")["backward"] += bwd
+            phase_row("update")["recompute"] += again
     return out
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, Mapping
+from typing import Any, Dict, Mapping
 
-__all__ = ["NonFiniteUpdateError", "NonFiniteRolloutError", "check_rollout_finite", "SkipPolicy"]
+import torch
+
+from .. import distributed
+
+__all__ = ["NonFiniteUpdateError", "NonFiniteRolloutError", "check_rollout", "check_rollout_finite", "SkipPolicy"]
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -29,6 +33,17 @@ def check_rollout_finite(counts: Mapping[str, float], tokens: float, where: str)
         raise NonFiniteRolloutError(
             f"{where}: the rollout has non-finite {listed}: the model probably diverged "
             "(try a lower lr, a max_grad_norm, or lr_warmup_steps)")
+
+
+def check_rollout(batch: Any, world: distributed.World, where: str) -> None:
+    """Raise :class:`NonFiniteRolloutError` when a rollout's ``old_logprobs``, ``ref_logprobs``,
+    ``values`` or ``rewards`` (``[B, T]`` each, a :class:`~pyppo.trainer.buffer.RolloutBuffer`'s)
+    hold NaN/inf at response positions, counted over every rank of ``world``."""
+    m = batch.response_mask
+    names = ("old_logprobs", "ref_logprobs", "values", "rewards")
+    counts = [int((~torch.isfinite(getattr(batch, name)) & m).sum()) for name in names] + [int(m.sum())]
+    counts = distributed.all_sum(counts, world)
+    check_rollout_finite(dict(zip(names, counts[:-1])), counts[-1], where)
 
 
 class SkipPolicy:

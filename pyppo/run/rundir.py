@@ -15,8 +15,6 @@ import warnings
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from . import checkpoint
-
 __all__ = ["OUTPUT_FILES", "LOG_FILES", "RunDir", "check_output_dir", "truncate_log"]
 
 #: Every file a run writes, and what it holds (``pyppo train`` lists them when it ends).
@@ -51,12 +49,18 @@ class RunDir:
 
     def find_checkpoint(self) -> Optional[Path]:
         """The complete checkpoint in it (:func:`pyppo.run.checkpoint.find`), or ``None``."""
-        return checkpoint.find(self.checkpoint)
+        # Imported here: every command imports this module, and `pyppo info` or `--help` must
+        # start with torch alone (no numpy, which checkpoints need).
+        from .checkpoint import find
+
+        return find(self.checkpoint)
 
     def checkpoint_step(self) -> Optional[int]:
         """The step of its checkpoint; ``None`` without one."""
+        from .checkpoint import saved_step
+
         found = self.find_checkpoint()
-        return None if found is None else checkpoint.saved_step(found)
+        return None if found is None else saved_step(found)
 
     def holds_a_run(self) -> bool:
         """Whether any file of a run is in it."""

@@ -55,7 +55,7 @@ from ..rollout import HFGenerateEngine, RolloutEngine
 from ..rollout.hf_generate import generation_config
 from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
 from ..run import checkpoint as run_checkpoint, evaluate, export, loop
-from ..run.nonfinite import NonFiniteUpdateError, SkipPolicy, check_rollout_finite
+from ..run.nonfinite import NonFiniteUpdateError, SkipPolicy, check_rollout
 from ..run.stopping import GracefulStop
 from .advantages import get_estimator
 from .assemble import (check_arguments, check_trainable, logprob_modules, make_adamw, prepare_models,
@@ -209,8 +209,9 @@ class PPOTrainer:
             NonFiniteUpdateError: ``max_consecutive_skips`` non-finite updates in a row.
         """
         c, timer = self.config, PhaseTimer()
+        b, r = self.local_batch_size, self.world.rank  # this rank's share of the global batch's prompts
         with timer.phase("generate"):
-            batch = self.rollout(self.local_share(self.sampler.sample(c.batch_size)))    # 1, 2
+            batch = self.rollout(self.sampler.sample(c.batch_size)[r * b:(r + 1) * b])   # 1, 2
         with timer.phase("score"):
             batch.raw_scores, batch.scores = self.score(batch)                           # 3
         first_perm = batch.epoch_permutation(self.shuffle_generator)
@@ -229,11 +230,6 @@ class PPOTrainer:
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
                    **rollout_metrics(batch), **update_metrics, **timer.metrics()}
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
-
-    def local_share(self, prompts: List[str]) -> List[str]:
-        """This rank's contiguous share of the global batch's prompts (all of them with one process)."""
-        b, r = self.local_batch_size, self.world.rank
-        return prompts[r * b:(r + 1) * b]
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
         """Sample one response per prompt with :attr:`engine` and cut it after its first EOS
@@ -296,20 +292,11 @@ class PPOTrainer:
         c = self.config
         batch.rewards, batch.kl = shape_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs,
                                                 batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
-        self.check_finite(batch)
+        check_rollout(batch, self.world, f"step {self.step_count + 1}")
         batch.advantages, batch.returns = self.estimate_advantages(batch, c)
         valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
         if c.whiten_advantages and valid >= 2:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
-
-    def check_finite(self, batch: RolloutBuffer) -> None:
-        """Stop with :class:`~pyppo.run.nonfinite.NonFiniteRolloutError` when the rollout's log-probs,
-        values or rewards hold NaN/inf at response positions (counted over every rank)."""
-        m = batch.response_mask
-        names = ("old_logprobs", "ref_logprobs", "values", "rewards")
-        counts = [int((~torch.isfinite(getattr(batch, name)) & m).sum()) for name in names] + [int(m.sum())]
-        counts = distributed.all_sum(counts, self.world)
-        check_rollout_finite(dict(zip(names, counts[:-1])), counts[-1], f"step {self.step_count + 1}")
 
     def first_pass_is_rollout_pass(self) -> bool:
         """Whether the first epoch's first minibatch is one micro-batch, so that its policy

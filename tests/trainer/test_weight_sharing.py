@@ -9,7 +9,7 @@ from pyppo.config import PPOConfig
 from pyppo.models import share_frozen_weights
 from pyppo.rewards import load_reward
 from pyppo.trainer import PPOTrainer
-from tiny_models import save_tiny_causal_lm, tiny_causal_lm, tiny_llama_config, tiny_tokenizer
+from support.tiny_models import save_tiny_causal_lm, tiny_causal_lm, tiny_llama_config, tiny_tokenizer
 
 
 def classifier_on(causal):

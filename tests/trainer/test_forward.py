@@ -8,7 +8,7 @@ import torch
 
 from pyppo.trainer.buffer import RolloutBuffer
 from pyppo.trainer.logprob_head import LogprobHead
-from tiny_models import ARCHITECTURES, tiny_arch
+from support.tiny_models import ARCHITECTURES, tiny_arch
 
 
 def _batch(V=128, B=3, P=5, T=4, seed=0):

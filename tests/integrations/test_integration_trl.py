@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import pyppo.integrations.trl as ptrl
 from pyppo.integrations import PeerVersionWarning, _patching
-from peer_support import import_peer, pyppo_ops_called
+from support.peer_support import import_peer, pyppo_ops_called
 
 F64 = torch.float64
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -406,6 +406,15 @@ class Absent(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Absent())
 import torch
 import pyppo.integrations.trl as ptrl
-ptrl.selective_log_softmax(torch.randn(2, 5), torch.zeros(2, dtype=torch.long)); ptrl.selective_log_softmax_and_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long)); ptrl.entropy_from_logits(torch.randn(2, 5))
+logits, labels = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+logp = torch.log_softmax(logits.double(), -1)
+ref, ref_entropy = logp.gather(-1, labels[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+close = lambda a, b: torch.allclose(a.double(), b, atol=1e-5)
+assert close(ptrl.selective_log_softmax(logits, labels), ref)
+lp, ent = ptrl.selective_log_softmax_and_entropy(logits, labels)
+assert close(lp, ref) and close(ent, ref_entropy) and close(ptrl.entropy_from_logits(logits), ref_entropy)
+assert not any(m == "trl" or m.startswith("trl.") for m in sys.modules)
+print("agree")
 """
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    assert out.stdout.split() == ["agree"], out.stderr

@@ -3,19 +3,15 @@ elsewhere, that fails when the trainer ignores it (and a meta-test keeps that li
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
-import test_distributed
-import test_eval
-import test_faults
-import test_lora
-import test_precision
-import test_trainer
 from pyppo.config import PPOConfig
-from test_trainer import count_e, make_trainer, small_config
+from support.trainer_fixture import count_e, make_trainer, small_config
 
 
 def _optimizer_steps(tr):
@@ -253,27 +249,27 @@ CHECKS = {
 
 #: Knobs whose effect is asserted by a test elsewhere: field -> (module, test name).
 ELSEWHERE = {
-    "disable_dropout": (test_trainer, "test_disable_dropout"),
-    "kl_coef": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "kl_estimator": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "score_clip": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "missing_eos_penalty": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "gamma": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "lam": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "whiten_advantages": (test_trainer, "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "target_kl": (test_trainer, "test_adaptive_kl_controller_is_applied"),
-    "kl_horizon": (test_trainer, "test_adaptive_kl_controller_is_applied"),
-    "max_consecutive_skips": (test_faults, "test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint"),
-    "truncate_prompts": (test_faults, "test_prompt_longer_than_the_context_is_cut_with_one_warning"),
-    "dtype": (test_precision, "test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters"),
-    "gradient_checkpointing": (test_precision, "test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update"),
-    "fsdp": (test_distributed, "test_two_ranks_update_like_one_process"),
-    "lora_rank": (test_lora, "test_only_the_adapters_train_and_there_is_no_reference_copy"),
-    "lora_alpha": (test_lora, "test_target_modules_and_alpha"),
-    "lora_target_modules": (test_lora, "test_target_modules_and_alpha"),
-    "value_lora": (test_lora, "test_value_lora_trains_the_value_adapters_and_head_only"),
-    "merge_lora": (test_lora, "test_policy_export_merges_or_keeps_the_adapter"),
-    "eval_every": (test_eval, "test_eval_every_logs_scores_kl_and_samples"),
+    "disable_dropout": ("trainer/test_trainer.py", "test_disable_dropout"),
+    "kl_coef": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "kl_estimator": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "score_clip": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "missing_eos_penalty": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "gamma": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "lam": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "whiten_advantages": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "target_kl": ("trainer/test_trainer.py", "test_adaptive_kl_controller_is_applied"),
+    "kl_horizon": ("trainer/test_trainer.py", "test_adaptive_kl_controller_is_applied"),
+    "max_consecutive_skips": ("run/test_nonfinite.py", "test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint"),
+    "truncate_prompts": ("run/test_nonfinite.py", "test_prompt_longer_than_the_context_is_cut_with_one_warning"),
+    "dtype": ("trainer/test_precision.py", "test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters"),
+    "gradient_checkpointing": ("trainer/test_precision.py", "test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update"),
+    "fsdp": ("trainer/test_distributed.py", "test_two_ranks_update_like_one_process"),
+    "lora_rank": ("trainer/test_lora.py", "test_only_the_adapters_train_and_there_is_no_reference_copy"),
+    "lora_alpha": ("trainer/test_lora.py", "test_target_modules_and_alpha"),
+    "lora_target_modules": ("trainer/test_lora.py", "test_target_modules_and_alpha"),
+    "value_lora": ("trainer/test_lora.py", "test_value_lora_trains_the_value_adapters_and_head_only"),
+    "merge_lora": ("trainer/test_lora.py", "test_policy_export_merges_or_keeps_the_adapter"),
+    "eval_every": ("run/test_eval.py", "test_eval_every_logs_scores_kl_and_samples"),
 }
 
 
@@ -281,8 +277,10 @@ def test_every_knob_has_a_check():
     fields = {f.name for f in dataclasses.fields(PPOConfig)}
     assert set(CHECKS) | set(ELSEWHERE) == fields
     assert not set(CHECKS) & set(ELSEWHERE)
-    for module, name in ELSEWHERE.values():
-        assert callable(getattr(module, name, None)), name
+    tests = Path(__file__).resolve().parents[1]
+    for path, name in ELSEWHERE.values():
+        tree = ast.parse((tests / path).read_text())
+        assert name in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, (path, name)
 
 
 @pytest.mark.parametrize("check", sorted(set(CHECKS.values()), key=lambda f: f.__name__), ids=lambda f: f.__name__)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pyppo import cli
-from tiny_models import save_tiny_causal_lm
+from support.tiny_models import save_tiny_causal_lm
 
 # Small enough that a step of the tiny model takes well under a second.
 TINY_FLAGS = ["--steps", "2", "--batch-size", "2", "--mini-batch-size", "1", "--ppo-epochs", "1",
@@ -333,7 +333,7 @@ def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
     assert warning[0].startswith("pyppo: warning: prompts: prompt 1 (")
     assert "longer than the 2044 tokens the model's context leaves (2048 positions minus max_new_tokens = 4)" \
         in warning[0] and "cut from the left" in warning[0]
-    assert str(Path(cli.__file__).parent) not in err  # no file:line prefix from inside pyppo
+    assert str(Path(cli.__file__).parent.parent) not in err  # no file:line prefix from inside pyppo
     refused = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o2"),
                *TINY_FLAGS, "--no-truncate-prompts"]
     assert cli.main(refused) == 2

@@ -9,7 +9,7 @@ import torch
 from pyppo.trainer.buffer import RolloutBuffer
 from pyppo.precision import autocast
 from pyppo.trainer.logprob_head import LogprobHead
-from test_trainer import make_trainer, small_config
+from support.trainer_fixture import make_trainer, small_config
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])

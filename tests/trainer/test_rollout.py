@@ -9,7 +9,7 @@ import torch
 from pyppo.config import PPOConfig
 from pyppo.rollout.hf_generate import generate, generation_config
 from pyppo.rollout.tokens import encode_prompts
-from tiny_models import tiny_causal_lm, tiny_tokenizer
+from support.tiny_models import tiny_causal_lm, tiny_tokenizer
 
 # Every filter a checkpoint's generation_config.json might carry, at values that change sampling.
 FILTERS = dict(do_sample=True, temperature=0.3, top_k=3, top_p=0.5, min_p=0.2, typical_p=0.5,

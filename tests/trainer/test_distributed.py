@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_worker import one_update, update_config
+from support.distributed_worker import one_update, update_config
 from pyppo.trainer.step_stats import PhaseTimer
-from test_trainer import PROMPTS, count_e, make_trainer
-from tiny_models import save_tiny_causal_lm
+from support.trainer_fixture import PROMPTS, count_e, make_trainer
+from support.tiny_models import save_tiny_causal_lm
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # the tests folder: support.*
 # Only the reduction order differs (one process sums 4 rows' gradients, two ranks sum 2 each and
 # average): float32 rounding, amplified at most a little by one AdamW step.
 RTOL, ATOL = 1e-5, 1e-6
@@ -50,7 +50,7 @@ def fixed_rollout(tmp_path_factory):
 def test_two_ranks_update_like_one_process(fixed_rollout, tmp_path, mode):
     path, batch = fixed_rollout
     one = one_update(make_trainer(update_config(False, 4)), batch.select(torch.arange(4)), 0.05)
-    torchrun(2, str(HERE / "distributed_worker.py"), str(path), str(tmp_path / "two.pt"), mode)
+    torchrun(2, str(HERE / "support" / "distributed_worker.py"), str(path), str(tmp_path / "two.pt"), mode)
     two = torch.load(tmp_path / "two.pt", weights_only=False)
     # Advantage whitening used the global batch: each rank's rows are the single process's rows.
     torch.testing.assert_close(two["advantages"], one["advantages"], rtol=RTOL, atol=ATOL)
@@ -111,7 +111,11 @@ def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
     assert not torch.equal(state["rank_rng"][0]["rng_torch"], state["rank_rng"][1]["rng_torch"])
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy") is not None
+    # The exported policy/ is the checkpoint's trained policy, weight for weight.
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").state_dict()
+    matched = [k for k in a if k in exported]
+    assert len(matched) >= len(a) - 1  # (a tied head may be saved once)
+    assert all(torch.equal(exported[k], a[k]) for k in matched)
 
     # The checkpoint is of 2 processes: one process refuses it, naming both counts.
     from pyppo import cli
@@ -131,7 +135,7 @@ def test_two_process_fsdp_lora_train_exports_and_resumes(tmp_path):
     model = save_tiny_causal_lm(tmp_path / "tiny")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:10]) + "\n")
-    flags = ["--model", str(model), "--reward", f"{HERE / 'test_trainer.py'}:count_e", "--prompts", str(prompts),
+    flags = ["--model", str(model), "--reward", f"{HERE / 'support' / 'trainer_fixture.py'}:count_e", "--prompts", str(prompts),
              "--device", "cpu", "--batch-size", "4", "--mini-batch-size", "4", "--ppo-epochs", "1",
              "--max-new-tokens", "6", "--lr", "1e-2", "--seed", "3", "--fsdp", "--lora-rank", "4",
              "--save-every", "1", "--eval-prompts", str(prompts), "--eval-every", "1"]

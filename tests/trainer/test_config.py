@@ -12,7 +12,7 @@ import pytest
 from pyppo import cli
 from pyppo.config import PPOConfig, config_knobs, config_markdown
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "trainer.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "trainer.md"
 BEGIN, END = "<!-- config-keys:begin -->", "<!-- config-keys:end -->"
 
 

@@ -12,7 +12,7 @@ import torch
 import pyppo.run.export as export
 from pyppo.run.export import save_policy
 from pyppo.models import load_model_and_tokenizer, resolve_model_source
-from tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_tokenizer
+from support.tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_tokenizer
 
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -301,7 +301,7 @@ def test_crash_between_the_renames_is_recovered(tmp_path):
 
 
 def test_bad_arguments_raise_value_error_naming_them(tmp_path):
-    from tiny_models import tiny_llama_config
+    from support.tiny_models import tiny_llama_config
     from transformers import LlamaForSequenceClassification
 
     tok = tiny_tokenizer()

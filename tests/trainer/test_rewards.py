@@ -11,7 +11,7 @@ import torch
 
 import pyppo.rewards as rewards
 from pyppo.rewards import SequenceClassifierReward, load_reward, sentiment_reward, validate_scores
-from tiny_models import save_tiny_classifier
+from support.tiny_models import save_tiny_classifier
 
 
 def test_sentiment_positive_beats_negative():
@@ -139,7 +139,7 @@ def test_classifier_reward_ambiguous_classes(tmp_path):
 
 
 def test_a_causal_lm_is_not_a_reward_model(tmp_path):
-    from tiny_models import save_tiny_causal_lm
+    from support.tiny_models import save_tiny_causal_lm
 
     path = save_tiny_causal_lm(tmp_path / "lm")
     with pytest.raises(ValueError, match="not a sequence-classification model.*LlamaForCausalLM"):
@@ -150,7 +150,7 @@ def test_a_checkpoint_without_the_score_head_is_not_a_reward_model(tmp_path):
     # A causal LM whose config names no architecture loads as a classifier with a random head.
     import json
 
-    from tiny_models import save_tiny_causal_lm
+    from support.tiny_models import save_tiny_causal_lm
 
     path = save_tiny_causal_lm(tmp_path / "lm")
     config = json.loads((path / "config.json").read_text())

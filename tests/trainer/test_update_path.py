@@ -13,7 +13,7 @@ from pyppo.trainer.logprob_head import PolicyObjective, policy_objective
 from pyppo.ops import aggregate_loss, kl_penalty, ppo_policy_loss
 from pyppo.trainer import METRIC_KEYS
 from pyppo.trainer.step_stats import PhaseTimer
-from test_trainer import make_trainer, small_config
+from support.trainer_fixture import make_trainer, small_config
 
 # One minibatch of one micro-batch: the first pass is the rollout's for every row.
 WHOLE = dict(batch_size=4, mini_batch_size=4, micro_batch_size=None, ppo_epochs=2)

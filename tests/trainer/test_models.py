@@ -15,7 +15,7 @@ from pyppo.models import (
     make_reference,
     position_ids_from_mask,
 )
-from tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_causal_lm, tiny_tokenizer
+from support.tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_causal_lm, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from test_trainer import PROMPTS, count_e, make_trainer, small_config
-from tiny_models import save_tiny_causal_lm, tiny_causal_lm
+from support.trainer_fixture import PROMPTS, count_e, make_trainer, small_config
+from support.tiny_models import save_tiny_causal_lm, tiny_causal_lm
 
 
 def lora_config(**overrides):

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pyppo import cli
 from pyppo.profile import counting, flops, phases
 from pyppo.trainer.step_stats import PHASES, PhaseTimer, current_phase
-from tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_causal_lm, tiny_tokenizer
+from support.tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_causal_lm, tiny_tokenizer
 
 # Two micro-batches per minibatch: the first update pass is not also the rollout forward, so every
 # phase runs on its own.

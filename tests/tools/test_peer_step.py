@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_step.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_step.py"
 _spec = importlib.util.spec_from_file_location("peer_step", _PATH)
 peer_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(peer_step)

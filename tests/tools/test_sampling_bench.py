@@ -7,9 +7,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-from tiny_models import save_tiny_causal_lm
+from support.tiny_models import save_tiny_causal_lm
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "sampling.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sampling.py"
 _spec = importlib.util.spec_from_file_location("sampling_bench", _PATH)
 sampling = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sampling)

@@ -9,15 +9,15 @@ import torch
 
 from pyppo import cli
 from pyppo.run.plotting import PANELS
-from test_trainer import PROMPTS, count_e, make_trainer, small_config
-from tiny_models import save_tiny_causal_lm, tiny_tokenizer
+from support.trainer_fixture import PROMPTS, count_e, make_trainer, small_config
+from support.tiny_models import save_tiny_causal_lm, tiny_tokenizer
 
 EVAL = [f"held out question {i}?" for i in range(11)]
 
 
 def test_eval_every_logs_scores_kl_and_samples(tmp_path):
     from pyppo.trainer import PPOTrainer
-    from tiny_models import tiny_causal_lm
+    from support.tiny_models import tiny_causal_lm
 
     tr = PPOTrainer(small_config(steps=3, eval_every=2), tiny_causal_lm(seed=0), None, None, tiny_tokenizer(),
                     count_e, PROMPTS, eval_prompts=EVAL)

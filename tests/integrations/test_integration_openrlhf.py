@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import pyppo.integrations.openrlhf as O
 from pyppo.integrations import PeerVersionWarning, _patching
-from peer_support import import_peer, pyppo_ops_called
+from support.peer_support import import_peer, pyppo_ops_called
 
 F64 = torch.float64
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -477,7 +477,7 @@ def test_openrlhf_actor_forward_through_pyppo(peer):
     # OpenRLHF's own Actor.forward on a tiny random Llama: it scales the logits in place by the
     # temperature, then calls compute_entropy and log_probs_from_logits by name.
     from openrlhf.models.actor import Actor
-    from tiny_models import tiny_causal_lm
+    from support.tiny_models import tiny_causal_lm
 
     actor = Actor(tiny_causal_lm(0), temperature=0.7)
     actor.packing_samples = False  # set only when OpenRLHF loads the model from a path itself
@@ -511,9 +511,20 @@ class Absent(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Absent())
 import torch
 import pyppo.integrations.openrlhf as O
-O.compute_approx_kl(torch.randn(3), torch.randn(3), kl_estimator='k3'); O.log_probs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), 0.5); O.compute_entropy(torch.randn(2, 5))
+logprobs, ref_logprobs = torch.randn(3), torch.randn(3)
+log_ratio = (ref_logprobs - logprobs).double()
+close = lambda a, b: torch.allclose(a.double(), b, atol=1e-5)
+assert close(O.compute_approx_kl(logprobs, ref_logprobs, kl_estimator='k3'), log_ratio.exp() - 1 - log_ratio)
+logits, labels = torch.randn(2, 5), torch.randint(0, 5, (2,))
+logp = torch.log_softmax(logits.double() / 0.5, -1)
+assert close(O.log_probs_from_logits(logits, labels, 0.5), logp.gather(-1, labels[:, None])[:, 0])
+logp = torch.log_softmax(logits.double(), -1)
+assert close(O.compute_entropy(logits), -(logp.exp() * logp).sum(-1))
+assert not any(m == "openrlhf" or m.startswith("openrlhf.") for m in sys.modules)
+print("agree")
 """
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True)
+    assert out.stdout.split() == ["agree"], out.stderr
 
 
 def test_the_user_facing_flash_attn_stub_lets_openrlhf_import_and_patch(peer):

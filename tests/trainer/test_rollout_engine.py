@@ -1,0 +1,69 @@
+"""The rollout-engine interface and the advantage-estimator registry: what the trainer asks of
+an engine, that any engine with that interface drives a step, and that estimators are found by
+name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyppo.rollout import HFGenerateEngine, Rollout
+from pyppo.trainer.advantages import ADVANTAGE_ESTIMATORS, gae_advantages, get_estimator
+from support.reference import ref_gae
+from support.trainer_fixture import make_trainer, small_config
+
+
+def test_the_default_engine_returns_a_rollout_of_the_prompts():
+    tr = make_trainer(small_config(steps=1, max_new_tokens=6))
+    assert isinstance(tr.engine, HFGenerateEngine)
+    prompts = ["hello there", "a b", "x y z"]
+    r = tr.engine.generate(prompts)
+    assert isinstance(r, Rollout) and r.prompts == prompts and len(r.responses) == 3
+    B, P = r.query_ids.shape
+    assert (B, r.response_ids.shape[0], r.response_mask.shape, r.has_eos.shape) == (3, 3, r.response_ids.shape, (3,))
+    assert r.query_mask.dtype == r.response_mask.dtype == torch.bool and r.sampler_logprobs is None
+    assert bool(r.query_mask[:, -1].all())  # left-padded: every prompt ends where its response starts
+    pad = tr.pad_token_id
+    assert bool(((r.response_ids == pad) | r.response_mask).all())  # pad after the first EOS
+
+
+class _ScriptedEngine:
+    """An engine with the interface and nothing else: replays another engine's rollout, with
+    log-probs of its own, and records the prompts it was asked for."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
+
+    def generate(self, prompts):
+        self.asked.append(list(prompts))
+        r = self.inner.generate(prompts)
+        r.sampler_logprobs = torch.where(r.response_mask, torch.full(r.response_ids.shape, -1.5), torch.zeros(()))
+        return r
+
+
+def test_any_engine_with_the_interface_drives_a_step():
+    tr = make_trainer(small_config(steps=1))
+    tr.engine = engine = _ScriptedEngine(tr.engine)
+    result = tr.step()
+    b = result.batch
+    assert engine.asked == [b.prompts] and len(b.prompts) == tr.config.batch_size
+    # The engine's own log-probs travel with the batch; PPO's old_logprobs are the trainer's own.
+    assert b.sampler_logprobs is not None
+    assert torch.equal(b.sampler_logprobs[b.response_mask], torch.full((int(b.response_mask.sum()),), -1.5))
+    assert not torch.equal(b.old_logprobs[b.response_mask], b.sampler_logprobs[b.response_mask])
+    assert result.metrics["first_max_abs_logratio"] == 0.0 and result.metrics["kl_mean"] == 0.0
+
+
+def test_the_gae_estimator_is_registered_and_matches_the_reference():
+    assert get_estimator("gae") is gae_advantages and ADVANTAGE_ESTIMATORS["gae"] is gae_advantages
+    tr = make_trainer(small_config(steps=1, gamma=0.97, lam=0.9))
+    b = tr.step().batch
+    adv, ret = gae_advantages(b, tr.config)
+    ref_adv, ref_ret = ref_gae(b.rewards, b.values, b.response_mask, gamma=0.97, lam=0.9)
+    torch.testing.assert_close(adv.double(), ref_adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret.double(), ref_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_estimator_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"'grpo' is not one of \['gae'\]"):
+        get_estimator("grpo")
