@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEP_LABELS = ["build", "cuda tests", "sanitizer", "kernel table", "bench", "bf16 train", "bf16 LoRA train",
                "FSDP smoke"]
@@ -55,6 +55,15 @@ def summary(stdout: str) -> dict:
 def test_script_syntax():
     res = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_every_helper_program_is_run_by_the_script():
+    # The steps' Python lives in benchmarks/gpu/*.py, none of it inlined in the script.
+    text = SCRIPT.read_text()
+    helpers = sorted(p.name for p in (SCRIPT.parent / "gpu").glob("*.py"))
+    assert helpers, "no benchmarks/gpu/*.py"
+    assert [h for h in helpers if f'"$HELPERS/{h}"' not in text] == []
+    assert "PYEOF" not in text
 
 
 def test_script_defaults_build_for_sm90_only():
