@@ -76,7 +76,7 @@
 #   GPU_CHECK_DEVICE      cuda (default) or cpu: cpu runs train / lora / fsdp on the CPU (gloo
 #                         instead of NCCL) and reports build / tests / sanitize / kernels / bench
 #                         as skipped; this is
-#                         how tests/test_gpu_check_script.py runs the script on a machine with no
+#                         how tests/tools/test_gpu_check_script.py runs the script on a machine with no
 #                         GPU
 #   GPU_CHECK_NPROC       processes of the fsdp step's trainer run (default 2 with >= 2 GPUs, else 1)
 #   GPU_CHECK_TRAIN_ARGS  extra flags appended to every pyppo train run (e.g. --gradient-checkpointing)
@@ -288,7 +288,7 @@ fi
 
 # ---- 6-8. training on the device --------------------------------------------------------------
 # fixture.py, train_and_check.py and fsdp_shard_check.py are parameterised by the device
-# (GPU_CHECK_DEVICE), so tests/test_gpu_check_script.py runs the very same code on CPU.
+# (GPU_CHECK_DEVICE), so tests/tools/test_gpu_check_script.py runs the very same code on CPU.
 TRAIN_FLAGS=(--model "$WORK/model" --reward "$WORK/reward.py:reward" --prompts "$WORK/prompts.jsonl"
              --device "$DEVICE" --dtype bfloat16 --batch-size 8 --mini-batch-size 4 --ppo-epochs 1
              --max-new-tokens 16 --save-every 3)

@@ -1,6 +1,6 @@
-# CUDA kernels of pyppo (csrc/cuda): kernel bodies in <op>_kernel.cu (CUDA headers and
-# csrc/cuda/params.h only), their ATen glue in <op>_glue.cpp, named as the CPU side's
-# csrc/cpu/<op>_glue.cpp. Included from CMakeLists.txt once target _C exists (its warning flags
+# CUDA kernels of pyppo (csrc/cuda): kernel bodies in kernels/<family>_kernel.cu (CUDA headers and
+# csrc/cuda/kernels/kernels.h only), their ATen implementation and CUDA registration in
+# <family>_impl.cpp, named as the CPU side's csrc/cpu/<family>_impl.cpp. Included from CMakeLists.txt once target _C exists (its warning flags
 # are C++-only there, since nvcc rejects -Wall): include(cmake/cuda.cmake)
 #
 #   PYPPO_CUDA=auto (default)  build them when the installed torch has CUDA and nvcc is found
@@ -120,9 +120,9 @@ list(JOIN _pyppo_arch_names "," PYPPO_CUDA_ARCHS)
 # TORCH_CUDA_ARCH_LIST) to CMAKE_CUDA_FLAGS; drop them so the architectures are exactly ours.
 string(REGEX REPLACE "-gencode[ =]+arch=[^ ]+" "" CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS}")
 
-file(GLOB PYPPO_CUDA_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*_kernel.cu")
-file(GLOB PYPPO_CUDA_GLUE_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*_glue.cpp")
-target_sources(_C PRIVATE ${PYPPO_CUDA_SOURCES} ${PYPPO_CUDA_GLUE_SOURCES})
+file(GLOB PYPPO_CUDA_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/kernels/*_kernel.cu")
+file(GLOB PYPPO_CUDA_IMPL_SOURCES CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*_impl.cpp")
+target_sources(_C PRIVATE ${PYPPO_CUDA_SOURCES} ${PYPPO_CUDA_IMPL_SOURCES})
 set_target_properties(_C PROPERTIES
   CUDA_ARCHITECTURES OFF          # the --generate-code flags below say it
   CUDA_STANDARD 17

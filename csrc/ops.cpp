@@ -1,6 +1,8 @@
-// Every pyppo operator schema, in one place. Kernels register per device in cpu/ and cuda/, the
-// shape functions torch.compile traces in meta/ (all three run the checks of args/<op>.h);
-// autograd formulas are registered from Python (pyppo/ops/). Semantics: docs/ops.md.
+// Every pyppo operator schema, in one place. Each op family registers its implementations per
+// dispatch key: CPU in cpu/<family>_impl.cpp, CUDA in cuda/<family>_impl.cpp, and the fake kernels
+// that torch.compile and FakeTensorMode trace on the Meta device in meta/<family>_fake.cpp (all
+// three run the checks of checks/<family>.h); autograd formulas are registered from Python
+// (pyppo/ops/<family>.py). Semantics: docs/ops.md; every family's files: CONTRIBUTING.md.
 #include <torch/library.h>
 
 TORCH_LIBRARY(pyppo, m) {

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .case import Case, Sweep
-from .cases import gae, gather_logprobs, kl_penalty, linear_logprobs, linear_ppo_loss, masked_whiten, shape_rewards
+from .cases import gae, gather_logprobs, kl, linear_logprobs, linear_ppo_loss, masked
 
 __all__ = ["Timing", "Suite", "SUITES", "SIZES", "suite"]
 
@@ -69,18 +69,18 @@ def _op_cases(logits_shape, bt_shape, linear_shape, with_targets: bool) -> list[
         linear_logprobs.fwd_bwd(linear_shape, F32),
         lp.fwd_bwd(_ppo_shape(linear_shape), F32, targets=t(lp.SPEED, lp.MEMORY)),
         lp.fwd_bwd(_ppo_shape(linear_shape), F32, eager_name="pyppo linear_logprobs + ppo_policy_loss"),
-        kl_penalty.case(bt_shape, F32, "k3"),
-        shape_rewards.case(bt_shape, F32),
+        kl.kl_penalty_case(bt_shape, F32, "k3"),
+        kl.shape_rewards_case(bt_shape, F32),
         gae.case(bt_shape, F32, targets=t(gae.VS_LOOP)),
         gae.case(bt_shape, F32, eager_name="trl loop"),
-        masked_whiten.case(bt_shape, F32),
+        masked.masked_whiten_case(bt_shape, F32),
     ]
 
 
 def _sweeps(logits_lead: tuple[int, int], vs: list[int], B: int, ts: list[int]) -> list[Sweep]:
     sweeps = [Sweep("gather_logprobs fwd fp32", "V", [gather_logprobs.fwd((*logits_lead, v), F32) for v in vs], vs)]
-    for name, make in (("gae (holes) fp32", gae.case), ("shape_rewards fp32", shape_rewards.case),
-                       ("masked_whiten fp32", masked_whiten.case)):
+    for name, make in (("gae (holes) fp32", gae.case), ("shape_rewards fp32", kl.shape_rewards_case),
+                       ("masked_whiten fp32", masked.masked_whiten_case)):
         sweeps.append(Sweep(name, "T", [make((B, t), F32) for t in ts], ts))
     return sweeps
 
@@ -113,10 +113,10 @@ def _gpu(sizes: str) -> Suite:
         gl.fwd_bwd(logits, F32),
         linear_logprobs.fwd_bwd(linear, F32),
         linear_ppo_loss.fwd_bwd(_ppo_shape(linear), F32),
-        kl_penalty.case(bt, F32, "k3"),
-        shape_rewards.case(bt, F32),
+        kl.kl_penalty_case(bt, F32, "k3"),
+        kl.shape_rewards_case(bt, F32),
         gae.case(bt, F32, targets=t(gae.VS_LOOP)),
-        masked_whiten.case(bt, F32),
+        masked.masked_whiten_case(bt, F32),
     ]
     timing = {"full": Timing(3, 10, 100, 2.0), "quick": Timing(2, 5, 30, 0.5), "tiny": _TIMING["tiny"]}[sizes]
     return Suite("gpu", cases, timing, cuda_only=True)

@@ -1,14 +1,16 @@
 """The PPO hot paths as torch custom operators (``torch.ops.pyppo.*``).
 
-Each function here wraps one compiled operator with keyword arguments and documentation; its
-autograd formula is registered next to the wrapper. Semantics, shapes and formulas:
-``docs/ops.md``.
+One module per op family (``kl``: ``kl_penalty`` and ``shape_rewards``; ``masked``: ``masked_mean``,
+``masked_var`` and ``masked_whiten``; one op each for the others), named as the family's files in
+``csrc/`` (CONTRIBUTING.md lists them). Each function wraps one compiled operator with keyword
+arguments and documentation; its autograd formula is registered next to the wrapper
+(``losses`` is plain PyTorch). Semantics, shapes and formulas: ``docs/ops.md``.
 
 There are no Python fake kernels. ``torch.compile`` and ``FakeTensorMode`` trace the operators
-through C++ kernels registered for the Meta device (``csrc/meta/<op>_glue.cpp``), which run the
-same argument checks as the CPU and CUDA kernels (``csrc/args/<op>.h``) and allocate the
-outputs: a bad input raises the same exception with the same message on every path, and no
-message is written twice.
+through C++ fake kernels registered for the Meta device (``csrc/meta/<family>_fake.cpp``), which
+run the same argument checks as the CPU and CUDA kernels (``csrc/checks/<family>.h``) and
+allocate the outputs: a bad input raises the same exception with the same message on every path,
+and no message is written twice.
 """
 
 from ._non_differentiable import register_non_differentiable, register_once_differentiable

@@ -23,12 +23,8 @@ def _named(fn):
 
 
 def linear_ppo_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # what linear_logprobs takes
+    old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,  # what the loss takes
     *,
     bias: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,

@@ -1,6 +1,7 @@
 // The CPU kernels that are compiled once per instruction set (DEFAULT, AVX2, AVX512) and
 // chosen at run time: a wheel built here runs on any x86-64, yet uses the widest vector unit
-// the machine has. The ATen glue (checks, allocation) calls them through cpu_kernels().
+// the machine has. The CPU impls (cpu/<family>_impl.cpp: checks, allocation) call them through
+// cpu_kernels(); their argument structs are `*Args`, as the CUDA kernels' (cuda/kernels/kernels.h).
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -1,8 +1,9 @@
 """Eager-PyTorch references: what a user of TRL / OpenRLHF / veRL computes today.
 
-One module per op. Each function mirrors the peers' formulas (cited in its docstring), with the
-one change needed to compare outputs with pyppo's ops: positions pyppo defines as 0 (masked) are
-zeroed the way those trainers zero them afterwards (``masked_fill`` / ``* mask``).
+One module per op family, named as its ``pyppo/ops`` module. Each function mirrors the peers'
+formulas (cited in its docstring), with the one change needed to compare outputs with pyppo's
+ops: positions pyppo defines as 0 (masked) are zeroed the way those trainers zero them afterwards
+(``masked_fill`` / ``* mask``).
 """
 
 from .gae import gae_loop, gae_loop_trl
@@ -11,11 +12,10 @@ from .gather_logprobs import (
     logsoftmax_gather,
     selective_log_softmax,
 )
-from .kl_penalty import compute_approx_kl
+from .kl import compute_approx_kl, compute_reward, shape_rewards
 from .linear_logprobs import linear_logsoftmax_gather
 from .linear_ppo_loss import linear_ppo_loss
-from .masked_whiten import masked_mean, masked_var, masked_whiten, masked_whiten_fill
-from .shape_rewards import compute_reward, shape_rewards
+from .masked import masked_mean, masked_var, masked_whiten, masked_whiten_fill
 
 __all__ = [
     "logsoftmax_gather",

@@ -1,0 +1,37 @@
+// Generalized Advantage Estimation on CPU: the checks of checks/gae.h, then the row scan of
+// cpu/kernels/gae_kernel.cpp, compiled once per instruction set.
+#include "checks/gae.h"
+#include "cpu/kernels/kernels.h"
+
+#include <torch/library.h>
+
+namespace pyppo {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::Tensor& values,
+                                           const at::Tensor& response_mask, double gamma, double lam,
+                                           const std::optional<at::Tensor>& last_values) {
+  GaeTensors t = prepare_gae(rewards, values, response_mask, gamma, lam, last_values);
+  if (t.B > 0 && t.T > 0) {
+    cpu::GaeArgs a;
+    a.dtype = t.rewards.scalar_type();
+    a.B = t.B;
+    a.T = t.T;
+    a.rewards = t.rewards.const_data_ptr();
+    a.values = t.values.const_data_ptr();
+    a.mask = t.mask.const_data_ptr<bool>();
+    a.last_values = t.last_values.defined() ? t.last_values.const_data_ptr() : nullptr;
+    a.gamma = gamma;
+    a.lam = lam;
+    a.advantages = t.advantages.data_ptr();
+    a.returns = t.returns.data_ptr();
+    cpu::cpu_kernels().gae(a);
+  }
+  return {t.advantages, t.returns};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyppo, CPU, m) { m.impl("gae", &gae_cpu); }
+
+}  // namespace pyppo

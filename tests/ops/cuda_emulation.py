@@ -1,0 +1,233 @@
+"""float32 replays of the CUDA reductions in csrc/cuda/kernels/, run on the CPU with numpy.
+
+No GPU has to be present to check what the kernels' order of operations guarantees: each
+function here performs the kernel's operations in the kernel's order, one IEEE float32 rounding
+per operation, vectorised over rows and threads.
+
+* :func:`gather_fwd` replays ``gather_fwd_kernel`` (gather_logprobs_kernel.cu): 256 threads a
+  row, chunks of ``kvec`` elements dealt round-robin, each thread's running (m, s, t), the warp
+  shuffle tree and the tree over the 8 warps. Two instructions cannot be replayed bit for bit:
+  ``ex2.approx`` (here 2^x rounded to float32, optionally off by up to ``ex2_ulps`` units in the
+  last place, exact at 0 as the hardware is) and ``log2f``; ``fma`` is computed in float64 and
+  rounded once more. The contract checks (log-probs never positive, exactly 0 where the row is
+  one-hot or V = 1, finite for huge finite logits) hold whatever those last bits are.
+* :func:`gae` replays ``gae_warp_kernel`` (gae_kernel.cu) bit for bit: every operation in the
+  kernel is an explicit IEEE multiply, add or subtract.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+THREADS = 256
+WARPS = THREADS // 32
+LOG2E = F32(1.4426950408889634)
+LN2 = F32(0.6931471805599453)
+LOWEST = F32(-3.402823466e38)
+NINF = F32(-np.inf)
+GAE_SEGMENT = 16  # kGaeSegment in csrc/cuda/kernels/kernels.h
+GAE_TILE = 32 * GAE_SEGMENT
+
+
+def _ex2(x: np.ndarray, ulps: int, rng: np.random.Generator | None) -> np.ndarray:
+    """ex2.approx.ftz.f32: 2^x, subnormal results flushed to 0; 2^0 = 1 exactly."""
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        e = np.exp2(x.astype(np.float64)).astype(F32)
+    if ulps and rng is not None:
+        steps = rng.integers(-ulps, ulps + 1, size=e.shape)
+        noisy = e
+        for i in range(ulps):
+            noisy = np.where(steps > i, np.nextafter(noisy, F32(np.inf)),
+                             np.where(-steps > i, np.nextafter(noisy, F32(0)), noisy)).astype(F32)
+        e = np.where((x == 0) | ~np.isfinite(e) | (e == 0), e, noisy).astype(F32)
+    return np.where(np.abs(e) < np.finfo(F32).tiny, F32(0), e).astype(F32)
+
+
+def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(F32)
+
+
+class _State:
+    """Arrays of (m, s, t), one triple per row and thread."""
+
+    def __init__(self, m, s, t):
+        self.m, self.s, self.t = m, s, t
+
+    def copy(self):
+        return _State(self.m.copy(), self.s.copy(), self.t.copy())
+
+
+def _rebase(a: _State, mn: np.ndarray, where: np.ndarray, entropy: bool, ex2) -> None:
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = (a.m - mn).astype(F32)
+        r = ex2((diff * LOG2E).astype(F32))
+        if entropy:
+            t = np.where(r == 0, F32(0), (r * _fma(diff, a.s, a.t)).astype(F32))
+            a.t = np.where(where, t, a.t).astype(F32)
+        a.s = np.where(where, (a.s * r).astype(F32), a.s).astype(F32)
+        a.m = np.where(where, mn, a.m).astype(F32)
+
+
+def _merge(a: _State, b: _State, entropy: bool, ex2) -> _State:
+    """merge(a, b) of the kernel: an empty side (m = -inf) is the identity."""
+    out = a.copy()
+    b_empty, a_empty = b.m == NINF, a.m == NINF
+    both = ~b_empty & ~a_empty
+    mn = np.fmax(a.m, b.m)
+    ra, rb = a.copy(), b.copy()
+    _rebase(ra, mn, both, entropy, ex2)
+    _rebase(rb, mn, both, entropy, ex2)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = (ra.s + rb.s).astype(F32)
+        t = (ra.t + rb.t).astype(F32)
+    take_b = a_empty & ~b_empty
+    out.m = np.where(both, mn, np.where(take_b, b.m, a.m)).astype(F32)
+    out.s = np.where(both, s, np.where(take_b, b.s, a.s)).astype(F32)
+    out.t = np.where(both, t, np.where(take_b, b.t, a.t)).astype(F32)
+    return out
+
+
+def _shfl_down(x: np.ndarray, off: int) -> np.ndarray:
+    """__shfl_down_sync over the last axis (32 lanes): lanes past the end read their own value."""
+    out = x.copy()
+    out[..., : 32 - off] = x[..., off:]
+    return out
+
+
+def _warp_tree(st: _State, entropy: bool, ex2) -> _State:
+    for off in (16, 8, 4, 2, 1):
+        other = _State(_shfl_down(st.m, off), _shfl_down(st.s, off), _shfl_down(st.t, off))
+        st = _merge(st, other, entropy, ex2)
+    return st
+
+
+def gather_fwd(z: np.ndarray, labels: np.ndarray, *, temperature: float = 1.0, kvec: int = 4,
+               entropy: bool = True, ex2_ulps: int = 0, seed: int = 0):
+    """(logprobs, entropy, lse) of rows ``z [R, V]`` (float32 values of the logits, already
+    converted from their dtype) at ``labels [R]`` (all valid, in range), as the kernel computes
+    them. ``kvec`` is the elements per 16-byte chunk: 4 for float32, 8 for bfloat16/float16."""
+    z = np.asarray(z, dtype=F32)
+    R, V = z.shape
+    rng = np.random.default_rng(seed) if ex2_ulps else None
+    ex2 = lambda x: _ex2(x, ex2_ulps, rng)  # noqa: E731
+    inv_tau = (F32(1) / F32(temperature)).astype(F32)
+    scaled = float(temperature) != 1.0
+    per_pass = THREADS * kvec
+    passes = -(-V // per_pass)
+    padded = np.full((R, passes * per_pass), NINF, dtype=F32)
+    padded[:, :V] = z
+    chunks = padded.reshape(R, passes, THREADS, kvec)
+    st = _State(np.full((R, THREADS), NINF, F32), np.zeros((R, THREADS), F32), np.zeros((R, THREADS), F32))
+    bad = np.zeros((R, THREADS), dtype=bool)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for k in range(passes):
+            c = chunks[:, k]
+            cm = c[..., 0]
+            for j in range(1, kvec):
+                cm = np.fmax(cm, c[..., j])
+            cmx = (cm * inv_tau).astype(F32) if scaled else cm
+            grow = cmx > st.m
+            _rebase(st, cmx, grow & (st.m != NINF), entropy, ex2)
+            st.m = np.where(grow, cmx, st.m).astype(F32)
+            empty = st.m == NINF
+            bad |= empty & np.isnan(c).any(-1)
+            for j in range(kvec):
+                x = (c[..., j] * inv_tau).astype(F32) if scaled else c[..., j]
+                d = (x - st.m).astype(F32)
+                e = ex2((d * LOG2E).astype(F32))
+                st.s = np.where(empty, st.s, (st.s + e).astype(F32))
+                if entropy:
+                    st.t = np.where(empty, st.t, _fma(e, np.fmax(d, LOWEST), st.t))
+        bad |= st.m == F32(np.inf)
+        row_bad = bad.any(-1)
+        # The warp trees, then warp 0 over the warps' lane-0 results (lanes >= 8 empty).
+        lanes = _State(st.m.reshape(R, WARPS, 32), st.s.reshape(R, WARPS, 32), st.t.reshape(R, WARPS, 32))
+        lanes = _warp_tree(lanes, entropy, ex2)
+        w = _State(np.full((R, 32), NINF, F32), np.zeros((R, 32), F32), np.zeros((R, 32), F32))
+        w.m[:, :WARPS], w.s[:, :WARPS], w.t[:, :WARPS] = lanes.m[..., 0], lanes.s[..., 0], lanes.t[..., 0]
+        w = _warp_tree(w, entropy, ex2)
+        m, s, t = w.m[:, 0], w.s[:, 0], w.t[:, 0]
+        ln_s = (LN2 * np.log2(s).astype(F32)).astype(F32)
+        lse = (m + ln_s).astype(F32)
+        ent = (ln_s - (t / s).astype(F32)).astype(F32)
+        zl = z[np.arange(R), labels]
+        x_label = (zl * inv_tau).astype(F32) if scaled else zl
+        lp = ((x_label - m).astype(F32) - ln_s).astype(F32)
+        lp = np.where(lp > 0, F32(0), lp)
+    nan = F32(np.nan)
+    return (np.where(row_bad, nan, lp).astype(F32), np.where(row_bad, nan, ent).astype(F32),
+            np.where(row_bad, nan, lse).astype(F32))
+
+
+def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: float, lam: float,
+        last_values: np.ndarray | None = None):
+    """(advantages, returns) ``[B, T]`` float32, bit for bit as ``gae_warp_kernel`` computes them."""
+    rewards = np.asarray(rewards, F32)
+    values = np.asarray(values, F32)
+    mask = np.asarray(mask, bool)
+    B, T = rewards.shape
+    S = GAE_SEGMENT
+    g, gl = F32(gamma), F32(gamma * lam)  # the kernel casts the double product
+    tiles = -(-T // GAE_TILE)
+    Tp = tiles * GAE_TILE
+    r_all = np.zeros((B, Tp), F32)
+    v_all = np.zeros((B, Tp), F32)
+    m_all = np.zeros((B, Tp), bool)
+    r_all[:, :T], v_all[:, :T], m_all[:, :T] = rewards, values, mask
+    adv = np.zeros((B, Tp), F32)
+    ret = np.zeros((B, Tp), F32)
+    carry_v = np.zeros(B, F32) if last_values is None else np.asarray(last_values, F32).copy()
+    carry_a = np.zeros(B, F32)
+    lane = np.arange(32)
+
+    def td(r, v, nv):
+        return ((r + (g * nv).astype(F32)).astype(F32) - v).astype(F32)
+
+    for tile in range(tiles - 1, -1, -1):
+        sl = slice(tile * GAE_TILE, (tile + 1) * GAE_TILE)
+        m = m_all[:, sl].reshape(B, 32, S)
+        r = np.where(m, r_all[:, sl].reshape(B, 32, S), F32(0))
+        v = np.where(m, v_all[:, sl].reshape(B, 32, S), F32(0))
+        has = m.any(-1)
+        first_v = np.where(has, np.take_along_axis(v, m.argmax(-1)[..., None], -1)[..., 0], F32(0))
+        active = has.any(-1)
+        # 1. V_next at each segment's right edge.
+        sh, sv = has.copy(), first_v.copy()
+        for off in (1, 2, 4, 8, 16):
+            oh, ov = _shfl_down(sh, off), _shfl_down(sv, off)
+            upd = (lane + off < 32) & ~sh
+            sh, sv = np.where(upd, oh, sh), np.where(upd, ov, sv)
+        right_h, right_v = _shfl_down(sh, 1), _shfl_down(sv, 1)
+        v_edge = np.where((lane < 31) & right_h, right_v, carry_v[:, None]).astype(F32)
+        # 2. Each segment's map, then the suffix compositions.
+        C, D = np.ones((B, 32), F32), np.zeros((B, 32), F32)
+        nv = v_edge.copy()
+        for k in range(S - 1, -1, -1):
+            mk = m[..., k]
+            D = np.where(mk, (td(r[..., k], v[..., k], nv) + (gl * D).astype(F32)).astype(F32), D)
+            C = np.where(mk, (gl * C).astype(F32), C)
+            nv = np.where(mk, v[..., k], nv)
+        for off in (1, 2, 4, 8, 16):
+            oC, oD = _shfl_down(C, off), _shfl_down(D, off)
+            upd = lane + off < 32
+            D, C = np.where(upd, (D + (C * oD).astype(F32)).astype(F32), D), np.where(upd, (C * oC).astype(F32), C)
+        right_C, right_D = _shfl_down(C, 1), _shfl_down(D, 1)
+        a_edge = np.where(lane < 31, (right_D + (right_C * carry_a[:, None]).astype(F32)).astype(F32),
+                          carry_a[:, None]).astype(F32)
+        # 3. The recurrence over each segment from its right edge.
+        nv, na = v_edge.copy(), a_edge.copy()
+        out_a = np.zeros((B, 32, S), F32)
+        out_r = np.zeros((B, 32, S), F32)
+        for k in range(S - 1, -1, -1):
+            mk = m[..., k]
+            na = np.where(mk, (td(r[..., k], v[..., k], nv) + (gl * na).astype(F32)).astype(F32), na)
+            nv = np.where(mk, v[..., k], nv)
+            out_a[..., k] = np.where(mk, na, F32(0))
+            out_r[..., k] = np.where(mk, (na + v[..., k]).astype(F32), F32(0))
+        adv[:, sl] = np.where(active[:, None], out_a.reshape(B, GAE_TILE), F32(0))
+        ret[:, sl] = np.where(active[:, None], out_r.reshape(B, GAE_TILE), F32(0))
+        carry_v = np.where(active, nv[:, 0], carry_v).astype(F32)
+        carry_a = np.where(active, na[:, 0], carry_a).astype(F32)
+    return adv[:, :T], ret[:, :T]

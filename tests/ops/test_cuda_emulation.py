@@ -1,0 +1,208 @@
+"""The CUDA reductions' contract, checked on the CPU through their float32 replays (cuda_emulation.py),
+and, where a GPU is present, the kernels against those replays.
+
+The replays perform the kernels' operations in the kernels' order, so what they guarantee here
+the kernels guarantee on the device: log-probs never positive and exactly 0 for one-hot rows and
+V = 1 (whatever the last bits of ex2.approx), huge finite logits finite, and GAE bits that do not
+change when other rows make the padded batch longer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cuda_emulation as emu
+from support.reference import F64, bits_equal, ref_gae
+
+
+def _has_cuda() -> bool:
+    import pyppo
+
+    return torch.cuda.is_available() and bool(getattr(pyppo._C, "with_cuda", False))
+
+
+HAS_CUDA = _has_cuda()
+
+KVEC = {torch.float32: 4, torch.bfloat16: 8, torch.float16: 8}
+
+
+def _rows(R: int, V: int, seed: int, scale: float = 3.0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((R, V)) * scale).astype(np.float32), rng.integers(0, V, R)
+
+
+def _one_hot_rows(R: int, V: int, seed: int, gap: float) -> tuple[np.ndarray, np.ndarray]:
+    """Rows whose label's logit is an arbitrary float and every other logit lies `gap` below it
+    or further: the softmax is one-hot in float32, so the log-prob must be exactly 0."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, V, R)
+    top = (rng.standard_normal(R) * 50).astype(np.float32)
+    z = (top[:, None] - gap - rng.random((R, V)) * 100).astype(np.float32)
+    z[np.arange(R), labels] = top
+    return z, labels
+
+
+# --------------------------------------------------------------------------- gather_logprobs fwd
+
+
+@pytest.mark.parametrize("kvec", [4, 8])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+@pytest.mark.parametrize("ex2_ulps", [0, 2])
+def test_emulated_logprobs_are_never_positive(kvec, temperature, ex2_ulps):
+    # Sharp rows (scale 40) put nearly all the mass on the max, where a log-prob rounding above
+    # 0 would show; V = 3000 spans a partial pass.
+    for scale in (3.0, 40.0):
+        z, labels = _rows(64, 3000, seed=int(scale) + kvec, scale=scale)
+        labels[:32] = z[:32].argmax(-1)
+        lp, ent, lse = emu.gather_fwd(z, labels, temperature=temperature, kvec=kvec, ex2_ulps=ex2_ulps)
+        assert np.isfinite(lp).all() and (lp <= 0).all(), lp.max()
+        assert np.isfinite(ent).all() and np.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("kvec", [4, 8])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+@pytest.mark.parametrize("ex2_ulps", [0, 2])
+def test_emulated_one_hot_rows_and_single_token_vocab_give_exactly_zero(kvec, temperature, ex2_ulps):
+    gap = 120.0 * temperature  # e^(-gap / temperature) underflows float32
+    for V in (1, 7, 1025, 4099):
+        z, labels = _one_hot_rows(128, V, seed=V + kvec, gap=gap)
+        lp, ent, _ = emu.gather_fwd(z, labels, temperature=temperature, kvec=kvec, ex2_ulps=ex2_ulps)
+        assert (lp == 0).all(), (V, lp[lp != 0][:5])
+        assert (ent == 0).all(), (V, ent[ent != 0][:5])
+
+
+def test_emulated_huge_finite_logits_stay_finite():
+    # |z / temperature| between FLT_MAX / log2(e) (2.36e38) and FLT_MAX: a base-2 scaling before
+    # the max would overflow; the kernel scales differences only.
+    rng = np.random.default_rng(3)
+    z = (np.sign(rng.standard_normal((8, 300))) * rng.uniform(2.4e38, 3.4e38, (8, 300))).astype(np.float32)
+    labels = z.argmax(-1)
+    labels[4:] = rng.integers(0, 300, 4)
+    lp, ent, lse = emu.gather_fwd(z, labels)
+    assert np.isfinite(lse).all() and np.isfinite(ent).all() and np.isfinite(lp[:4]).all()
+    assert (lp[:4] <= 0).all() and np.array_equal(lse, z.max(-1))
+    # The CPU kernel gives the same (finite) results.
+    from pyppo.ops import gather_logprobs
+
+    cpu_lp, cpu_ent = gather_logprobs(torch.from_numpy(z), torch.from_numpy(labels), return_entropy=True)
+    assert torch.isfinite(cpu_ent).all() and torch.equal(torch.isfinite(cpu_lp), torch.from_numpy(np.isfinite(lp)))
+
+
+@pytest.mark.parametrize("V", [7, 4099, 6144])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_emulated_values_match_float64(V, temperature):
+    z, labels = _rows(8, V, seed=V)
+    lp, ent, lse = emu.gather_fwd(z, labels, temperature=temperature)
+    x = torch.from_numpy(z).to(F64) / temperature
+    logp = torch.log_softmax(x, -1)
+    ref_lp = logp[torch.arange(8), torch.from_numpy(labels)]
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(torch.from_numpy(lp).to(F64), ref_lp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(torch.from_numpy(ent).to(F64), ref_ent, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(torch.from_numpy(lse).to(F64), torch.logsumexp(x, -1), rtol=1e-6, atol=1e-5)
+
+
+def test_emulated_nonfinite_rows():
+    z, labels = _rows(4, 700, seed=9)
+    z[0, 5] = np.nan
+    z[1, 9] = np.inf
+    z[2, :] = -np.inf
+    lp, ent, lse = emu.gather_fwd(z, labels)
+    assert np.isnan(lp[:3]).all() and np.isnan(ent[:3]).all() and np.isfinite(lp[3])
+
+
+# ------------------------------------------------------------------------------------------- gae
+
+
+def _gae_inputs(B: int, T: int, seed: int):
+    """Rows of several valid lengths (all within T), holes in the middle, junk where masked."""
+    rng = np.random.default_rng(seed)
+    rewards = rng.standard_normal((B, T)).astype(np.float32)
+    values = rng.standard_normal((B, T)).astype(np.float32)
+    lengths = rng.integers(1, T + 1, B)
+    lengths[0] = T
+    mask = (np.arange(T) < lengths[:, None]) & (rng.random((B, T)) < 0.85)
+    mask[:, 0] = True
+    mask[1] = False  # an all-masked row
+    last = rng.standard_normal(B).astype(np.float32)
+    return rewards, values, mask, last
+
+
+def _padded(x: np.ndarray, T: int, fill) -> np.ndarray:
+    out = np.full((x.shape[0], T), fill, dtype=x.dtype)
+    out[:, : x.shape[1]] = x
+    return out
+
+
+@pytest.mark.parametrize("with_last", [False, True])
+def test_emulated_gae_bits_do_not_change_with_right_padding(with_last):
+    rewards, values, mask, last = _gae_inputs(6, 1000, seed=1)
+    lv = last if with_last else None
+    adv, ret = emu.gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=lv)
+    for T in (1023, 1024, 1300, 2048):
+        # Junk rewards and values at the padding: masked, so never read.
+        a, r = emu.gae(_padded(rewards, T, 7.0), _padded(values, T, -3.0), _padded(mask, T, False),
+                       gamma=0.99, lam=0.95, last_values=lv)
+        assert np.array_equal(a[:, :1000].view(np.uint32), adv.view(np.uint32)), T
+        assert np.array_equal(r[:, :1000].view(np.uint32), ret.view(np.uint32)), T
+        assert (a[:, 1000:] == 0).all() and (r[:, 1000:] == 0).all()
+
+
+@pytest.mark.parametrize("T", [5, 16, 513, 1024, 2500])
+def test_emulated_gae_matches_reference(T):
+    rewards, values, mask, last = _gae_inputs(5, T, seed=T)
+    adv, ret = emu.gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=last)
+    ref_a, ref_r = ref_gae(torch.from_numpy(rewards), torch.from_numpy(values), torch.from_numpy(mask),
+                           gamma=0.99, lam=0.95, last_values=torch.from_numpy(last))
+    t = dict(rtol=1e-4, atol=1e-4 * max(1.0, T / 256))
+    torch.testing.assert_close(torch.from_numpy(adv).to(F64), ref_a, **t)
+    torch.testing.assert_close(torch.from_numpy(ret).to(F64), ref_r, **t)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+
+
+def test_emulated_gae_equals_the_serial_loop_inside_one_segment():
+    # A row whose valid positions all lie in one lane's segment is the CPU loop verbatim.
+    rewards, values, mask, last = _gae_inputs(4, emu.GAE_SEGMENT, seed=2)
+    adv, _ = emu.gae(rewards, values, mask, gamma=0.9, lam=0.8, last_values=last)
+    from pyppo.ops import gae
+
+    cpu, _ = gae(torch.from_numpy(rewards), torch.from_numpy(values), torch.from_numpy(mask), gamma=0.9, lam=0.8,
+                 last_values=torch.from_numpy(last))
+    assert bits_equal(torch.from_numpy(adv), cpu)
+
+
+# ---------------------------------------------------------------------- the kernels, on a GPU
+
+
+@pytest.mark.parametrize("T", [5, 1000, 1024, 2500])
+@pytest.mark.parametrize("with_last", [False, True])
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and pyppo built with CUDA")
+def test_cuda_gae_matches_its_replay_bit_for_bit(T, with_last):
+    from pyppo.ops import gae
+
+    rewards, values, mask, last = _gae_inputs(9, T, seed=T + 3)
+    lv = last if with_last else None
+    adv, ret = emu.gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=lv)
+    a, r = gae(torch.from_numpy(rewards).cuda(), torch.from_numpy(values).cuda(), torch.from_numpy(mask).cuda(),
+               gamma=0.99, lam=0.95, last_values=None if lv is None else torch.from_numpy(lv).cuda())
+    assert bits_equal(a.cpu(), torch.from_numpy(adv)) and bits_equal(r.cpu(), torch.from_numpy(ret))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("V", [7, 4099, 6144])
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and pyppo built with CUDA")
+def test_cuda_gather_forward_matches_its_replay(dtype, V):
+    from pyppo.ops import gather_logprobs
+
+    z, labels = _rows(16, V, seed=V + 1)
+    zt = torch.from_numpy(z).to(dtype)
+    z32 = zt.float().numpy()
+    lp, ent, lse = emu.gather_fwd(z32, labels, temperature=0.8, kvec=KVEC[dtype])
+    got_lp, got_ent = gather_logprobs(zt.cuda(), torch.from_numpy(labels).cuda(), temperature=0.8, return_entropy=True)
+    # ex2.approx and log2f differ from the replay's last bits; the operations are the same.
+    torch.testing.assert_close(got_lp.cpu(), torch.from_numpy(lp), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got_ent.cpu(), torch.from_numpy(ent), rtol=2e-6, atol=2e-6)
