@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import pyppo.integrations as integrations
 import pyppo.integrations.verl as pv
 from pyppo.integrations import PeerVersionWarning, _patching
-from peer_support import import_peer, pyppo_ops_called
+from support.peer_support import import_peer, pyppo_ops_called
 
 F64 = torch.float64
 BF16, F16 = torch.bfloat16, torch.float16

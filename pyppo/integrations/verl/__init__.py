@@ -1,0 +1,116 @@
+"""Drop-in replacements for veRL 0.9.1's PPO math, computed with pyppo's ops.
+
+Covered, each with veRL's exact signature, return types, output dtypes and masking conventions:
+
+* ``verl.trainer.ppo.core_algos``: :func:`compute_gae_advantage_return` (also registered as
+  ``ADV_ESTIMATOR_REGISTRY["gae"]``), :func:`kl_penalty`, :func:`kl_penalty_forward`,
+  :func:`agg_loss`, :func:`compute_policy_loss` (deprecated in veRL, warns the same way),
+  :func:`compute_policy_loss_vanilla` (``POLICY_LOSS_REGISTRY["vanilla"]``),
+  :func:`compute_value_loss`;
+* ``verl.utils.torch_functional``: :func:`masked_mean`, :func:`masked_var`,
+  :func:`masked_whiten`, :func:`logprobs_from_logits`, :func:`entropy_from_logits`,
+  :func:`entropy_from_logits_with_chunking`.
+
+Usage: ``import pyppo.integrations.verl as pv; pv.patch()`` (or ``with pv.patched(): ...``), or
+call the functions here directly; this package does not import veRL. It is split as veRL splits
+those functions: :mod:`.core_algos` and :mod:`.torch_functional` (the shared argument checks and
+dtype bookkeeping in ``_checks``); every adapter is exported here and documented under this
+package's name (its ``__module__``), which is where :data:`PEER` and pickling find it.
+
+Half-precision inputs are computed in float32 (float64 when veRL's result is float64) and the
+result is cast to the dtype veRL returns, so bf16/fp16 results are at least as close to a float64
+computation as veRL's own. Masks must be bool or hold only 0 and 1 (veRL would also accept
+fractional weights); any other value is a ``ValueError`` naming the argument. Every deliberate
+difference from veRL is listed in ``docs/integrations.md``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+from .. import _patching
+from .._patching import Patch
+from . import core_algos, torch_functional
+from .core_algos import (
+    agg_loss,
+    compute_gae_advantage_return,
+    compute_policy_loss,
+    compute_policy_loss_vanilla,
+    compute_value_loss,
+    kl_penalty,
+    kl_penalty_forward,
+)
+from .torch_functional import (
+    entropy_from_logits,
+    entropy_from_logits_with_chunking,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "compute_gae_advantage_return",
+    "kl_penalty",
+    "kl_penalty_forward",
+    "agg_loss",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_value_loss",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "entropy_from_logits_with_chunking",
+    "PEER",
+    "patch",
+    "unpatch",
+    "patched",
+]
+
+_CORE_ADAPTERS = (
+    compute_gae_advantage_return, kl_penalty, kl_penalty_forward, agg_loss, compute_policy_loss,
+    compute_policy_loss_vanilla, compute_value_loss,
+)
+_TF_ADAPTERS = (
+    masked_mean, masked_var, masked_whiten, logprobs_from_logits, entropy_from_logits,
+    entropy_from_logits_with_chunking,
+)
+for _adapter in _CORE_ADAPTERS + _TF_ADAPTERS:
+    # The public name of each adapter is this package's, wherever it is defined.
+    _adapter.__module__ = __name__
+del _adapter
+
+PEER = _patching.Peer(
+    name="verl",
+    distribution="verl",
+    package="verl",
+    versions=("0.9.1",),
+    targets=_patching.targets(core_algos.PEER_MODULE, *_CORE_ADAPTERS)
+    + _patching.targets(torch_functional.PEER_MODULE, *_TF_ADAPTERS),
+    import_help="veRL's modules import ray, tensordict and omegaconf; install veRL's dependencies.",
+)
+
+
+def patch(*, force: bool = False) -> Patch:
+    """Replace veRL's functions listed in :data:`PEER` with this package's adapters, everywhere
+    veRL's package refers to them (defining modules, modules that imported them by name,
+    ``ADV_ESTIMATOR_REGISTRY["gae"]``, ``POLICY_LOSS_REGISTRY["vanilla"]``).
+
+    Returns the :class:`~pyppo.integrations.Patch` (what was replaced; the active one if already
+    patched). A veRL release other than 0.9.1 is warned about (``PeerVersionWarning``) and left
+    unpatched unless ``force=True``. Raises ImportError when veRL is not installed or its modules
+    fail to import.
+    """
+    return _patching.patch(PEER, force=force)
+
+
+def unpatch() -> Patch | None:
+    """Put veRL's originals back; returns the patch that was undone, or None if none was active."""
+    return _patching.unpatch(PEER)
+
+
+def patched(*, force: bool = False) -> AbstractContextManager[Patch]:
+    """``with patched(): ...`` patches veRL for the block and restores the originals on exit."""
+    return _patching.patched(PEER, force=force)
