@@ -36,9 +36,8 @@ import math
 import os
 import random
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -63,40 +62,12 @@ from .assemble import (check_arguments, check_trainable, logprob_modules, make_a
 from .buffer import RolloutBuffer
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .logprob_head import PolicyObjective, policy_objective, response_values
-from .step_stats import PHASES, PhaseTimer, RunningStats, ratio_stats, record_token_stats, rollout_metrics
+from .results import METRIC_KEYS, MicroStepResult, StepResult
+from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats, rollout_metrics
 
 __all__ = ["PPOTrainer", "StepResult", "MicroStepResult", "METRIC_KEYS", "NonFiniteUpdateError"]
 
-#: Keys every step's metrics have; diagnostics come on top (``step``, ``clipfrac_lower``,
-#: ``ratio_mean``, ``ratio_max``, ``vf_clipfrac``, grad norms, ``eos_fraction``, ``first_*``...).
-METRIC_KEYS = (
-    "score_mean", "reward_mean", "kl_mean", "kl_coef", "entropy_mean", "policy_loss", "value_loss",
-    "clipfrac", "approx_kl", "explained_variance", "response_length_mean", "step_seconds",
-) + tuple(f"time_{p}" for p in PHASES)
-
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
-
-
-@dataclass
-class StepResult:
-    """What :meth:`PPOTrainer.step` returns: its ``metrics`` (python numbers) and its ``batch``
-    (prompts, responses, raw and final scores, and every per-token tensor of the step)."""
-
-    metrics: Dict[str, float]
-    batch: RolloutBuffer
-
-    def __iter__(self):  # metrics, batch = trainer.step()
-        return iter((self.metrics, self.batch))
-
-
-class MicroStepResult(NamedTuple):
-    """What :meth:`PPOTrainer.micro_step` returns, detached, each ``[b, T]``."""
-
-    logprobs: torch.Tensor
-    old_logprobs: torch.Tensor
-    values: torch.Tensor
-    returns: torch.Tensor
-    response_mask: torch.Tensor
 
 
 class PPOTrainer:
