@@ -18,7 +18,7 @@ V/16lh)`` with the blocks recomputed): matrix products only, a multiply-add bein
 
 Norms, rotary embeddings, softmax, activations, embedding lookups and the optimizer are not
 counted; ``torch.utils.flop_counter.FlopCounterMode`` counts the same products, and
-``tests/test_profile.py`` checks the two agree on a tiny Llama and on SmolLM2.
+``tests/cli/test_profile.py`` checks the two agree on a tiny Llama and on SmolLM2.
 
 Attention is counted causally by default: query ``i`` scores keys ``0..i`` of its own row, padding
 included (the kernels compute padded positions too; it is work done, if not useful). Dense
@@ -264,7 +264,7 @@ def recompute_flops(forward: Flops, shape: TransformerShape, positions: int, *, 
       FlashAttention; not ``eager``): ``Q K^T`` again in the attention backward, half the
       forward's attention.
 
-    Exact for full fine-tuning (``tests/test_profile.py``); with LoRA and checkpointing the stopping
+    Exact for full fine-tuning (``tests/cli/test_profile.py``); with LoRA and checkpointing the stopping
     point moves within the last adapted matmul, so the first item is approximate.
     """
     out = Flops()

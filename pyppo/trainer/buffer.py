@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
 from ..models import position_ids_from_mask
+from ..rollout.engine import Rollout
 
-__all__ = ["RolloutBuffer"]
+__all__ = ["RolloutBuffer", "buffer_from_rollout"]
 
 _LIST_FIELDS = ("prompts", "responses")
 
@@ -207,3 +208,30 @@ class RolloutBuffer:
         B = len(self)
         for start in range(0, B, micro_batch_size):
             yield self.select(torch.arange(start, min(start + micro_batch_size, B)))
+
+
+def buffer_from_rollout(rollout: Any, prompts: Sequence[str], engine: Any) -> "RolloutBuffer":
+    """``engine``'s ``rollout`` as a :class:`RolloutBuffer`, after checking that it is a
+    :class:`~pyppo.rollout.Rollout` of exactly ``prompts`` with bool masks (the buffer checks
+    every shape against the others).
+
+    Raises:
+        TypeError: not a :class:`Rollout`, or a mask that is not bool.
+        ValueError: other prompts, another order, or a tensor of another batch size.
+    """
+    name = type(engine).__name__
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"rollout engine {name}: generate() must return a pyppo.rollout.Rollout, got "
+                        f"{type(rollout).__name__}")
+    if list(rollout.prompts) != list(prompts):
+        raise ValueError(f"rollout engine {name}: generate() returned {len(rollout.prompts)} prompts for the "
+                         f"{len(prompts)} it was given, or not in their order")
+    for field in ("query_mask", "response_mask", "has_eos"):
+        t = getattr(rollout, field)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
+            raise TypeError(f"rollout engine {name}: {field} must be a bool tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    try:
+        return RolloutBuffer(**vars(rollout))
+    except ValueError as exc:
+        raise ValueError(f"rollout engine {name}: {exc}") from None

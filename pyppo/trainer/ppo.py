@@ -59,7 +59,7 @@ from ..run.stopping import GracefulStop
 from .advantages import get_estimator
 from .assemble import (check_arguments, check_trainable, logprob_modules, make_adamw, prepare_models,
                        prepare_tokenizer, share_reward_weights)
-from .buffer import RolloutBuffer
+from .buffer import RolloutBuffer, buffer_from_rollout
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .logprob_head import PolicyObjective, policy_objective, response_values
 from .results import METRIC_KEYS, MicroStepResult, StepResult
@@ -204,9 +204,14 @@ class PPOTrainer:
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
         """Sample one response per prompt with :attr:`engine` and cut it after its first EOS
-        (points 1 and 2), with the policy in eval mode (as the rollout's forwards)."""
+        (points 1 and 2), with the policy in eval mode (as the rollout's forwards).
+
+        Raises:
+            TypeError, ValueError: the engine returned something other than a
+                :class:`~pyppo.rollout.Rollout` of these prompts, in their order.
+        """
         self.policy.eval()
-        return RolloutBuffer(**vars(self.engine.generate(prompts)))
+        return buffer_from_rollout(self.engine.generate(prompts), prompts, self.engine)
 
     def score(self, batch: RolloutBuffer) -> tuple[torch.Tensor, torch.Tensor]:
         """``(raw_scores [B], scores [B])``: the reward's scores, then clipped to ``score_clip`` and

@@ -9,7 +9,7 @@ otherwise. Where the peer itself computes in bf16/fp16 (its row-wise ``log_softm
 entropy), both are compared against float64 math on the same rounded inputs, and pyppo must be
 at least as close (or within one rounding of the output dtype).
 
-The peer is imported with tests/peer_support.py (a flash-attn stub on CPU); these tests skip
+The peer is imported with tests/support/peer_support.py (a flash-attn stub on CPU); these tests skip
 when OpenRLHF is not installed.
 """
 

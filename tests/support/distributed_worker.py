@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under ``torchrun``: from one fixed rollout (a saved batch),
+"""Run by tests/trainer/test_distributed.py under ``torchrun``: from one fixed rollout (a saved batch),
 each rank takes its share, computes the advantages and one minibatch update, and rank 0 saves
 what it got. Not a test module itself."""
 

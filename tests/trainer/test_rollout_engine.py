@@ -67,3 +67,34 @@ def test_the_gae_estimator_is_registered_and_matches_the_reference():
 def test_an_unknown_estimator_is_named_with_the_known_ones():
     with pytest.raises(ValueError, match=r"'grpo' is not one of \['gae'\]"):
         get_estimator("grpo")
+
+
+class _Broken(_ScriptedEngine):
+    def __init__(self, inner, how):
+        super().__init__(inner)
+        self.how = how
+
+    def generate(self, prompts):
+        r = self.inner.generate(prompts)
+        if self.how == "dict":
+            return vars(r)
+        if self.how == "fewer rows":
+            return Rollout(**{k: v[:-1] for k, v in vars(r).items() if v is not None})
+        if self.how == "float mask":
+            r.response_mask = r.response_mask.float()
+        if self.how == "other order":
+            r.prompts = r.prompts[::-1]
+        return r
+
+
+@pytest.mark.parametrize("how, error, match", [
+    ("dict", TypeError, "must return a pyppo.rollout.Rollout, got dict"),
+    ("fewer rows", ValueError, "returned 7 prompts for the 8"),
+    ("float mask", TypeError, "response_mask must be a bool tensor, got torch.float32"),
+    ("other order", ValueError, "not in their order"),
+])
+def test_what_an_engine_returns_is_checked_and_the_engine_named(how, error, match):
+    tr = make_trainer(small_config(steps=1))
+    tr.engine = _Broken(tr.engine, how)
+    with pytest.raises(error, match=f"rollout engine _Broken: .*{match}"):
+        tr.step()

@@ -1,7 +1,7 @@
 """The PPO loop on tiny random models with a character tokenizer.
 
 EOS == pad (as in SmolLM2), so these tests exercise the response-mask rules. The wiring tests
-check what the trainer hands the ops against independent float64 references (tests/reference.py)
+check what the trainer hands the ops against independent float64 references (tests/support/reference.py)
 computed with the config's own knobs, so that a swapped argument or an ignored knob fails.
 """
 

@@ -19,7 +19,7 @@
 // masked tiles of a longer padded batch compose as the exact identity and a row's bits do not
 // depend on T, and the split inside a tile is fixed by absolute positions alone: deterministic
 // and batch-invariant. Every product and sum is an explicit IEEE operation (no fma
-// contraction), so tests/cuda_emulation.py replays the kernel bit for bit in numpy float32.
+// contraction), so tests/ops/cuda_emulation.py replays the kernel bit for bit in numpy float32.
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -21,7 +21,7 @@
 // the bound against the approximate ex2/lg2 of other terms). Scaling by log2 e only after the
 // subtraction keeps every finite z / temperature finite (huge logits stay finite, as on CPU).
 // A NaN logit, or a +inf one (or an overflowing z / temperature), makes the row's results NaN
-// as on CPU. tests/cuda_emulation.py replays these operations in float32 on the CPU.
+// as on CPU. tests/ops/cuda_emulation.py replays these operations in float32 on the CPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

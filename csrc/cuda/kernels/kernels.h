@@ -2,7 +2,7 @@
 // (csrc/cuda/*_impl.cpp): argument structs (`*Args`, as the CPU kernels' in cpu/kernels/kernels.h)
 // of raw pointers, sizes, strides and a stream, and one launcher per kernel. No torch header is
 // included here or in the .cu files, so every .cu
-// compiles with a bare nvcc (tests/test_cuda_compile.py does that on every CI run, for sm_80
+// compiles with a bare nvcc (tests/ops/test_cuda_compile.py does that on every CI run, for sm_80
 // and sm_90, even where torch is a CPU build).
 //
 // Conventions shared by every launcher:

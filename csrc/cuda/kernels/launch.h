@@ -18,7 +18,7 @@ inline int grid_for(int64_t n, int64_t per_block, int64_t cap = int64_t(1) << 16
 
 // One IEEE operation each, rounded to nearest, never contracted into an fma by the compiler:
 // what the kernels use where a result's bits must not depend on how the code around it was
-// compiled (and where tests/cuda_emulation.py replays them in numpy).
+// compiled (and where tests/ops/cuda_emulation.py replays them in numpy).
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
