@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # GPU check of pyppo, in one go, on a fresh CUDA machine with no network whose image has torch
 # (with CUDA), nvcc, cmake, ninja, pybind11, scikit-build-core, transformers, peft and accelerate.
+# The Python packages pyppo needs that the image lacks travel as wheels in build/gpu_wheels
+# (GPU_CHECK_WHEELS; scripts/gpu_rehearsal.sh builds that folder): when it holds any, they are
+# installed first with pip install --no-index --no-deps.
 # No downloaded model is needed: the training steps use a tiny random Llama
 # (tests/support/tiny_models.py) written to a temporary directory. The Python programs it runs are
 # files in gpu/ next to this script (benchmarks/gpu/*.py, each one's docstring gives its arguments),
-# named below. First the environment check (gpu/env_check.py: python, torch and the devices; no
-# CUDA device with GPU_CHECK_DEVICE=cuda = exit 1), then these steps, each with a timeout, in order:
-#   build   build pyppo in place with the CUDA kernels (PYPPO_CUDA=on: a CPU-only build is an
-#           error), for TORCH_CUDA_ARCH_LIST (default 9.0, the H100/H200's sm_90);
+# named below. First the environment check (gpu/env_check.py: python, torch, the devices and every
+# Python package the steps import; no CUDA device with GPU_CHECK_DEVICE=cuda, or a missing package,
+# named in one line = exit 1), then these steps, each with a timeout, in order:
+#   build   scripts/build_cuda.sh -e --no-index: finds the CUDA toolkit and nvrtc (system, or
+#           torch's nvidia-* wheels), then builds pyppo in place with the CUDA kernels
+#           (PYPPO_CUDA=on: a CPU-only build is an error) for TORCH_CUDA_ARCH_LIST (default 9.0,
+#           the H100/H200's sm_90), on nproc jobs; it needs nvcc, not a GPU, so it runs with
+#           GPU_CHECK_DEVICE=cpu too; the built pyppo must import with CUDA;
 #   tests   the CUDA tests (pytest -m cuda): the op tests on the device, the kernels against
 #           their float32 replays (tests/ops/test_cuda_emulation.py), the contract checks (log-probs
 #           <= 0 and exactly 0 where certain, huge finite logits, GAE bits under right padding,
@@ -49,11 +56,15 @@
 #           Not covered on one GPU: anything that needs several ranks (reduce-scatter of real
 #           shards, the cross-rank whitening / metrics). Those run on CPU with gloo in
 #           tests/trainer/test_distributed.py, and here in part (a) when there are >= 2 GPUs.
-# The whole script stops within GPU_CHECK_BUDGET seconds (default 470, under 8 minutes): every
-# step's timeout is capped by the time left, and a step with under 20 s left is reported as
-# TIMEOUT. The default steps (build, tests, sanitize, kernels) fit that budget; bench, train,
-# lora and fsdp are selected with GPU_CHECK_STEPS. Step timeouts: build 240, tests 120,
-# sanitize 60 + 45, kernels 90, bench 180, train 120, lora 120, fsdp 150 + 90.
+# The whole script stops within GPU_CHECK_BUDGET seconds (default 360, 6 minutes: the first GPU
+# run has about 15 minutes in all, machine start and one rerun included): every step's timeout is
+# capped by the time left, and a step with under 20 s left is reported as TIMEOUT. The default
+# steps (build, tests, sanitize, kernels) fit that budget with a cold build: about 15 s of
+# environment check and wheels, the build about 80 s on 16 cores (scripts/gpu_rehearsal.sh's
+# estimate from its ninja log; benchmarks/README.md) under a 150 s timeout, then 80 + 40 + 30 + 45;
+# bench, train, lora and fsdp are selected with GPU_CHECK_STEPS. Step timeouts: build 150
+# (GPU_CHECK_BUILD_TIMEOUT), tests 80, sanitize 40 + 30, kernels 45, bench 180, train 120,
+# lora 120, fsdp 150 + 90.
 # A training table (mode, s/step, peak memory, status) and then a summary of every step (status,
 # seconds) are printed last.
 #
@@ -66,23 +77,29 @@
 #
 #   bash benchmarks/gpu_check.sh                 # TORCH_CUDA_ARCH_LIST defaults to 9.0
 # Settings (environment):
-#   OUT                   results go there: gpu_bench.json, kernels.json, gpu_check_summary.tsv, and each
-#                         training run's metrics.jsonl as train_<step>_metrics.jsonl
+#   OUT                   results go there as they come, so a run cut short keeps what it measured
+#                         (at most 8 files, each capped at 16 MiB): gpu_check.log (all of this
+#                         output, from the start), gpu_check_summary.tsv (rewritten after every
+#                         step), build.log, kernels.json (rewritten after every row),
+#                         gpu_bench.json (at the end of bench), and each training run's
+#                         metrics.jsonl as train_<step>_metrics.jsonl
 #                         (else the bench JSON is dated in benchmarks/results/)
 #   PYTHON                the interpreter (default python)
 #   GPU_CHECK_STEPS       comma list of steps to run (default build,tests,sanitize,kernels; all:
 #                         build,tests,sanitize,kernels,bench,train,lora,fsdp)
 #   GPU_CHECK_SKIP_BUILD  1 = no build step: use the pyppo already installed
+#   GPU_CHECK_BUILD_TIMEOUT  seconds for the build step (default 150)
+#   GPU_CHECK_WHEELS      folder of wheels installed first (default build/gpu_wheels; none = skip)
 #   GPU_CHECK_DEVICE      cuda (default) or cpu: cpu runs train / lora / fsdp on the CPU (gloo
-#                         instead of NCCL) and reports build / tests / sanitize / kernels / bench
-#                         as skipped; this is
-#                         how tests/tools/test_gpu_check_script.py runs the script on a machine with no
-#                         GPU
+#                         instead of NCCL), builds (with CUDA, when selected: it needs nvcc, not a
+#                         GPU) and reports tests / sanitize / kernels / bench as skipped; this is
+#                         how tests/tools/test_gpu_check_script.py and scripts/gpu_rehearsal.sh
+#                         run the script on a machine with no GPU
 #   GPU_CHECK_NPROC       processes of the fsdp step's trainer run (default 2 with >= 2 GPUs, else 1)
 #   GPU_CHECK_TRAIN_ARGS  extra flags appended to every pyppo train run (e.g. --gradient-checkpointing)
-#   GPU_CHECK_BUDGET      seconds for the whole script (default 470)
+#   GPU_CHECK_BUDGET      seconds for the whole script (default 360)
 #   GPU_CHECK_WORK        scratch directory, kept (default: a temporary one, removed at the end)
-# Results: the log on stdout.
+# Results: the log on stdout (and in $OUT/gpu_check.log).
 set -uo pipefail
 HELPERS=$(cd "$(dirname "$0")" && pwd)/gpu  # the steps' Python programs
 cd "$(dirname "$0")/.."
@@ -92,8 +109,10 @@ stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 PY=${PYTHON:-python}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 STEPS=${GPU_CHECK_STEPS:-build,tests,sanitize,kernels}
-BUDGET=${GPU_CHECK_BUDGET:-470}
+BUDGET=${GPU_CHECK_BUDGET:-360}
 TRAIN_ARGS=${GPU_CHECK_TRAIN_ARGS:-}
+BUILD_TIMEOUT=${GPU_CHECK_BUILD_TIMEOUT:-150}
+WHEELS=${GPU_CHECK_WHEELS:-build/gpu_wheels}
 ALL_STEPS="build tests sanitize kernels bench train lora fsdp"
 
 bad_setting() { echo "gpu_check: $*" >&2; exit 64; }
@@ -102,9 +121,23 @@ case "$BUDGET" in ''|*[!0-9]*) bad_setting "GPU_CHECK_BUDGET must be a whole num
 for s in ${STEPS//,/ }; do
   case " $ALL_STEPS " in *" $s "*) ;; *) bad_setting "unknown step '$s' in GPU_CHECK_STEPS (steps: ${ALL_STEPS// /,})" ;; esac
 done
+case "$BUILD_TIMEOUT" in ''|*[!0-9]*) bad_setting "GPU_CHECK_BUILD_TIMEOUT must be a whole number of seconds, got '$BUILD_TIMEOUT'" ;; esac
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then STEPS=",$STEPS,"; STEPS=${STEPS//,build,/,}; fi
 STEPS=$(echo "$STEPS" | tr -s ',' | sed 's/^,//; s/,$//')
 wants() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+# ---- OUT: everything is written there as it happens (a run cut short keeps what it measured) --
+# At most 8 files, each capped at 16 MiB: gpu_check.log (this output), build.log,
+# gpu_check_summary.tsv (rewritten after every step), kernels.json (after every row),
+# gpu_bench.json, train_{train,lora,fsdp}_metrics.jsonl.
+OUT_CAP=16000000
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  exec > >(tee -p >(head -c "$OUT_CAP" > "$OUT/gpu_check.log")) 2>&1
+  TEE_PID=$!
+fi
+# to_out SRC NAME: a copy of SRC as $OUT/NAME, its last 16 MiB at most.
+to_out() { [ -n "${OUT:-}" ] && [ -f "$1" ] && tail -c "$OUT_CAP" "$1" > "$OUT/$2"; return 0; }
 
 # ---- step bookkeeping: the summary table, the time budget -----------------------------------
 declare -A STATUS SECS NOTE
@@ -116,7 +149,12 @@ for s in $ALL_STEPS; do
   SECS[$s]=0
 done
 [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ] && NOTE[build]="GPU_CHECK_SKIP_BUILD=1: the installed pyppo"
-record() { STATUS[$1]=$2; SECS[$1]=$3; NOTE[$1]=${4:-}; }
+record() { STATUS[$1]=$2; SECS[$1]=$3; NOTE[$1]=${4:-}; write_summary; }
+write_summary() {
+  [ -n "${OUT:-}" ] || return 0
+  for s in $ALL_STEPS; do printf '%s\t%s\t%s\t%s\n' "$s" "${STATUS[$s]}" "${SECS[$s]}" "${NOTE[$s]}"; done \
+    > "$OUT/gpu_check_summary.tsv.tmp" && mv "$OUT/gpu_check_summary.tsv.tmp" "$OUT/gpu_check_summary.tsv"
+}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); if [ "$l" -lt "$1" ]; then echo "$l"; else echo "$1"; fi; }
 NEW_FAIL=0
@@ -137,13 +175,14 @@ summary() {
   for s in $ALL_STEPS; do
     printf '%-16s %-8s %7s  %s\n' "${LABEL[$s]}" "${STATUS[$s]}" "${SECS[$s]}" "${NOTE[$s]}"
   done
-  if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT"
-    for s in $ALL_STEPS; do printf '%s\t%s\t%s\t%s\n' "$s" "${STATUS[$s]}" "${SECS[$s]}" "${NOTE[$s]}"; done \
-      > "$OUT/gpu_check_summary.tsv"
-  fi
+  write_summary
 }
-finish() { summary; exit "$1"; }
+# finish STATUS: the summary, then (with OUT) gpu_check.log complete before the exit.
+finish() {
+  summary
+  if [ -n "${TEE_PID:-}" ]; then exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null; sleep 0.2; fi
+  exit "$1"
+}
 
 # ---- scratch directory ----------------------------------------------------------------------
 if [ -n "${GPU_CHECK_WORK:-}" ]; then
@@ -156,30 +195,42 @@ WORK=$(cd "$WORK" && pwd)
 TABLE=$WORK/train_table.tsv
 : > "$TABLE"
 
+write_summary
 stamp "environment (device $DEVICE, steps ${STEPS:-none}, budget $BUDGET s)"
-GPU_CHECK_DEVICE=$DEVICE $PY "$HELPERS/env_check.py" || finish 1
+# The Python packages the image lacks travel as wheels (scripts/gpu_rehearsal.sh builds the folder).
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  stamp "wheels: pip install --no-index --no-deps $WHEELS/*.whl ($(ls "$WHEELS"/*.whl | wc -l) wheels)"
+  $PY -m pip install --quiet --no-index --no-deps --disable-pip-version-check "$WHEELS"/*.whl || finish 1
+fi
+GPU_CHECK_BUILDS=$(wants build && echo 1 || echo 0) GPU_CHECK_DEVICE=$DEVICE $PY "$HELPERS/env_check.py" || finish 1
 if [ "$DEVICE" = cuda ]; then command -v nvcc >/dev/null && nvcc --version | tail -n 2; fi
 nproc
 
 # ---- 1. build -------------------------------------------------------------------------------
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-if wants build && [ "$DEVICE" = cpu ]; then
-  record build skipped 0 "needs CUDA"
-elif wants build; then
-  stamp "build (pip install --no-build-isolation --no-deps -e ., PYPPO_CUDA=on, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-  t=$(cap 240); s0=$(date +%s)
-  if [ "$t" -lt 20 ] || ! timeout "$t" $PY -m pip install --no-build-isolation --no-deps --no-index -e . \
-        -Ccmake.define.PYPPO_CUDA=on -Cbuild.verbose=false > /tmp/pyppo_build.log 2>&1; then
-    tail -n 80 /tmp/pyppo_build.log 2>/dev/null
-    record build FAIL $(( $(date +%s) - s0 )) "see the build log above"
+BUILT=0
+if wants build; then
+  # scripts/build_cuda.sh finds the toolkit and nvrtc (system or torch's nvidia-* wheels) and runs
+  # pip install -e . with PYPPO_CUDA=on. It needs nvcc, not a GPU: GPU_CHECK_DEVICE=cpu builds too.
+  stamp "build (scripts/build_cuda.sh -e --no-index: PYPPO_CUDA=on, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $CMAKE_BUILD_PARALLEL_LEVEL jobs)"
+  t=$(cap "$BUILD_TIMEOUT"); s0=$(date +%s)
+  if [ "$t" -lt 20 ]; then
+    record build TIMEOUT 0 "under 20 s left of the $BUDGET s budget"; stamp "BUILD NOT RUN"; finish 1
+  fi
+  PYTHON=$PY PYPPO_BUILD_LOG=$WORK/build.log timeout -k 10 "$t" bash scripts/build_cuda.sh -e --no-index
+  rc=$?
+  to_out "$WORK/build.log" build.log
+  if [ "$rc" -ne 0 ]; then
+    if [ "$rc" -eq 124 ]; then record build TIMEOUT $(( $(date +%s) - s0 )) "limit $t s (build.log)"
+    else record build FAIL $(( $(date +%s) - s0 )) "exit status $rc (build_cuda: line above, build.log)"; fi
     stamp "BUILD FAILED"
     finish 1
   fi
-  grep -E "pyppo: (CUDA|CPU)" /tmp/pyppo_build.log || true
+  BUILT=1
   record build pass $(( $(date +%s) - s0 )) "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 fi
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] || [ "$BUILT" = 1 ]; then
   $PY -c "import pyppo, pyppo._C as C; print('pyppo', pyppo.__version__, '| with_cuda', C.with_cuda, '| archs', C.cuda_archs); assert C.with_cuda" || finish 1
 else
   $PY -c "import pyppo, pyppo._C as C; print('pyppo', pyppo.__version__, '| with_cuda', C.with_cuda)" || finish 1
@@ -190,7 +241,7 @@ if wants tests && [ "$DEVICE" = cpu ]; then
   record tests skipped 0 "needs CUDA"
 elif wants tests; then
   stamp "tests (pytest -m cuda)"
-  t=$(cap 120); s0=$(date +%s)
+  t=$(cap 80); s0=$(date +%s)
   if [ "$t" -lt 20 ]; then
     TEST_RC=124
   else
@@ -227,7 +278,7 @@ elif wants sanitize; then
     SAN_FILTER=()
     "$SAN" --help 2>/dev/null | grep -q -- "--kernel-name" && SAN_FILTER=(--kernel-name kns=pyppo)
     for tool in memcheck racecheck; do
-      lim=60; [ "$tool" = racecheck ] && lim=45
+      lim=40; [ "$tool" = racecheck ] && lim=30
       t=$(cap "$lim")
       if [ "$t" -lt 20 ]; then SAN_RC=5; parts="$parts $tool: no time"; continue; fi
       stamp "sanitizer: compute-sanitizer --tool $tool ${SAN_FILTER[*]} (timeout $t s)"
@@ -247,7 +298,7 @@ fi
 if wants kernels && [ "$DEVICE" = cpu ]; then
   record kernels skipped 0 "needs CUDA"
 elif wants kernels; then
-  t=$(cap 90); s0=$(date +%s)
+  t=$(cap 45); s0=$(date +%s)
   if [ "$t" -lt 20 ]; then
     KERNEL_RC=5; record kernels TIMEOUT 0 "under 20 s left of the $BUDGET s budget"
   else
@@ -307,8 +358,7 @@ train_step() {
   run_logged "$step" "$WORK/$step.log" "$t" $PY "$HELPERS/train_and_check.py" "$mode" "$WORK/run_$step" 3 "$TABLE" \
     -- "${TRAIN_FLAGS[@]}" "$@" ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"}
   rc=$?
-  [ -n "${OUT:-}" ] && [ -f "$WORK/run_$step/metrics.jsonl" ] && mkdir -p "$OUT" \
-    && cp "$WORK/run_$step/metrics.jsonl" "$OUT/train_${step}_metrics.jsonl"
+  to_out "$WORK/run_$step/metrics.jsonl" "train_${step}_metrics.jsonl"
   if [ "$rc" -eq 0 ]; then record "$step" pass $(( $(date +%s) - s0 )) "$(grep -o '[0-9.]* s/step.*peak [^:]*' "$WORK/$step.log" | tail -n 1)"
   elif [ "$rc" -eq 124 ]; then record "$step" TIMEOUT $(( $(date +%s) - s0 )) "limit $t s"; NEW_FAIL=1; printf '%s\t-\t-\tTIMEOUT\n' "$mode" >> "$TABLE"
   else record "$step" FAIL $(( $(date +%s) - s0 )) "exit status $rc (log above)"; NEW_FAIL=1
@@ -351,8 +401,7 @@ if wants fsdp; then
       "FSDP LoRA ${NPROC}p" "$WORK/run_fsdp" 2 "$TABLE" -- "${TRAIN_FLAGS[@]}" --fsdp --lora-rank 8 \
       ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"}
     rc=$?
-    [ -n "${OUT:-}" ] && [ -f "$WORK/run_fsdp/metrics.jsonl" ] && mkdir -p "$OUT" \
-      && cp "$WORK/run_fsdp/metrics.jsonl" "$OUT/train_fsdp_metrics.jsonl"
+    to_out "$WORK/run_fsdp/metrics.jsonl" train_fsdp_metrics.jsonl
     if [ "$rc" -eq 0 ]; then parts="trainer ${NPROC}p pass"
     else ok=0; [ "$rc" -eq 124 ] && timed_out=1; parts="trainer ${NPROC}p exit $rc"
          grep -q "^FSDP LoRA ${NPROC}p"$'\t' "$TABLE" || printf '%s\t-\t-\tFAIL\n' "FSDP LoRA ${NPROC}p" >> "$TABLE"; fi

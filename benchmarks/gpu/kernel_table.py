@@ -8,8 +8,9 @@ bandwidth, backward >= 0.60); GAE on [256, 2048]; linear_logprobs forward+backwa
 M = 16384, H = 4096, V = 131072 in bf16 (target: no slower than Liger-Kernel's fused linear
 cross-entropy, run here when installed, else ~104 ms). ``quick`` shrinks the shapes.
 gpu_check.sh's kernels step calls it as ``kernel_table.py "${OUT:-$WORK}/kernels.json"`` (not
-quick). Writes OUT_JSON; exit 0 = every target met, 3 = a target missed. Needs CUDA."""
-import json, statistics, sys
+quick). Writes OUT_JSON after every row (a run cut short keeps the rows it measured; "complete" says whether
+it finished); exit 0 = every target met, 3 = a target missed. Needs CUDA."""
+import json, os, statistics, sys
 
 import torch
 
@@ -20,6 +21,13 @@ quick = len(sys.argv) > 2 and sys.argv[2] == "quick"
 P = torch.ops.pyppo
 d = torch.device("cuda")
 rows, problems = [], []
+
+
+def save(complete=False):
+    with open(out_path + ".tmp", "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "complete": complete,
+                   "rows": rows}, f, indent=1)
+    os.replace(out_path + ".tmp", out_path)
 
 
 def timed(fn, reps=10, warmup=2):
@@ -47,6 +55,7 @@ def row(name, seconds, nbytes=None, copy_bw=None, target=None):
         r["status"] = "pass" if target[1] else "MISS"
     rows.append(r)
     print("gpu_check: kernel", json.dumps(r))
+    save()
 
 
 shape = (8, 1024, 151936) if not quick else (2, 256, 151936)
@@ -107,8 +116,7 @@ row(f"linear_logprobs fwd+bwd+entropy bf16 M={M} H={H} V={V}", t, None, None,
     (f"<= {ref_ms:.1f} ms ({ref_name})", t * 1e3 <= ref_ms))
 
 device = torch.cuda.get_device_name()
-with open(out_path, "w") as f:
-    json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+save(complete=True)
 missed = [r["case"] for r in rows if r.get("status") == "MISS"]
 print(f"gpu_check: kernel table on {device}: {len(rows)} rows, {len(missed)} target(s) missed")
 raise SystemExit(3 if missed else 0)
