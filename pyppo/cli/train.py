@@ -126,10 +126,10 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
         resume_dir = Path(args.resume).expanduser()
         if not resume_dir.is_dir():
             raise CLIError(f"--resume {args.resume!r}: no such run directory")
-        if not (resume_dir / "config.toml").is_file():
+        if not RunDir(resume_dir).config.is_file():
             raise CLIError(f"--resume {args.resume!r}: no config.toml in it (not a pyppo run directory)")
-        resumed = _check_keys(_read_toml(resume_dir / "config.toml", "--resume config"),
-                              str(resume_dir / "config.toml"))
+        resumed_config = RunDir(resume_dir).config
+        resumed = _check_keys(_read_toml(resumed_config, "--resume config"), str(resumed_config))
         merged.update(resumed)
     if args.config is not None:
         path = Path(args.config).expanduser()
@@ -259,7 +259,8 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
     run, config, output, resume_dir, done = resolve_train_config(args)
     # resolve_train_config refused an output with a checkpoint that is not resumed.
-    restart = done is None and RunDir(output).holds_a_run()
+    run_dir = RunDir(output)
+    restart = done is None and run_dir.holds_a_run()
     if done is not None and done >= config.steps:
         say(f"{PROG}: {str(resume_dir)!r} is at step {done} (its checkpoint), steps = {config.steps}: nothing "
             f"left to run; pass --steps N with N > {done} to train further")
@@ -274,20 +275,20 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     trainer = build_trainer(config, **run, before_loading=lambda: say(f"pyppo: loading {run['model']} ..."))
     # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
     if done is not None:
-        trainer.load_checkpoint(resume_dir / "checkpoint")
+        trainer.load_checkpoint(RunDir(resume_dir).checkpoint)
     elif restart:
-        RunDir(output).clear()
+        run_dir.clear()
     created = not output.exists()
     if main_rank:
         output.mkdir(parents=True, exist_ok=True)
-        write_resolved_config(output / "config.toml", run, config)
+        write_resolved_config(run_dir.config, run, config)
     stop.training()
     try:
         trainer.train(output, stop=stop)
     except BaseException as exc:
-        if main_rank and resume_dir is None and not any((output / n).exists() for n in ("metrics.jsonl", "checkpoint")):
+        if main_rank and resume_dir is None and not (run_dir.metrics.exists() or run_dir.checkpoint.exists()):
             # Failed before its first step was logged: leave no directory behind.
-            (output / "config.toml").unlink(missing_ok=True)
+            run_dir.config.unlink(missing_ok=True)
             if created and output.is_dir() and not any(output.iterdir()):
                 output.rmdir()
         if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
@@ -302,8 +303,8 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     distributed.leave(world)
     if not main_rank:
         return stop.exit_status if not finished else 0
-    if (output / "metrics.jsonl").is_file():
-        plot_metrics(output / "metrics.jsonl", output / "curves.png")
+    if run_dir.metrics.is_file():
+        plot_metrics(run_dir.metrics, run_dir.curves)
     if not finished:
         if step == 0:
             hint = (f"no step finished, so there is nothing to keep: the same command, or "
@@ -313,7 +314,7 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
         say(f"{PROG}: stopped by {stop.signal_name}; {hint}")
         return stop.exit_status
     print(f"pyppo: run written to {output}")
-    for name in RunDir(output).existing_outputs():
+    for name in run_dir.existing_outputs():
         print(f"  {name:<18} {OUTPUT_FILES[name]}")
     return 0
 
