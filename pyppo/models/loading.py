@@ -45,7 +45,8 @@ EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
 }
 
 # Bumped when the conversion itself changes, so that caches written by an older pyppo are rebuilt.
-_CACHE_FORMAT = 1
+# 2: the GGUF's own special-token ids override what transformers read (see _gguf_special_tokens).
+_CACHE_FORMAT = 2
 _CACHE_META = "pyppo_cache.json"
 # Temp dirs of a conversion killed half-way are removed once they are this old (a younger one may
 # belong to a conversion still running in another process).
@@ -128,6 +129,53 @@ def _strip_gguf_quantization(model) -> None:
         model.quantization_method = None
 
 
+_GGUF_SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _gguf_special_tokens(gguf: Path) -> dict[str, int]:
+    """The special-token ids ``gguf`` declares in its metadata, e.g. ``{"eos_token": 2, ...}``.
+
+    The file is the authority: ``transformers`` 5.17 reads SmolLM2's GGUF with EOS
+    ``<|im_start|>`` (id 1) although the file says id 2 (``<|im_end|>``), and then generation never
+    stops at the end of a chat turn.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    ids = {}
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(key)
+        if field is not None:
+            ids[name] = int(field.contents())
+    return ids
+
+
+def _apply_special_tokens(tokenizer, model, ids: dict[str, int], source: str) -> None:
+    """Set ``tokenizer``'s special tokens (and ``model``'s config ids) to ``ids`` where they differ.
+
+    Raises ``ValueError`` if an id is outside the tokenizer's vocabulary.
+    """
+    vocab = len(tokenizer)
+    for name, token_id in ids.items():
+        if not 0 <= token_id < vocab:
+            raise ValueError(
+                f"model {source!r}: the GGUF declares {name} id {token_id}, outside the tokenizer's "
+                f"vocabulary of {vocab}"
+            )
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if getattr(tokenizer, name) != token:
+            setattr(tokenizer, name, token)
+        attr = f"{name}_id"
+        for config in (model.config, getattr(model, "generation_config", None)):
+            if config is not None and hasattr(config, attr):
+                setattr(config, attr, token_id)
+
+
 def _remove_stale_tmp_dirs(root: Path, name: str) -> None:
     now = time.time()
     for tmp in root.glob(f".tmp-{name}-*"):
@@ -158,6 +206,7 @@ def _convert_gguf_to_cache(gguf: Path, target: Path, fingerprint: dict) -> None:
             gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
         )
         _strip_gguf_quantization(model)
+        _apply_special_tokens(tokenizer, model, _gguf_special_tokens(gguf), str(gguf))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _CACHE_META).write_text(json.dumps(fingerprint, indent=2))

@@ -238,3 +238,34 @@ def test_rehearsal_default_pytest_args_are_two_words():
     env = {k: v for k, v in os.environ.items() if k != "REHEARSAL_PYTEST_ARGS"}
     res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=30)
     assert res.stdout.startswith("<-m><not cuda><--deselect>"), res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- supported versions
+
+
+def _torch_pin():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_pin", ROOT / "build_support" / "torch_pin.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.0.dev20270101"])
+def test_supported_torch_builds(version):
+    _torch_pin().check_supported_torch(version)
+
+
+@pytest.mark.parametrize("version", ["2.10.0+cu128", "1.13.1"])
+def test_older_torch_is_refused_naming_the_range(version):
+    with pytest.raises(RuntimeError, match=rf"torch {re.escape(version)} is older than the supported 2\.11"):
+        _torch_pin().check_supported_torch(version)
+
+
+def test_setup_pins_the_newest_supported_transformers():
+    pin = re.search(r"PYPPO_TRANSFORMERS:-transformers==(\d+\.\d+)\.\d+", (ROOT / "scripts" / "setup.sh").read_text()).group(1)
+    floor = re.search(r'"transformers>=(\d+\.\d+)"', (ROOT / "build_support" / "torch_pin.py").read_text()).group(1)
+    readme = (ROOT / "README.md").read_text()
+    assert f"transformers {floor} to {pin}" in readme
+    assert f"torch {_torch_pin().OLDEST_TORCH[0]}.{_torch_pin().OLDEST_TORCH[1]} to 2.13" in readme

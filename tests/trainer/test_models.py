@@ -207,14 +207,45 @@ def fake_gguf(tmp_path, monkeypatch, tiny_dir):
 
     def tok_from_pretrained(path, *args, **kwargs):
         if "gguf_file" in kwargs:
-            return real_tok(tiny_dir)
+            tok = real_tok(tiny_dir)
+            tok.eos_token = "<|im_start|>"  # transformers 5.17's misreading of SmolLM2's GGUF
+            return tok
         return real_tok(path, *args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_from_pretrained)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tok_from_pretrained)
+    # What SmolLM2's GGUF declares (tokenizer.ggml.*_token_id); the fake file has no metadata to read.
+    monkeypatch.setattr(
+        models.loading, "_gguf_special_tokens",
+        lambda path: {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2},
+    )
     gguf = tmp_path / "Tiny.Q4.gguf"
     gguf.write_bytes(b"GGUF fake")
     return gguf, calls
+
+
+def test_gguf_special_tokens_come_from_the_file(fake_gguf, tmp_path):
+    gguf, _ = fake_gguf
+    model, tok = load_model_and_tokenizer(gguf, cache_dir=tmp_path / "cache")
+    assert tok.eos_token == tok.pad_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert model.config.eos_token_id == 2 and model.generation_config.eos_token_id == 2
+
+
+def test_gguf_special_token_outside_vocab_is_an_error(fake_gguf, tmp_path, monkeypatch):
+    gguf, _ = fake_gguf
+    monkeypatch.setattr(models.loading, "_gguf_special_tokens", lambda path: {"eos_token": 10**6})
+    with pytest.raises(ValueError, match="eos_token id 1000000, outside the tokenizer's vocabulary"):
+        load_model_and_tokenizer(gguf, cache_dir=tmp_path / "cache")
+
+
+def test_gguf_special_tokens_read_from_real_file():
+    from pyppo.models.loading import _embedded_gguf, _gguf_special_tokens
+
+    try:
+        path = _embedded_gguf(DEFAULT_MODEL)
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        pytest.skip(str(exc))
+    assert _gguf_special_tokens(path) == {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
 
 
 def test_gguf_is_converted_once_and_cached(fake_gguf, tmp_path):
