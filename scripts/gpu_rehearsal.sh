@@ -110,7 +110,15 @@ PY
 
 # ---- image ------------------------------------------------------------------------------------
 stage_start image "Python 3.12 venv with ${IMAGE[*]}"
-command -v "$PY312" >/dev/null || [ -x "$PY312" ] || fail image "no $PY312 (set REHEARSAL_PYTHON to a Python 3.12)"
+# A pyenv shim exists for every version pyenv knows, installed or not active: ask the interpreter
+# itself, and fall back to pyenv's own 3.12 builds.
+if [ -z "${REHEARSAL_PYTHON:-}" ] && ! python3.12 -c "" 2>/dev/null; then
+  for cand in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+    [ -x "$cand" ] && PY312=$cand
+  done
+fi
+"$PY312" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null \
+  || fail image "no working Python 3.12 at $PY312 (set REHEARSAL_PYTHON to one)"
 # A venv is reused while its image versions are right (else made again), and loses what an earlier
 # rehearsal added (pyppo, the wheels, the peers), so that the wheels stage resolves against the
 # image alone: image-freeze.txt is the venv's package list right after the image was installed.
