@@ -22,6 +22,9 @@ from .ops.losses import LOSS_AGG_MODES
 #: ``PPOConfig.dtype`` values.
 DTYPES = ("float32", "bfloat16")
 
+#: ``PPOConfig.rollout_correction`` values (:mod:`pyppo.trainer.rollout_correction`).
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
 __all__ = ["PPOConfig", "Check", "Knob", "knob", "config_knobs", "config_markdown", "resolve_device"]
 
 
@@ -174,6 +177,13 @@ class PPOConfig:
         number(0.0, 1.0, lo_open=True), group="sampling")
     use_chat_template: bool = knob(
         True, "format prompts with the tokenizer's chat template when it has one", boolean(), group="sampling")
+    rollout_correction: str = knob(
+        "none", "importance weight exp(old_logprobs - rollout_logprobs) on each token's policy loss, for an "
+        "engine that samples from other numerics than the trainer's (docs/trainer.md, \"Sampler mismatch\"); "
+        "needs an engine that returns rollout_logprobs", one_of(ROLLOUT_CORRECTIONS), group="sampling")
+    rollout_is_cap: float = knob(
+        2.0, "rollout_correction's cap C: *_truncate clamps the weight at C, *_mask zeroes it outside [1/C, C]",
+        number(1.0), group="sampling")
 
     # -- optimisation
     lr: float = knob(1e-5, "AdamW learning rate of the policy", number(0.0, lo_open=True), group="optimisation")

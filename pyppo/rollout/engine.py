@@ -3,7 +3,7 @@
 The trainer asks an engine for one response per prompt and trains on what it returns. An engine
 may sample with the policy itself (:class:`~pyppo.rollout.hf_generate.HFGenerateEngine`, through
 ``transformers.generate``) or with a separate inference engine holding a copy of its weights; the
-trainer computes its own ``old_logprobs`` either way, and ``sampler_logprobs`` says how far the
+trainer computes its own ``old_logprobs`` either way, and ``rollout_logprobs`` says how far the
 sampler's distribution was from the one PPO trains against.
 
 Shapes: ``B`` prompts, ``P`` prompt tokens (left-padded), ``T`` response tokens (right-padded).
@@ -32,7 +32,7 @@ class Rollout:
         has_eos: ``[B]`` bool, whether the response ended with EOS (else it hit the length limit).
         prompts: the ``B`` prompt strings.
         responses: the ``B`` decoded responses (special tokens skipped).
-        sampler_logprobs: ``[B, T]`` float32, the sampler's log-probability of each sampled token
+        rollout_logprobs: ``[B, T]`` float32, the sampler's log-probability of each sampled token
             (0 where masked), or ``None`` when the engine does not report them.
     """
 
@@ -43,7 +43,7 @@ class Rollout:
     has_eos: torch.Tensor
     prompts: List[str]
     responses: List[str]
-    sampler_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
 
 
 class RolloutEngine(Protocol):

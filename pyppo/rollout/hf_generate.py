@@ -178,7 +178,7 @@ class HFGenerateEngine:
         synced_gpus: keep every rank decoding until all are done (FSDP2: each decode step
             all-gathers).
 
-    ``sampler_logprobs`` is ``None``: the trainer's own forwards give the log-probs, and
+    ``rollout_logprobs`` is ``None``: the trainer's own forwards give the log-probs, and
     ``generate`` samples from exactly that distribution (:data:`NEUTRAL_SAMPLING`).
     """
 

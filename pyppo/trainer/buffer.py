@@ -42,7 +42,7 @@ class RolloutBuffer:
     ``returns`` (all ``[B, T]`` float32), ``raw_scores [B]`` (what the reward returned) and
     ``scores [B]`` (clipped and penalised, what the rewards are shaped from) float32,
     ``has_eos [B]`` bool, the decoded ``prompts`` / ``responses`` (lists of ``B`` strings), and
-    ``sampler_logprobs [B, T]`` float32: the rollout engine's own log-probs of the sampled tokens,
+    ``rollout_logprobs [B, T]`` float32: the rollout engine's own log-probs of the sampled tokens,
     when it reports them (:class:`pyppo.rollout.Rollout`; ``None`` from ``transformers.generate``).
 
     Raises:
@@ -67,7 +67,7 @@ class RolloutBuffer:
     has_eos: Optional[torch.Tensor] = None
     prompts: Optional[List[str]] = None
     responses: Optional[List[str]] = None
-    sampler_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.query_mask = self.query_mask.bool()
@@ -104,7 +104,7 @@ class RolloutBuffer:
             raise ValueError(f"response_ids has batch size {self.response_ids.shape[0]}, expected {B}")
         expected = {"query_mask": (B, P), "response_mask": (B, T)}
         for name in ("old_logprobs", "entropy", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns",
-                     "sampler_logprobs"):
+                     "rollout_logprobs"):
             expected[name] = (B, T)
         for name in ("raw_scores", "scores", "has_eos"):
             expected[name] = (B,)
@@ -217,7 +217,8 @@ def buffer_from_rollout(rollout: Any, prompts: Sequence[str], engine: Any) -> "R
 
     Raises:
         TypeError: not a :class:`Rollout`, or a mask that is not bool.
-        ValueError: other prompts, another order, or a tensor of another batch size.
+        ValueError: other prompts, another order, a tensor of another batch size, or
+            ``rollout_logprobs`` that are not finite log-probabilities at the response tokens.
     """
     name = type(engine).__name__
     if not isinstance(rollout, Rollout):
@@ -232,6 +233,11 @@ def buffer_from_rollout(rollout: Any, prompts: Sequence[str], engine: Any) -> "R
             raise TypeError(f"rollout engine {name}: {field} must be a bool tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)}")
     try:
-        return RolloutBuffer(**vars(rollout))
+        buffer = RolloutBuffer(**vars(rollout))
     except ValueError as exc:
         raise ValueError(f"rollout engine {name}: {exc}") from None
+    if buffer.rollout_logprobs is not None:
+        from .rollout_correction import check_rollout_logprobs
+
+        check_rollout_logprobs(buffer.rollout_logprobs, buffer.response_mask, f"rollout engine {name}")
+    return buffer

@@ -57,6 +57,7 @@ from ..run import checkpoint as run_checkpoint, evaluate, export, loop
 from ..run.nonfinite import NonFiniteUpdateError, SkipPolicy, check_rollout
 from ..run.stopping import GracefulStop
 from .advantages import get_estimator
+from .rollout_correction import mismatch_metrics, rollout_is_weights
 from .assemble import (check_arguments, check_trainable, logprob_modules, make_adamw, prepare_models,
                        prepare_tokenizer, share_reward_weights)
 from .buffer import RolloutBuffer, buffer_from_rollout
@@ -192,6 +193,7 @@ class PPOTrainer:
         kl_coef = float(self.kl_ctl.value)
         with timer.phase("advantages"):
             self.advantages(batch, kl_coef)                                               # 5
+            mismatch = self.sampler_mismatch(batch)
         with timer.phase("update"):
             update_metrics = self.update(batch, first_perm, first_forward)                # 6
         kl_sum = float((batch.kl * batch.response_mask).sum())
@@ -199,7 +201,7 @@ class PPOTrainer:
         self.update_kl_coef(kl_mean)                                                     # 7
         self.step_count += 1
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
-                   **rollout_metrics(batch), **update_metrics, **timer.metrics()}
+                   **rollout_metrics(batch), **mismatch, **update_metrics, **timer.metrics()}
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
@@ -273,6 +275,36 @@ class PPOTrainer:
         valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
         if c.whiten_advantages and valid >= 2:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
+
+    @torch.no_grad()
+    def sampler_mismatch(self, batch: RolloutBuffer) -> Dict[str, float]:
+        """When the engine reported ``rollout_logprobs``: the mismatch metrics
+        (:func:`~pyppo.trainer.rollout_correction.mismatch_metrics`) and, with a
+        ``rollout_correction``, each token's importance weight folded into its advantage. The
+        clipped PPO token loss (dual clip included) is positively homogeneous in the advantage, so for a weight
+        ``w >= 0`` the loss of ``w * A`` is ``w`` times the loss of ``A``: the eager loss and
+        ``linear_ppo_loss`` both weight each token's policy-gradient loss by ``w`` that way, with
+        the ratio, the clip fraction and the value loss untouched.
+
+        Raises:
+            ValueError: a ``rollout_correction`` with an engine that reports no log-probs.
+        """
+        c = self.config
+        if batch.rollout_logprobs is None:
+            if c.rollout_correction != "none":
+                raise ValueError(
+                    f"rollout_correction={c.rollout_correction!r} needs the rollout engine's own log-probs, and "
+                    f"{type(self.engine).__name__} returns none (rollout_logprobs is None); set "
+                    "rollout_correction = \"none\" or use an engine that reports them")
+            return {}
+        metrics = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, self.world)
+        if c.rollout_correction != "none":
+            weights, corrected = rollout_is_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                                    mode=c.rollout_correction, cap=c.rollout_is_cap)
+            batch.advantages = batch.advantages * weights
+            n, k = distributed.all_sum([int(batch.response_mask.sum()), int(corrected.sum())], self.world)
+            metrics["rollout_corrected_fraction"] = k / max(n, 1)
+        return metrics
 
     def first_pass_is_rollout_pass(self) -> bool:
         """Whether the first epoch's first minibatch is one micro-batch, so that its policy

@@ -270,6 +270,8 @@ ELSEWHERE = {
     "value_lora": ("trainer/test_lora.py", "test_value_lora_trains_the_value_adapters_and_head_only"),
     "merge_lora": ("trainer/test_lora.py", "test_policy_export_merges_or_keeps_the_adapter"),
     "eval_every": ("run/test_eval.py", "test_eval_every_logs_scores_kl_and_samples"),
+    "rollout_correction": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
+    "rollout_is_cap": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
 }
 
 

@@ -21,7 +21,7 @@ def test_the_default_engine_returns_a_rollout_of_the_prompts():
     assert isinstance(r, Rollout) and r.prompts == prompts and len(r.responses) == 3
     B, P = r.query_ids.shape
     assert (B, r.response_ids.shape[0], r.response_mask.shape, r.has_eos.shape) == (3, 3, r.response_ids.shape, (3,))
-    assert r.query_mask.dtype == r.response_mask.dtype == torch.bool and r.sampler_logprobs is None
+    assert r.query_mask.dtype == r.response_mask.dtype == torch.bool and r.rollout_logprobs is None
     assert bool(r.query_mask[:, -1].all())  # left-padded: every prompt ends where its response starts
     pad = tr.pad_token_id
     assert bool(((r.response_ids == pad) | r.response_mask).all())  # pad after the first EOS
@@ -37,7 +37,7 @@ class _ScriptedEngine:
     def generate(self, prompts):
         self.asked.append(list(prompts))
         r = self.inner.generate(prompts)
-        r.sampler_logprobs = torch.where(r.response_mask, torch.full(r.response_ids.shape, -1.5), torch.zeros(()))
+        r.rollout_logprobs = torch.where(r.response_mask, torch.full(r.response_ids.shape, -1.5), torch.zeros(()))
         return r
 
 
@@ -48,9 +48,9 @@ def test_any_engine_with_the_interface_drives_a_step():
     b = result.batch
     assert engine.asked == [b.prompts] and len(b.prompts) == tr.config.batch_size
     # The engine's own log-probs travel with the batch; PPO's old_logprobs are the trainer's own.
-    assert b.sampler_logprobs is not None
-    assert torch.equal(b.sampler_logprobs[b.response_mask], torch.full((int(b.response_mask.sum()),), -1.5))
-    assert not torch.equal(b.old_logprobs[b.response_mask], b.sampler_logprobs[b.response_mask])
+    assert b.rollout_logprobs is not None
+    assert torch.equal(b.rollout_logprobs[b.response_mask], torch.full((int(b.response_mask.sum()),), -1.5))
+    assert not torch.equal(b.old_logprobs[b.response_mask], b.rollout_logprobs[b.response_mask])
     assert result.metrics["first_max_abs_logratio"] == 0.0 and result.metrics["kl_mean"] == 0.0
 
 
