@@ -55,16 +55,21 @@
 #               pyppo.run.checkpoint.training_state's full-state-dict gather; all finite.
 #           Not covered on one GPU: anything that needs several ranks (reduce-scatter of real
 #           shards, the cross-rank whitening / metrics). Those run on CPU with gloo in
-#           tests/trainer/test_distributed.py, and here in part (a) when there are >= 2 GPUs.
+#           tests/trainer/test_distributed.py, and here in part (a) when there are >= 2 GPUs;
+#   vllm    the train step sampled by vLLM (--rollout-engine vllm, on a tiny Llama with head_dim
+#           32: model_vllm/ of the fixture), with the same checks plus a finite
+#           mismatch_logprob_diff_max at every step (printed with mismatch_kl_k3 and
+#           time_weight_sync); reported as skipped where vLLM does not import (the GPU image has
+#           none, and its CUDA wheels are far over the 64 MiB a call carries).
 # The whole script stops within GPU_CHECK_BUDGET seconds (default 360, 6 minutes: the first GPU
 # run has about 15 minutes in all, machine start and one rerun included): every step's timeout is
 # capped by the time left, and a step with under 20 s left is reported as TIMEOUT. The default
 # steps (build, tests, sanitize, kernels) fit that budget with a cold build: about 15 s of
 # environment check and wheels, the build about 80 s on 16 cores (scripts/gpu_rehearsal.sh's
 # estimate from its ninja log; benchmarks/README.md) under a 150 s timeout, then 80 + 40 + 30 + 45;
-# bench, train, lora and fsdp are selected with GPU_CHECK_STEPS. Step timeouts: build 150
+# bench, train, lora, fsdp and vllm are selected with GPU_CHECK_STEPS. Step timeouts: build 150
 # (GPU_CHECK_BUILD_TIMEOUT), tests 80, sanitize 40 + 30, kernels 45, bench 180, train 120,
-# lora 120, fsdp 150 + 90.
+# lora 120, fsdp 150 + 90, vllm 150.
 # A training table (mode, s/step, peak memory, status) and then a summary of every step (status,
 # seconds) are printed last.
 #
@@ -86,7 +91,7 @@
 #                         (else the bench JSON is dated in benchmarks/results/)
 #   PYTHON                the interpreter (default python)
 #   GPU_CHECK_STEPS       comma list of steps to run (default build,tests,sanitize,kernels; all:
-#                         build,tests,sanitize,kernels,bench,train,lora,fsdp)
+#                         build,tests,sanitize,kernels,bench,train,lora,fsdp,vllm)
 #   GPU_CHECK_SKIP_BUILD  1 = no build step: use the pyppo already installed
 #   GPU_CHECK_BUILD_TIMEOUT  seconds for the build step (default 150)
 #   GPU_CHECK_WHEELS      folder of wheels installed first (default build/gpu_wheels; none = skip)
@@ -113,7 +118,7 @@ BUDGET=${GPU_CHECK_BUDGET:-360}
 TRAIN_ARGS=${GPU_CHECK_TRAIN_ARGS:-}
 BUILD_TIMEOUT=${GPU_CHECK_BUILD_TIMEOUT:-150}
 WHEELS=${GPU_CHECK_WHEELS:-build/gpu_wheels}
-ALL_STEPS="build tests sanitize kernels bench train lora fsdp"
+ALL_STEPS="build tests sanitize kernels bench train lora fsdp vllm"
 
 bad_setting() { echo "gpu_check: $*" >&2; exit 64; }
 case "$DEVICE" in cuda|cpu) ;; *) bad_setting "GPU_CHECK_DEVICE must be cuda or cpu, got '$DEVICE'" ;; esac
@@ -143,7 +148,7 @@ to_out() { [ -n "${OUT:-}" ] && [ -f "$1" ] && tail -c "$OUT_CAP" "$1" > "$OUT/$
 declare -A STATUS SECS NOTE
 declare -A LABEL=([build]="build" [tests]="cuda tests" [sanitize]="sanitizer" [kernels]="kernel table"
                   [bench]="bench" [train]="bf16 train"
-                  [lora]="bf16 LoRA train" [fsdp]="FSDP smoke")
+                  [lora]="bf16 LoRA train" [fsdp]="FSDP smoke" [vllm]="bf16 vLLM train")
 for s in $ALL_STEPS; do
   if wants "$s"; then STATUS[$s]=not-run; NOTE[$s]="not reached"; else STATUS[$s]=skipped; NOTE[$s]="not selected"; fi
   SECS[$s]=0
@@ -358,7 +363,8 @@ train_step() {
   run_logged "$step" "$WORK/$step.log" "$t" $PY "$HELPERS/train_and_check.py" "$mode" "$WORK/run_$step" 3 "$TABLE" \
     -- "${TRAIN_FLAGS[@]}" "$@" ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"}
   rc=$?
-  to_out "$WORK/run_$step/metrics.jsonl" "train_${step}_metrics.jsonl"
+  # vllm's rows stay in the log (train_and_check.py prints its mismatch): OUT holds 8 files at most.
+  [ "$step" = vllm ] || to_out "$WORK/run_$step/metrics.jsonl" "train_${step}_metrics.jsonl"
   if [ "$rc" -eq 0 ]; then record "$step" pass $(( $(date +%s) - s0 )) "$(grep -o '[0-9.]* s/step.*peak [^:]*' "$WORK/$step.log" | tail -n 1)"
   elif [ "$rc" -eq 124 ]; then record "$step" TIMEOUT $(( $(date +%s) - s0 )) "limit $t s"; NEW_FAIL=1; printf '%s\t-\t-\tTIMEOUT\n' "$mode" >> "$TABLE"
   else record "$step" FAIL $(( $(date +%s) - s0 )) "exit status $rc (log above)"; NEW_FAIL=1
@@ -366,15 +372,15 @@ train_step() {
   stamp "${LABEL[$step]}: ${STATUS[$step]}"
 }
 
-if wants train || wants lora || wants fsdp; then
+if wants train || wants lora || wants fsdp || wants vllm; then
   stamp "fixture (tiny random Llama, reward, prompts in $WORK)"
   t=$(cap 60)
   if [ "$t" -lt 20 ]; then
-    for s in train lora fsdp; do wants $s && record $s TIMEOUT 0 "under 20 s left of the $BUDGET s budget"; done
+    for s in train lora fsdp vllm; do wants $s && record $s TIMEOUT 0 "under 20 s left of the $BUDGET s budget"; done
     NEW_FAIL=1
     STEPS=""
   elif ! run_logged fixture "$WORK/fixture.log" "$t" $PY "$HELPERS/fixture.py" "$WORK"; then
-    for s in train lora fsdp; do wants $s && record $s FAIL 0 "the tiny model fixture failed"; done
+    for s in train lora fsdp vllm; do wants $s && record $s FAIL 0 "the tiny model fixture failed"; done
     NEW_FAIL=1
     STEPS=""
   fi
@@ -420,6 +426,20 @@ if wants fsdp; then
   elif [ "$timed_out" -eq 1 ]; then record fsdp TIMEOUT $(( $(date +%s) - s0 )) "$parts"; NEW_FAIL=1
   else record fsdp FAIL $(( $(date +%s) - s0 )) "$parts"; NEW_FAIL=1; fi
   stamp "FSDP smoke: ${STATUS[fsdp]}"
+fi
+
+# ---- 9. bf16 training run sampled by vLLM --------------------------------------------------------
+# Only where vLLM imports: the GPU image has none, and vLLM's CUDA wheels (hundreds of MB, built
+# for one torch) cannot travel in the 64 MiB a call carries; install vllm on the image for it.
+if wants vllm; then
+  if ! VLLM_ENABLE_V1_MULTIPROCESSING=0 $PY -c "import vllm" > "$WORK/vllm_import.log" 2>&1; then
+    record vllm skipped 0 "vLLM is not importable here: $(tail -n 1 "$WORK/vllm_import.log" | cut -c1-160)"
+    stamp "bf16 vLLM train: skipped (vLLM is not importable)"
+  elif [ "$DEVICE" = cuda ]; then
+    train_step vllm "bf16 vLLM" 150 --model "$WORK/model_vllm" --rollout-engine vllm --vllm-gpu-memory-utilization 0.25
+  else
+    train_step vllm "bf16 vLLM" 150 --model "$WORK/model_vllm" --rollout-engine vllm --vllm-kv-cache-gib 0.125
+  fi
 fi
 
 stamp "done: tests $TEST_RC, sanitizer $SAN_RC, kernel table $KERNEL_RC, benchmark $BENCH_RC, training/FSDP $([ "$NEW_FAIL" -eq 0 ] && echo pass || echo FAIL)"

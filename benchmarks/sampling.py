@@ -1,17 +1,26 @@
-"""Sampling speed of the rollout against its floor, on this machine, in one process.
+"""Sampling speed of the rollout engines against their floor, on this machine, in one process.
 
-    python benchmarks/sampling.py                       # SmolLM2-135M, 8 prompts x 32 tokens, 2 threads
-    python benchmarks/sampling.py --batch 32 --tokens 16 --json benchmarks/results/sampling.json
+    python benchmarks/sampling.py                     # SmolLM2-135M, every shape, fp32 and bf16, both engines
+    python benchmarks/sampling.py --shapes 8x32 --dtypes float32 --engines transformers
+    python benchmarks/sampling.py --json benchmarks/results/sampling-vllm.json
 
-Times :func:`pyppo.rollout.hf_generate.generate` (what the trainer samples with) twice per round, interleaved:
-with the linear layers' weights packed by oneDNN (the trainer's CPU float32 path,
-``pyppo.rollout.hf_generate.packed_linear_weights``) and with plain ``F.linear`` (MKL), the same prompts and
-seed each time, exactly ``--tokens`` decode steps (EOS does not stop generation here, so every
-round does the same work). It reports the median seconds of each, their ratio, ms per decode
-step (prefill measured apart and subtracted), and the per-step floor: the larger of (the model's
-weight bytes / the copy bandwidth measured here, read and write bytes both counted) and (the decode step's FLOPs / the ``torch.mm``
-peak measured here at 2048^2 float32). Quote ratios with the machine they came from: the
-machine is shared and noisy, so run it when ``uptime`` shows a load below the thread count.
+For each dtype and each shape (``B x T``: ``B`` prompts, exactly ``T`` sampled tokens each; EOS
+does not stop a response here, so every round does the same work) it times, interleaved round by
+round with the same prompts and seed:
+
+- ``transformers``: :func:`pyppo.rollout.hf_generate.generate` (what the default engine samples
+  with: oneDNN-packed linear weights on a CPU in float32, under the trainer's autocast in bf16);
+- ``plain`` (only when asked for, ``--engines plain,transformers``): the same without the packed
+  weights (``F.linear``), what packing is measured against;
+- ``vllm``: the vLLM rollout engine's ``vllm.LLM.generate`` (:class:`pyppo.rollout.vllm_engine.VLLMEngine`,
+  built once per dtype from the same model), plus its ``sync_weights`` (timed apart, and added:
+  the vLLM engine pays it every step).
+
+It reports the median seconds of each, the ratio ``transformers / (vllm + sync)``, and the per-row
+memory floor: ``T`` decode steps, each at least the model's linear weights' bytes over the copy
+bandwidth measured here (read and write bytes both counted). Quote ratios with the machine they
+came from: the machine is shared and noisy, so run it when ``uptime`` shows a load below the
+thread count.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import os
 import statistics
 import sys
 import time
+
+DEFAULT_SHAPES = "8x32,32x16,32x128,64x256"
 
 
 def _median_time(fn, reps: int) -> float:
@@ -43,94 +54,132 @@ def copy_bandwidth(torch) -> float:
     return 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), 5)
 
 
-def mm_peak(torch, n: int = 2048) -> float:
-    """FLOP/s of ``torch.mm`` on ``[n, n]`` float32, median of 5 after a warm-up."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    return 2 * n**3 / _median_time(lambda: torch.mm(a, b), 5)
+def parse_shapes(text: str):
+    shapes = []
+    for part in text.split(","):
+        b, _, t = part.strip().partition("x")
+        if not (b.isdigit() and t.isdigit() and int(b) > 0 and int(t) > 0):
+            raise SystemExit(f"sampling.py: --shapes: {part!r} is not BxT (e.g. 8x32)")
+        shapes.append((int(b), int(t)))
+    return shapes
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of BxT (default {DEFAULT_SHAPES})")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--engines", default="transformers,vllm")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    shapes, dtypes = parse_shapes(args.shapes), args.dtypes.split(",")
+    engines = args.engines.split(",")
+    for name in engines:
+        if name not in ("transformers", "plain", "vllm"):
+            raise SystemExit(f"sampling.py: --engines: {name!r} is not transformers, plain or vllm")
+    for name in dtypes:
+        if name not in ("float32", "bfloat16"):
+            raise SystemExit(f"sampling.py: --dtypes: {name!r} is not float32 or bfloat16")
 
     import torch
 
     torch.set_num_threads(args.threads)
-    import pyppo.rollout.hf_generate as rollout
-    from pyppo.rollout.tokens import encode_prompts
+    import pyppo.rollout.hf_generate as hf
     from pyppo.config import PPOConfig
     from pyppo.models import load_model_and_tokenizer
+    from pyppo.precision import autocast
     from pyppo.prompts import DEFAULT_PROMPTS
+    from pyppo.rollout.tokens import encode_prompts
 
     model, tok = load_model_and_tokenizer(args.model)
     model.eval()
     tok.padding_side = "left"
-    prompts = (list(DEFAULT_PROMPTS) * (args.batch // len(DEFAULT_PROMPTS) + 1))[:args.batch]
-    ids, mask = encode_prompts(tok, prompts, use_chat_template=True, max_prompt_length=None, device="cpu")
-    gen = rollout.generation_config(PPOConfig(max_new_tokens=args.tokens), eos_token_id=tok.eos_token_id,
-                                    pad_token_id=tok.eos_token_id)
-    gen.eos_token_id = None  # every round runs exactly --tokens decode steps
-
-    packed_ctx = rollout.packed_linear_weights
-
-    @contextlib.contextmanager
-    def plain(model, batch_size):
-        yield 0
-
-    def sample(ctx, tokens=args.tokens):
-        rollout.packed_linear_weights = ctx
-        gen.max_new_tokens = tokens
-        torch.manual_seed(0)
-        try:
-            return rollout.generate(model, ids, mask, gen)
-        finally:
-            rollout.packed_linear_weights = packed_ctx
-
-    times = {"packed": [], "plain": []}
-    prefill = {"packed": [], "plain": []}
-    sample(packed_ctx), sample(plain)  # warm-up
-    for _ in range(args.rounds):
-        for name, ctx in (("packed", packed_ctx), ("plain", plain)):
-            t = time.perf_counter()
-            sample(ctx, 1)
-            prefill[name].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            out = sample(ctx)
-            times[name].append(time.perf_counter() - t)
-            assert out.shape[1] == ids.shape[1] + args.tokens
-    med = {k: statistics.median(v) for k, v in times.items()}
-    pre = {k: statistics.median(v) for k, v in prefill.items()}
-    per_step = {k: (med[k] - pre[k]) / max(1, args.tokens - 1) for k in med}
-
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                        if isinstance(m, torch.nn.Linear))
-    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    bandwidth, peak = copy_bandwidth(torch), mm_peak(torch)
-    floor = max(weight_bytes / bandwidth, 2 * args.batch * params / peak)
-    result = {
-        "model": args.model, "batch": args.batch, "tokens": args.tokens, "threads": args.threads,
-        "prompt_length": ids.shape[1], "seconds": med, "prefill_seconds": pre, "decode_step_ms":
-        {k: v * 1e3 for k, v in per_step.items()}, "speedup": med["plain"] / med["packed"],
-        "floor_step_ms": floor * 1e3, "linear_weight_bytes": weight_bytes, "copy_bandwidth_GBps": bandwidth / 1e9,
-        "mm_peak_GFLOPs": peak / 1e9, "rounds": times, "load_average": os.getloadavg(),
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-    }
-    print(f"sampling {args.batch} x {args.tokens} tokens ({args.model}, prompts of {ids.shape[1]} positions, "
-          f"{args.threads} threads, {result['cpu']}; load {result['load_average'][0]:.1f})")
-    print("| sampler | s | prefill s | ms / decode step | x floor |")
-    print("|---|---:|---:|---:|---:|")
-    for k in ("plain", "packed"):
-        print(f"| {k} | {med[k]:.2f} | {pre[k]:.2f} | {per_step[k] * 1e3:.1f} | {per_step[k] / floor:.2f} |")
-    print(f"packed is {result['speedup']:.2f}x plain; floor {floor * 1e3:.1f} ms/step "
-          f"({weight_bytes / 1e6:.0f} MB of linear weights at {bandwidth / 1e9:.1f} GB/s, or "
-          f"{2 * args.batch * params / 1e9:.2f} GFLOP at {peak / 1e9:.0f} GFLOP/s)")
+    bandwidth = copy_bandwidth(torch)
+    cpu = torch.backends.cpu.get_cpu_capability()
+    rows = []
+    print(f"sampling ({args.model}, {args.threads} threads, {cpu}; load {os.getloadavg()[0]:.1f}); "
+          f"floor = T x {weight_bytes / 1e6:.0f} MB of linear weights at {bandwidth / 1e9:.1f} GB/s")
+    cols = [f"{name} s" for name in engines] + (["vllm sync s"] if "vllm" in engines else [])
+    both = {"transformers", "vllm"} <= set(engines)
+    cols += (["transformers / (vllm + sync)"] if both else []) + ["floor s"]
+    print("| dtype | B x T | " + " | ".join(cols) + " |")
+    print("|---|---|" + "---:|" * len(cols))
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        engine = None
+        sync_s = None
+        if "vllm" in engines:
+            from pyppo.rollout.vllm_engine import VLLMEngine, sampling_params
+
+            engine = VLLMEngine(model, tok, max_new_tokens=max(t for _, t in shapes), seed=0, dtype=dtype,
+                                kv_cache_gib=args.kv_cache_gib)
+            torch.set_num_threads(args.threads)
+            engine.sync_weights(model)  # warm-up
+            sync_s = _median_time(lambda: engine.sync_weights(model), args.rounds)
+        for B, T in shapes:
+            prompts = (list(DEFAULT_PROMPTS) * (B // len(DEFAULT_PROMPTS) + 1))[:B]
+            ids, mask = encode_prompts(tok, prompts, use_chat_template=True, max_prompt_length=None, device="cpu")
+            gen = hf.generation_config(PPOConfig(max_new_tokens=T), eos_token_id=tok.eos_token_id,
+                                       pad_token_id=tok.eos_token_id)
+            gen.eos_token_id = None  # exactly T tokens
+
+            def run_hf():
+                torch.manual_seed(0)
+                with torch.no_grad(), autocast(torch.device("cpu"), dtype):
+                    out = hf.generate(model, ids, mask, gen)
+                assert out.shape[1] == ids.shape[1] + T
+
+            def run_vllm():
+                from vllm.inputs import TokensPrompt
+
+                requests = [TokensPrompt(prompt_token_ids=row[m].tolist()) for row, m in zip(ids, mask)]
+                params = sampling_params(temperature=1.0, max_new_tokens=T, eos_token_id=tok.eos_token_id, seed=0)
+                params.ignore_eos, params.min_tokens = True, T
+                outs = engine.llm.generate(requests, params, use_tqdm=False)
+                assert all(len(o.outputs[0].token_ids) == T for o in outs)
+
+            @contextlib.contextmanager
+            def unpacked(model, batch_size):
+                yield 0
+
+            def run_plain():
+                packed = hf.packed_linear_weights
+                hf.packed_linear_weights = unpacked
+                try:
+                    run_hf()
+                finally:
+                    hf.packed_linear_weights = packed
+
+            runs = {"transformers": run_hf, "plain": run_plain, "vllm": run_vllm}
+            times = {name: [] for name in engines}
+            for name in engines:  # warm-up
+                runs[name]()
+            for _ in range(args.rounds):
+                for name in engines:
+                    t = time.perf_counter()
+                    runs[name]()
+                    times[name].append(time.perf_counter() - t)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            floor = T * weight_bytes / bandwidth
+            row = {"dtype": dtype_name, "batch": B, "tokens": T, "seconds": med, "rounds": times,
+                   "vllm_sync_seconds": sync_s, "floor_seconds": floor, "prompt_length": int(ids.shape[1])}
+            cells = [f"{med[name]:.2f}" for name in engines] + ([f"{sync_s:.3f}"] if "vllm" in engines else [])
+            if both:
+                row["transformers_over_vllm_with_sync"] = med["transformers"] / (med["vllm"] + sync_s)
+                cells.append(f"{row['transformers_over_vllm_with_sync']:.2f}x")
+            rows.append(row)
+            print(f"| {dtype_name} | {B} x {T} | " + " | ".join(cells + [f"{floor:.2f}"]) + " |", flush=True)
+        if engine is not None:
+            engine.close()
+            del engine
+    result = {"model": args.model, "threads": args.threads, "cpu": cpu, "load_average": os.getloadavg(),
+              "linear_weight_bytes": weight_bytes, "copy_bandwidth_GBps": bandwidth / 1e9,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

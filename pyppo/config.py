@@ -22,6 +22,9 @@ from .ops.losses import LOSS_AGG_MODES
 #: ``PPOConfig.dtype`` values.
 DTYPES = ("float32", "bfloat16")
 
+#: ``PPOConfig.rollout_engine`` values (:func:`pyppo.rollout.make_engine`).
+ROLLOUT_ENGINES = ("transformers", "vllm")
+
 #: ``PPOConfig.rollout_correction`` values (:mod:`pyppo.trainer.rollout_correction`).
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -177,6 +180,18 @@ class PPOConfig:
         number(0.0, 1.0, lo_open=True), group="sampling")
     use_chat_template: bool = knob(
         True, "format prompts with the tokenizer's chat template when it has one", boolean(), group="sampling")
+    rollout_engine: str = knob(
+        "transformers", "what samples the rollouts: 'transformers' (the policy itself, through generate) or "
+        "'vllm' (an in-process vLLM copy of the policy, synced after every update; pip install pyppo[vllm]); "
+        "old_logprobs are the trainer's own either way (docs/trainer.md, \"Rollout engines\")",
+        one_of(ROLLOUT_ENGINES), group="sampling")
+    vllm_kv_cache_gib: float = knob(
+        1.0, "rollout_engine 'vllm' on a CPU: the KV cache it reserves, GiB", number(0.0, lo_open=True),
+        group="sampling")
+    vllm_gpu_memory_utilization: float = knob(
+        0.3, "rollout_engine 'vllm' on CUDA: the fraction of the GPU's memory vLLM may take (weights and KV "
+        "cache; the trainer's models share the device)", number(0.0, 1.0, lo_open=True),
+        group="sampling")
     rollout_correction: str = knob(
         "none", "importance weight exp(old_logprobs - rollout_logprobs) on each token's policy loss, for an "
         "engine that samples from other numerics than the trainer's (docs/trainer.md, \"Sampler mismatch\"); "

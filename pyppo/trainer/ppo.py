@@ -50,7 +50,7 @@ from ..ops.losses import loss_normalizer, ppo_value_loss
 from ..precision import autocast
 from ..prompts import PromptSampler
 from ..rewards import score_responses
-from ..rollout import HFGenerateEngine, RolloutEngine
+from ..rollout import RolloutEngine, make_engine
 from ..rollout.hf_generate import generation_config
 from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
 from ..run import checkpoint as run_checkpoint, evaluate, export, loop
@@ -145,10 +145,12 @@ class PPOTrainer:
             check_prompt_lengths(tokenizer, texts, use_chat_template=c.use_chat_template, room=room,
                                  max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,
                                  truncate=c.truncate_prompts, what=what)
-        self.engine: RolloutEngine = HFGenerateEngine(
-            self.policy_module, tokenizer, self.generation_config, device=self.device, dtype=self.dtype,
-            max_prompt_tokens=self.max_prompt_tokens, use_chat_template=c.use_chat_template,
-            synced_gpus=distributed.is_sharded(self.policy_module))
+        self.engine: RolloutEngine = make_engine(
+            c, policy=self.policy, policy_module=self.policy_module, tokenizer=tokenizer,
+            gen_config=self.generation_config, device=self.device, dtype=self.dtype,
+            max_prompt_tokens=self.max_prompt_tokens, distributed_run=self.world.active,
+            sharded=distributed.is_sharded(self.policy_module))
+        self.engine_synced_at = 0  # the applied optimizer steps whose weights the engine holds
 
         check_trainable(self.policy, self.value_model, c)
         self.policy_optimizer = make_adamw(self.policy, c.lr, c)
@@ -182,6 +184,8 @@ class PPOTrainer:
         """
         c, timer = self.config, PhaseTimer()
         b, r = self.local_batch_size, self.world.rank  # this rank's share of the global batch's prompts
+        with timer.phase("weight_sync"):
+            self.sync_engine()
         with timer.phase("generate"):
             batch = self.rollout(self.sampler.sample(c.batch_size)[r * b:(r + 1) * b])   # 1, 2
         with timer.phase("score"):
@@ -203,6 +207,15 @@ class PPOTrainer:
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
                    **rollout_metrics(batch), **mismatch, **update_metrics, **timer.metrics()}
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
+
+    def sync_engine(self) -> None:
+        """Give an engine that holds its own copy of the policy (one with ``sync_weights``) the
+        policy's current weights, when an optimizer step (or a checkpoint's weights) changed them
+        since its last copy."""
+        sync = getattr(self.engine, "sync_weights", None)
+        if callable(sync) and self.engine_synced_at != self.optimizer_steps:
+            sync(self.policy)
+            self.engine_synced_at = self.optimizer_steps
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
         """Sample one response per prompt with :attr:`engine` and cut it after its first EOS
@@ -481,7 +494,9 @@ class PPOTrainer:
 
     def load_checkpoint(self, directory: str | os.PathLike) -> Path:
         """Restore a checkpoint of :meth:`save_checkpoint`: see :func:`pyppo.run.checkpoint.load_trainer`."""
-        return run_checkpoint.load_trainer(self, directory)
+        path = run_checkpoint.load_trainer(self, directory)
+        self.engine_synced_at = -1  # the policy's weights are the checkpoint's now
+        return path
 
     def export_policy(self, directory: str | os.PathLike) -> Optional[Path]:
         """Write the policy as a Hugging Face model directory: see :func:`pyppo.run.export.export_trainer_policy`."""

@@ -21,7 +21,8 @@ from ..ops.losses import LOG_RATIO_CLAMP
 __all__ = ["PHASES", "RunningStats", "PhaseTimer", "current_phase", "ratio_stats", "record_token_stats", "rollout_metrics"]
 
 #: The phases of a step, each a ``record_function("pyppo/<phase>")`` range and a ``time_<phase>`` metric.
-PHASES = ("generate", "policy_forward", "ref_forward", "value_forward", "score", "advantages", "update")
+PHASES = ("weight_sync", "generate", "policy_forward", "ref_forward", "value_forward", "score", "advantages",
+          "update")
 
 _CURRENT_PHASE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("pyppo_phase", default=None)
 

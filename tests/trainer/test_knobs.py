@@ -272,6 +272,9 @@ ELSEWHERE = {
     "eval_every": ("run/test_eval.py", "test_eval_every_logs_scores_kl_and_samples"),
     "rollout_correction": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
     "rollout_is_cap": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
+    "rollout_engine": ("trainer/test_vllm_engine.py", "test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one"),
+    "vllm_kv_cache_gib": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
+    "vllm_gpu_memory_utilization": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
 }
 
 

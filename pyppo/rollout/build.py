@@ -1,0 +1,56 @@
+"""Which rollout engine a run samples with: :func:`make_engine` builds the one
+``PPOConfig.rollout_engine`` names, once, from the policy as it is when the trainer is built."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .engine import RolloutEngine
+from .hf_generate import HFGenerateEngine
+
+__all__ = ["make_engine"]
+
+
+def make_engine(config: Any, *, policy: nn.Module, policy_module: nn.Module, tokenizer: Any, gen_config: Any,
+                device: torch.device, dtype: torch.dtype, max_prompt_tokens: Optional[int],
+                distributed_run: bool, sharded: bool) -> RolloutEngine:
+    """The engine ``config.rollout_engine`` names.
+
+    Args:
+        config: the run's :class:`~pyppo.config.PPOConfig`.
+        policy: the policy (a ``transformers`` causal LM, or the ``peft`` model wrapping it);
+            the vLLM engine copies its weights, adapters merged.
+        policy_module: the policy's log-prob head as the trainer calls it (DDP/FSDP2-wrapped
+            under torchrun); ``transformers`` samples through it.
+        tokenizer, gen_config: the policy's tokenizer and ``generation_config(config, ...)``.
+        device, dtype: the trainer's device and compute dtype.
+        max_prompt_tokens: from :func:`~pyppo.rollout.tokens.prompt_token_limit`.
+        distributed_run: the trainer runs under ``torchrun`` (more than one process).
+        sharded: the policy is FSDP2-sharded.
+
+    Raises:
+        ValueError: ``rollout_engine = "vllm"`` under ``torchrun``, where each rank would need an
+            engine of its own outside the training process group (not built yet).
+        ImportError: ``rollout_engine = "vllm"`` without vLLM installed (the message says what
+            to install).
+    """
+    if config.rollout_engine == "transformers":
+        return HFGenerateEngine(policy_module, tokenizer, gen_config, device=device, dtype=dtype,
+                                max_prompt_tokens=max_prompt_tokens, use_chat_template=config.use_chat_template,
+                                synced_gpus=sharded)
+    if config.rollout_engine != "vllm":  # PPOConfig's check makes this unreachable from a config
+        raise ValueError(f"rollout_engine must be 'transformers' or 'vllm', got {config.rollout_engine!r}")
+    if distributed_run:
+        raise ValueError("rollout_engine = 'vllm' runs in one process only for now: vLLM in the training process "
+                         "would join torchrun's process group. Use rollout_engine = 'transformers' under torchrun "
+                         "(docs/trainer.md, \"Rollout engines\")")
+    from .vllm_engine import VLLMEngine
+
+    return VLLMEngine(policy, tokenizer, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                      top_k=config.top_k, top_p=config.top_p, max_prompt_tokens=max_prompt_tokens,
+                      use_chat_template=config.use_chat_template, seed=config.seed, device=device, dtype=dtype,
+                      kv_cache_gib=config.vllm_kv_cache_gib,
+                      gpu_memory_utilization=config.vllm_gpu_memory_utilization)

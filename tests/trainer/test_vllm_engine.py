@@ -1,0 +1,284 @@
+"""The vLLM rollout engine on a tiny random Llama (vLLM's CPU backend): its log-probs are the
+policy's, a weight sync makes it sample from the updated policy (full and LoRA), the first ratio
+stays exactly 1, a planted mismatch shows in the metrics, and ``pyppo train --rollout-engine vllm``
+stops on a signal and resumes to the uninterrupted run's numbers. Skipped without vLLM
+(``scripts/install_vllm.sh``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from support.tiny_models import tiny_llama_config, tiny_tokenizer
+from support.trainer_fixture import PROMPTS, count_e, small_config
+
+vllm = pytest.importorskip("vllm", reason="needs vLLM (scripts/install_vllm.sh)")
+
+from pyppo import cli  # noqa: E402
+from pyppo.config import PPOConfig  # noqa: E402
+from pyppo.rollout.vllm_engine import LOGPROBS_MODE, VLLMEngine, policy_state_dict  # noqa: E402
+from pyppo.trainer import PPOTrainer  # noqa: E402
+
+# fp32, the same weights: only kernels and summation order differ (4.8e-7 measured on the tiny model).
+LOGPROB_ATOL = 1e-4
+KV_GIB = 0.125  # the tiny model needs almost none; many engines live in one test process
+
+
+def vllm_llama(seed: int = 0):
+    """A tiny random Llama that vLLM's CPU attention runs: head_dim 32 (8, the other tests' tiny
+    model, is not among its kernels' sizes)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).eval()
+
+
+def tokenizer():
+    tok = tiny_tokenizer()
+    tok.padding_side = "left"
+    return tok
+
+
+def hf_logprobs(model, rollout, temperature=1.0):
+    """float32 log-probs of the sampled tokens under ``model``, one padded forward (the reference)."""
+    ids = torch.cat([rollout.query_ids, rollout.response_ids], 1)
+    mask = torch.cat([rollout.query_mask, rollout.response_mask], 1)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits.float()
+    P = rollout.query_ids.shape[1]
+    lp = torch.log_softmax(logits[:, P - 1:-1] / temperature, -1)
+    return lp.gather(-1, rollout.response_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def max_diff(a, b, mask):
+    return float((a - b)[mask].abs().max())
+
+
+@pytest.fixture(scope="module")
+def model_and_engine():
+    model = vllm_llama()
+    engine = VLLMEngine(model, tokenizer(), max_new_tokens=12, temperature=1.0, seed=0, kv_cache_gib=KV_GIB)
+    yield model, engine
+    engine.close()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_logprobs_are_the_policy_logprobs(model_and_engine, temperature):
+    model, engine = model_and_engine
+    engine.temperature = temperature
+    try:
+        torch.manual_seed(1)
+        r = engine.generate(PROMPTS[:6])
+    finally:
+        engine.temperature = 1.0
+    assert r.rollout_logprobs.dtype == torch.float32 and r.rollout_logprobs.shape == r.response_ids.shape
+    assert r.response_mask.any(1).all()
+    assert torch.equal(r.rollout_logprobs[~r.response_mask], torch.zeros(int((~r.response_mask).sum())))
+    # After temperature: the processed log-probs (the raw ones would not match at 0.7).
+    assert max_diff(r.rollout_logprobs, hf_logprobs(model, r, temperature), r.response_mask) < LOGPROB_ATOL
+    if temperature != 1.0:
+        assert max_diff(r.rollout_logprobs, hf_logprobs(model, r, 1.0), r.response_mask) > 1e-3
+    assert engine.llm.llm_engine.model_config.logprobs_mode == LOGPROBS_MODE
+
+
+def test_the_same_seed_samples_the_same_responses_whatever_the_batch(model_and_engine):
+    _, engine = model_and_engine
+    torch.manual_seed(7)
+    a = engine.generate(PROMPTS[:4])
+    torch.manual_seed(7)
+    b = engine.generate(PROMPTS[:4])
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    torch.manual_seed(8)
+    c = engine.generate(PROMPTS[:4])
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_a_weight_sync_makes_the_engine_sample_from_the_updated_policy(model_and_engine):
+    model, engine = model_and_engine
+    old = vllm_llama()
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        seconds = engine.sync_weights(model)
+        assert seconds == engine.last_sync_s > 0
+        torch.manual_seed(2)
+        r = engine.generate(PROMPTS[:6])
+        assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) < LOGPROB_ATOL
+        assert max_diff(r.rollout_logprobs, hf_logprobs(old, r), r.response_mask) > 1e-2
+    finally:  # the module's other tests keep the original weights
+        model.load_state_dict(old.state_dict())
+        engine.sync_weights(model)
+
+
+@pytest.mark.parametrize("sync", ["direct", "reload"])
+def test_both_sync_paths_copy_every_weight(sync):
+    model = vllm_llama(seed=3)
+    engine = VLLMEngine(model, tokenizer(), max_new_tokens=6, seed=0, kv_cache_gib=KV_GIB, sync=sync)
+    try:
+        assert engine.sync == sync
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        engine.sync_weights(model)
+        torch.manual_seed(4)
+        r = engine.generate(PROMPTS[:5])
+        assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) < LOGPROB_ATOL
+    finally:
+        engine.close()
+
+
+def test_a_lora_policy_is_synced_with_its_adapters_merged():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(vllm_llama(seed=4), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    engine = VLLMEngine(model, tokenizer(), max_new_tokens=6, seed=0, kv_cache_gib=KV_GIB)
+    try:
+        with torch.no_grad():  # adapters start at B = 0: give them a delta
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        engine.sync_weights(model)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # not merged in place
+        assert not any("lora" in k for k in policy_state_dict(model))
+        torch.manual_seed(5)
+        r = engine.generate(PROMPTS[:5])
+        assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) < LOGPROB_ATOL
+        with model.disable_adapter():
+            assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) > 1e-3
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------------------- in the trainer
+def vllm_trainer(**overrides):
+    cfg = small_config(**{"rollout_engine": "vllm", "vllm_kv_cache_gib": KV_GIB, **overrides})
+    return PPOTrainer(cfg, vllm_llama(), None, None, tokenizer(), count_e, PROMPTS)
+
+
+def test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one():
+    tr = vllm_trainer(steps=2)
+    assert isinstance(tr.engine, VLLMEngine)
+    calls = []
+    real = tr.engine.sync_weights
+    tr.engine.sync_weights = lambda model: (calls.append(model), real(model))[1]
+    m1, b1 = tr.step()
+    assert calls == []  # the engine was built from these weights
+    # pyppo's own forward gives old_logprobs: the first ratio is exactly 1, the step-1 KL exactly 0.
+    assert m1["first_max_abs_logratio"] == 0.0 and m1["kl_mean"] == 0.0
+    assert b1.rollout_logprobs is not None
+    assert max_diff(b1.old_logprobs, b1.rollout_logprobs, b1.response_mask) < LOGPROB_ATOL
+    assert m1["mismatch_logprob_diff_max"] < LOGPROB_ATOL and abs(m1["mismatch_kl_k3"]) < 1e-6
+    assert m1["mismatch_ratio_outside_fraction"] == 0.0
+    m2, b2 = tr.step()
+    assert calls == [tr.policy] and m2["time_weight_sync"] >= tr.engine.last_sync_s > 0
+    # The engine sampled from the updated policy: its log-probs are the trainer's again.
+    assert m2["mismatch_logprob_diff_max"] < LOGPROB_ATOL and m2["first_max_abs_logratio"] == 0.0
+
+
+def test_a_planted_mismatch_in_the_engine_shows_in_the_metrics():
+    tr = vllm_trainer(steps=1, rollout_correction="token_truncate", rollout_is_cap=1.2)
+    tr.engine.temperature = 0.5  # the sampler's distribution is no longer the trainer's
+    m = tr.step().metrics
+    assert m["mismatch_logprob_diff_mean"] > 0.05 and m["mismatch_kl_k3"] > 1e-3
+    assert m["rollout_corrected_fraction"] > 0 and m["first_max_abs_logratio"] == 0.0
+
+
+def test_the_engine_knobs_reach_vllm(monkeypatch):
+    seen = []
+    real = vllm.LLM
+
+    def spy(**kwargs):
+        seen.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", spy)
+    tr = vllm_trainer(steps=1, vllm_kv_cache_gib=0.1, temperature=0.9, seed=5)
+    assert seen[0]["kv_cache_memory_bytes"] == int(0.1 * 2**30) and seen[0]["seed"] == 5
+    assert seen[0]["dtype"] == "float32" and seen[0]["logprobs_mode"] == LOGPROBS_MODE
+    assert tr.engine.temperature == 0.9 and tr.engine.max_new_tokens == tr.config.max_new_tokens
+    # On CUDA the engine's share of the device is the knob's (built here on the CPU: only the kwargs).
+    from pyppo.rollout import build
+
+    captured = {}
+    monkeypatch.setattr("pyppo.rollout.vllm_engine.VLLMEngine.__init__",
+                        lambda self, model, tok, **kw: captured.update(kw))
+    cfg = PPOConfig(rollout_engine="vllm", vllm_gpu_memory_utilization=0.45)
+    build.make_engine(cfg, policy=None, policy_module=None, tokenizer=None, gen_config=None,
+                      device=torch.device("cpu"), dtype=torch.float32, max_prompt_tokens=None,
+                      distributed_run=False, sharded=False)
+    assert captured["gpu_memory_utilization"] == 0.45 and captured["kv_cache_gib"] == cfg.vllm_kv_cache_gib
+
+
+def test_vllm_under_torchrun_is_refused_with_a_clear_error():
+    from pyppo.rollout import build
+
+    with pytest.raises(ValueError, match="rollout_engine = 'vllm' runs in one process only"):
+        build.make_engine(PPOConfig(rollout_engine="vllm"), policy=None, policy_module=None, tokenizer=None,
+                          gen_config=None, device=torch.device("cpu"), dtype=torch.float32, max_prompt_tokens=None,
+                          distributed_run=True, sharded=False)
+
+
+# ---------------------------------------------------------------------------------- the CLI
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm-tiny") / "model"
+    vllm_llama().save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:6]))
+    return path
+
+
+FLAGS = ["--rollout-engine", "vllm", "--vllm-kv-cache-gib", str(KV_GIB), "--steps", "3", "--batch-size", "2",
+         "--mini-batch-size", "1", "--ppo-epochs", "1", "--max-new-tokens", "6", "--seed", "3", "--save-every", "100"]
+
+
+def rows(out):
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if "time" not in k and "seconds" not in k} for line in lines]
+
+
+def test_pyppo_train_with_vllm_stops_on_a_signal_and_resumes_exactly(vllm_model_dir, prompts_path, tmp_path):
+    straight = tmp_path / "straight"
+    argv = ["train", "--model", str(vllm_model_dir), "--prompts", str(prompts_path), *FLAGS]
+    assert cli.main([*argv, "--output", str(straight)]) == 0
+    want = rows(straight)
+    assert len(want) == 3 and want[0]["first_max_abs_logratio"] == 0.0
+    assert all(r["mismatch_logprob_diff_max"] < LOGPROB_ATOL for r in want)
+
+    # A real SIGINT in a child process, once step 2 has been logged; then --resume.
+    stopped = tmp_path / "stopped"
+    code = ("import os, signal, sys\n"
+            "from pyppo import cli\n"
+            "from pyppo.trainer import PPOTrainer\n"
+            "real = PPOTrainer.step\n"
+            "def step(self):\n"
+            "    out = real(self)\n"
+            "    if self.step_count == 2:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return out\n"
+            "PPOTrainer.step = step\n"
+            "sys.exit(cli.main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, *argv, "--output", str(stopped)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "its checkpoint is at step 2" in proc.stderr, proc.stderr[-3000:]
+    assert cli.main(["train", "--resume", str(stopped)]) == 0
+    # Seeded per-request sampling from the restored torch generator, and the engine synced to the
+    # checkpoint's weights before the first resumed rollout: the uninterrupted run's numbers.
+    assert rows(stopped) == want
