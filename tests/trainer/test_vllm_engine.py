@@ -135,6 +135,41 @@ def test_both_sync_paths_copy_every_weight(sync):
         engine.close()
 
 
+def test_a_sync_copies_the_trainable_weights_or_all(monkeypatch):
+    from pyppo.rollout import vllm_engine
+
+    model = vllm_llama(seed=6)
+    engine = VLLMEngine(model, tokenizer(), max_new_tokens=6, seed=0, kv_cache_gib=KV_GIB, sync="direct")
+    try:
+        repacked = []
+        real = vllm_engine._repack
+        monkeypatch.setattr(vllm_engine, "_repack", lambda module: (repacked.append(type(module).__name__),
+                                                                      real(module)))
+        model.requires_grad_(False)
+        trained = [model.model.layers[1].mlp.down_proj.weight,
+                   model.model.layers[0].self_attn.k_proj.weight]  # one part of vLLM's fused qkv_proj
+        with torch.no_grad():
+            for p in trained:
+                p.requires_grad_(True)
+                p.add_(torch.randn_like(p) * 0.3)
+            model.model.layers[0].mlp.up_proj.weight.mul_(3.0)  # frozen: not copied by default
+        engine.sync_weights(model)
+        assert sorted(repacked) == ["QKVParallelLinear", "RowParallelLinear"]
+        torch.manual_seed(6)
+        r = engine.generate(PROMPTS[:5])
+        assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) > 1e-3  # up_proj is stale
+        repacked.clear()
+        engine.sync_weights(model, trainable_only=False)  # what the trainer does after a resume
+        # Per block qkv, o, gate_up and down; the embedding and the LM head (each has a packed copy on a CPU).
+        assert sorted(repacked) == sorted(["QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
+                                           "RowParallelLinear"] * 2 + ["VocabParallelEmbedding", "ParallelLMHead"])
+        torch.manual_seed(6)
+        r = engine.generate(PROMPTS[:5])
+        assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) < LOGPROB_ATOL
+    finally:
+        engine.close()
+
+
 def test_a_lora_policy_is_synced_with_its_adapters_merged():
     from peft import LoraConfig, get_peft_model
 
@@ -147,6 +182,7 @@ def test_a_lora_policy_is_synced_with_its_adapters_merged():
                     p.normal_(0, 0.5)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         engine.sync_weights(model)
+        assert engine.sync == "direct"
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # not merged in place
         assert not any("lora" in k for k in policy_state_dict(model))
         torch.manual_seed(5)
@@ -169,7 +205,7 @@ def test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one():
     assert isinstance(tr.engine, VLLMEngine)
     calls = []
     real = tr.engine.sync_weights
-    tr.engine.sync_weights = lambda model: (calls.append(model), real(model))[1]
+    tr.engine.sync_weights = lambda model, **kw: (calls.append((model, kw)), real(model, **kw))[1]
     m1, b1 = tr.step()
     assert calls == []  # the engine was built from these weights
     # pyppo's own forward gives old_logprobs: the first ratio is exactly 1, the step-1 KL exactly 0.
@@ -179,7 +215,7 @@ def test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one():
     assert m1["mismatch_logprob_diff_max"] < LOGPROB_ATOL and abs(m1["mismatch_kl_k3"]) < 1e-6
     assert m1["mismatch_ratio_outside_fraction"] == 0.0
     m2, b2 = tr.step()
-    assert calls == [tr.policy] and m2["time_weight_sync"] >= tr.engine.last_sync_s > 0
+    assert calls == [(tr.policy, {"trainable_only": True})] and m2["time_weight_sync"] >= tr.engine.last_sync_s > 0
     # The engine sampled from the updated policy: its log-probs are the trainer's again.
     assert m2["mismatch_logprob_diff_max"] < LOGPROB_ATOL and m2["first_max_abs_logratio"] == 0.0
 
