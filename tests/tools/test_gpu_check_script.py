@@ -97,7 +97,10 @@ def test_a_cpu_run_of_the_gpu_steps_reports_them_skipped(tmp_path):
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
-    return tmp, run_script(tmp, GPU_CHECK_STEPS="build,tests,sanitize,kernels,bench,train,lora,fsdp,vllm")
+    # The budget is the GPU machine's; here the CPU runs every training step, the vLLM one too, on
+    # a machine that may be shared: a budget that cannot cut them short (test_out_of_budget_* tests it).
+    return tmp, run_script(tmp, timeout=1500, GPU_CHECK_STEPS="build,tests,sanitize,kernels,bench,train,lora,fsdp,vllm",
+                           GPU_CHECK_BUDGET="1200")
 
 
 def test_cpu_run_passes_every_training_step(cpu_run):
