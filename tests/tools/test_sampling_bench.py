@@ -18,6 +18,15 @@ sampling = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sampling)
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    import torch
+
+    threads = torch.get_num_threads()  # main() sets --threads for the whole process
+    yield
+    torch.set_num_threads(threads)
+
+
 def _run(tmp_path, model_dir, engines, dtypes="float32,bfloat16"):
     out = tmp_path / "sampling.json"
     assert sampling.main(["--model", str(model_dir), "--shapes", "3x4,2x5", "--dtypes", dtypes, "--engines",

@@ -20,7 +20,6 @@ from support.trainer_fixture import PROMPTS, count_e, small_config
 
 vllm = pytest.importorskip("vllm", reason="needs vLLM (scripts/install_vllm.sh)")
 
-from pyppo import cli  # noqa: E402
 from pyppo.config import PPOConfig  # noqa: E402
 from pyppo.rollout.vllm_engine import LOGPROBS_MODE, VLLMEngine, policy_state_dict  # noqa: E402
 from pyppo.trainer import PPOTrainer  # noqa: E402
@@ -288,10 +287,19 @@ def rows(out):
     return [{k: v for k, v in json.loads(line).items() if "time" not in k and "seconds" not in k} for line in lines]
 
 
+def _pyppo(*argv):
+    """``pyppo`` in a child process: every run of the comparison in the same fresh state (this
+    process's torch threads and RNGs are whatever earlier tests left)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from pyppo import cli; sys.exit(cli.main(sys.argv[1:]))",
+                           *argv], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_pyppo_train_with_vllm_stops_on_a_signal_and_resumes_exactly(vllm_model_dir, prompts_path, tmp_path):
     straight = tmp_path / "straight"
     argv = ["train", "--model", str(vllm_model_dir), "--prompts", str(prompts_path), *FLAGS]
-    assert cli.main([*argv, "--output", str(straight)]) == 0
+    _pyppo(*argv, "--output", str(straight))
     want = rows(straight)
     assert len(want) == 3 and want[0]["first_max_abs_logratio"] == 0.0
     assert all(r["mismatch_logprob_diff_max"] < LOGPROB_ATOL for r in want)
@@ -314,7 +322,7 @@ def test_pyppo_train_with_vllm_stops_on_a_signal_and_resumes_exactly(vllm_model_
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "its checkpoint is at step 2" in proc.stderr, proc.stderr[-3000:]
-    assert cli.main(["train", "--resume", str(stopped)]) == 0
+    _pyppo("train", "--resume", str(stopped))
     # Seeded per-request sampling from the restored torch generator, and the engine synced to the
     # checkpoint's weights before the first resumed rollout: the uninterrupted run's numbers.
     assert rows(stopped) == want
