@@ -39,6 +39,7 @@ def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[str]] = None) -> T
     per_rank = -(-len(prompts) // n)
     padded = mine + [mine[-1] if mine else prompts[-1]] * (per_rank - len(mine))
     rows: List[dict] = []
+    trainer.sync_engine()  # an engine with its own copy of the weights samples the current policy
     for start in range(0, per_rank, b):
         chunk = padded[start:start + b]
         batch = trainer.rollout(chunk)
