@@ -79,10 +79,7 @@ def _lora_sync_seconds(torch, engine, model, rank: int, rounds: int) -> float:
     bs = [p for n, p in lora.named_parameters() if "lora_B" in n]
     seconds = _sync_seconds(torch, engine, lora, lambda: [p.add_(1e-3) for p in bs], rounds)
     del lora
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.0)
-    engine.sync_weights(model)
+    engine.sync_weights(model, trainable_only=False)
     return seconds
 
 
@@ -154,8 +151,7 @@ def main(argv=None) -> int:
             engine = VLLMEngine(model, tok, max_new_tokens=max(t for _, t in shapes), seed=0, dtype=dtype,
                                 kv_cache_gib=args.kv_cache_gib)
             torch.set_num_threads(args.threads)
-            sync_s = _sync_seconds(torch, engine, model, lambda: [p.add_(0.0) for p in model.parameters()],
-                                   args.rounds)
+            sync_s = _sync_seconds(torch, engine, model, lambda: None, args.rounds)
             if args.lora_rank:
                 lora_sync[dtype_name] = _lora_sync_seconds(torch, engine, model, args.lora_rank, args.rounds)
         for B, T in shapes:

@@ -50,14 +50,14 @@ from ..ops.losses import loss_normalizer, ppo_value_loss
 from ..precision import autocast
 from ..prompts import PromptSampler
 from ..rewards import score_responses
-from ..rollout import RolloutEngine, make_engine
+from ..rollout import EngineSync, RolloutEngine, make_engine
 from ..rollout.hf_generate import generation_config
 from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
 from ..run import checkpoint as run_checkpoint, evaluate, export, loop
 from ..run.nonfinite import NonFiniteUpdateError, SkipPolicy, check_rollout
 from ..run.stopping import GracefulStop
 from .advantages import get_estimator
-from .rollout_correction import mismatch_metrics, rollout_is_weights
+from .rollout_correction import correct_for_sampler
 from .assemble import (check_arguments, check_trainable, logprob_modules, make_adamw, prepare_models,
                        prepare_tokenizer, share_reward_weights)
 from .buffer import RolloutBuffer, buffer_from_rollout
@@ -150,7 +150,7 @@ class PPOTrainer:
             gen_config=self.generation_config, device=self.device, dtype=self.dtype,
             max_prompt_tokens=self.max_prompt_tokens, distributed_run=self.world.active,
             sharded=distributed.is_sharded(self.policy_module))
-        self.engine_synced_at = 0  # the applied optimizer steps whose weights the engine holds
+        self.engine_sync = EngineSync()
 
         check_trainable(self.policy, self.value_model, c)
         self.policy_optimizer = make_adamw(self.policy, c.lr, c)
@@ -197,7 +197,8 @@ class PPOTrainer:
         kl_coef = float(self.kl_ctl.value)
         with timer.phase("advantages"):
             self.advantages(batch, kl_coef)                                               # 5
-            mismatch = self.sampler_mismatch(batch)
+            mismatch = correct_for_sampler(batch, c.rollout_correction, c.rollout_is_cap, self.world,
+                                           type(self.engine).__name__)
         with timer.phase("update"):
             update_metrics = self.update(batch, first_perm, first_forward)                # 6
         kl_sum = float((batch.kl * batch.response_mask).sum())
@@ -209,14 +210,9 @@ class PPOTrainer:
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
 
     def sync_engine(self) -> None:
-        """Give an engine that holds its own copy of the policy (one with ``sync_weights``) the
-        policy's current weights, when an optimizer step (or a checkpoint's weights) changed them
-        since its last copy."""
-        sync = getattr(self.engine, "sync_weights", None)
-        if callable(sync) and self.engine_synced_at != self.optimizer_steps:
-            # Training changes only what requires grad; a loaded checkpoint may change anything.
-            sync(self.policy, trainable_only=self.engine_synced_at >= 0)
-            self.engine_synced_at = self.optimizer_steps
+        """Give an engine that holds its own copy of the policy the current weights
+        (:class:`~pyppo.rollout.EngineSync`)."""
+        self.engine_sync(self.engine, self.policy, self.optimizer_steps)
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
         """Sample one response per prompt with :attr:`engine` and cut it after its first EOS
@@ -289,36 +285,6 @@ class PPOTrainer:
         valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
         if c.whiten_advantages and valid >= 2:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
-
-    @torch.no_grad()
-    def sampler_mismatch(self, batch: RolloutBuffer) -> Dict[str, float]:
-        """When the engine reported ``rollout_logprobs``: the mismatch metrics
-        (:func:`~pyppo.trainer.rollout_correction.mismatch_metrics`) and, with a
-        ``rollout_correction``, each token's importance weight folded into its advantage. The
-        clipped PPO token loss (dual clip included) is positively homogeneous in the advantage, so for a weight
-        ``w >= 0`` the loss of ``w * A`` is ``w`` times the loss of ``A``: the eager loss and
-        ``linear_ppo_loss`` both weight each token's policy-gradient loss by ``w`` that way, with
-        the ratio, the clip fraction and the value loss untouched.
-
-        Raises:
-            ValueError: a ``rollout_correction`` with an engine that reports no log-probs.
-        """
-        c = self.config
-        if batch.rollout_logprobs is None:
-            if c.rollout_correction != "none":
-                raise ValueError(
-                    f"rollout_correction={c.rollout_correction!r} needs the rollout engine's own log-probs, and "
-                    f"{type(self.engine).__name__} returns none (rollout_logprobs is None); set "
-                    "rollout_correction = \"none\" or use an engine that reports them")
-            return {}
-        metrics = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, self.world)
-        if c.rollout_correction != "none":
-            weights, corrected = rollout_is_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
-                                                    mode=c.rollout_correction, cap=c.rollout_is_cap)
-            batch.advantages = batch.advantages * weights
-            n, k = distributed.all_sum([int(batch.response_mask.sum()), int(corrected.sum())], self.world)
-            metrics["rollout_corrected_fraction"] = k / max(n, 1)
-        return metrics
 
     def first_pass_is_rollout_pass(self) -> bool:
         """Whether the first epoch's first minibatch is one micro-batch, so that its policy
@@ -496,7 +462,7 @@ class PPOTrainer:
     def load_checkpoint(self, directory: str | os.PathLike) -> Path:
         """Restore a checkpoint of :meth:`save_checkpoint`: see :func:`pyppo.run.checkpoint.load_trainer`."""
         path = run_checkpoint.load_trainer(self, directory)
-        self.engine_synced_at = -1  # the policy's weights are the checkpoint's now
+        self.engine_sync.weights_loaded()
         return path
 
     def export_policy(self, directory: str | os.PathLike) -> Optional[Path]:

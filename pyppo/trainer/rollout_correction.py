@@ -29,7 +29,7 @@ from .. import distributed
 from ..config import ROLLOUT_CORRECTIONS
 from ..ops.losses import LOG_RATIO_CLAMP
 
-__all__ = ["ROLLOUT_CORRECTIONS", "MISMATCH_RATIO_BAND", "check_rollout_logprobs", "rollout_log_ratio",
+__all__ = ["ROLLOUT_CORRECTIONS", "correct_for_sampler", "MISMATCH_RATIO_BAND", "check_rollout_logprobs", "rollout_log_ratio",
            "rollout_is_weights", "mismatch_metrics"]
 
 #: A token counts in ``mismatch_ratio_outside_fraction`` when ``pi_old / pi_rollout`` leaves this band.
@@ -128,3 +128,38 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
             "mismatch_logprob_diff_max": float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
             "mismatch_kl_k3": k3_sum / n,
             "mismatch_ratio_outside_fraction": outside_sum / n}
+
+
+@torch.no_grad()
+def correct_for_sampler(batch, mode: str, cap: float, world, engine_name: str) -> Dict[str, float]:
+    """A PPO step's sampler-mismatch stage: when the engine reported ``rollout_logprobs``, the
+    :func:`mismatch_metrics` and, with a correction ``mode`` (``PPOConfig.rollout_correction``,
+    cap ``cap``), each token's :func:`rollout_is_weights` folded into ``batch.advantages``
+    (in place), plus ``rollout_corrected_fraction``. The clipped PPO token loss (dual clip
+    included) is positively homogeneous in the advantage, so for a weight ``w >= 0`` the loss of
+    ``w * A`` is ``w`` times the loss of ``A``: the eager loss and ``linear_ppo_loss`` both weight
+    each token's policy-gradient loss by ``w`` that way, with the ratio, the clip fraction and the
+    value loss untouched.
+
+    Args:
+        batch: the step's :class:`~pyppo.trainer.buffer.RolloutBuffer`, advantages filled.
+        world: the :class:`~pyppo.distributed.World` the counts are summed over.
+        engine_name: the engine, for the error.
+
+    Raises:
+        ValueError: a correction ``mode`` with an engine that reports no log-probs.
+    """
+    if batch.rollout_logprobs is None:
+        if mode != "none":
+            raise ValueError(
+                f"rollout_correction={mode!r} needs the rollout engine's own log-probs, and {engine_name} returns "
+                "none (rollout_logprobs is None); set rollout_correction = \"none\" or use an engine that reports them")
+        return {}
+    metrics = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, world)
+    if mode != "none":
+        weights, corrected = rollout_is_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                                mode=mode, cap=cap)
+        batch.advantages = batch.advantages * weights
+        n, k = distributed.all_sum([int(batch.response_mask.sum()), int(corrected.sum())], world)
+        metrics["rollout_corrected_fraction"] = k / max(n, 1)
+    return metrics
