@@ -298,6 +298,7 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     stop.finishing()
     finished = trainer.step_count >= config.steps
     world, step = trainer.world, trainer.step_count
+    trainer.close()
     del trainer
     gc.collect()
     distributed.leave(world)

@@ -16,7 +16,7 @@ __all__ = ["make_engine"]
 
 def make_engine(config: Any, *, policy: nn.Module, policy_module: nn.Module, tokenizer: Any, gen_config: Any,
                 device: torch.device, dtype: torch.dtype, max_prompt_tokens: Optional[int],
-                distributed_run: bool, sharded: bool) -> RolloutEngine:
+                sharded: bool) -> RolloutEngine:
     """The engine ``config.rollout_engine`` names.
 
     Args:
@@ -28,12 +28,13 @@ def make_engine(config: Any, *, policy: nn.Module, policy_module: nn.Module, tok
         tokenizer, gen_config: the policy's tokenizer and ``generation_config(config, ...)``.
         device, dtype: the trainer's device and compute dtype.
         max_prompt_tokens: from :func:`~pyppo.rollout.tokens.prompt_token_limit`.
-        distributed_run: the trainer runs under ``torchrun`` (more than one process).
-        sharded: the policy is FSDP2-sharded.
+        sharded: the policy is FSDP2-sharded (``transformers`` then samples with ``synced_gpus``;
+            the vLLM engine gathers each weight to sync it).
+
+    Under ``torchrun`` each rank builds an engine of its own on its own device (vLLM with
+    tensor-parallel size 1, sampling that rank's share of the prompts).
 
     Raises:
-        ValueError: ``rollout_engine = "vllm"`` under ``torchrun``, where each rank would need an
-            engine of its own outside the training process group (not built yet).
         ImportError: ``rollout_engine = "vllm"`` without vLLM installed (the message says what
             to install).
     """
@@ -43,10 +44,6 @@ def make_engine(config: Any, *, policy: nn.Module, policy_module: nn.Module, tok
                                 synced_gpus=sharded)
     if config.rollout_engine != "vllm":  # PPOConfig's check makes this unreachable from a config
         raise ValueError(f"rollout_engine must be 'transformers' or 'vllm', got {config.rollout_engine!r}")
-    if distributed_run:
-        raise ValueError("rollout_engine = 'vllm' runs in one process only for now: vLLM in the training process "
-                         "would join torchrun's process group. Use rollout_engine = 'transformers' under torchrun "
-                         "(docs/trainer.md, \"Rollout engines\")")
     from .vllm_engine import VLLMEngine
 
     return VLLMEngine(policy, tokenizer, max_new_tokens=config.max_new_tokens, temperature=config.temperature,

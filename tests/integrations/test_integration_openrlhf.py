@@ -514,7 +514,8 @@ import pyppo.integrations.openrlhf as O
 logprobs, ref_logprobs = torch.randn(3), torch.randn(3)
 log_ratio = (ref_logprobs - logprobs).double()
 close = lambda a, b: torch.allclose(a.double(), b, atol=1e-5)
-assert close(O.compute_approx_kl(logprobs, ref_logprobs, kl_estimator='k3'), log_ratio.exp() - 1 - log_ratio)
+# The peer clips k3 to [-10, 10]; without the clip here about one run in ten failed.
+assert close(O.compute_approx_kl(logprobs, ref_logprobs, kl_estimator='k3'), (log_ratio.exp() - 1 - log_ratio).clamp(-10, 10))
 logits, labels = torch.randn(2, 5), torch.randint(0, 5, (2,))
 logp = torch.log_softmax(logits.double() / 0.5, -1)
 assert close(O.log_probs_from_logits(logits, labels, 0.5), logp.gather(-1, labels[:, None])[:, 0])

@@ -98,3 +98,34 @@ def test_what_an_engine_returns_is_checked_and_the_engine_named(how, error, matc
     tr.engine = _Broken(tr.engine, how)
     with pytest.raises(error, match=f"rollout engine _Broken: .*{match}"):
         tr.step()
+
+
+def test_without_vllm_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    from pyppo.rollout.vllm_engine import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ImportError, match=r"rollout_engine = 'vllm' needs vLLM.*scripts/install_vllm\.sh.*pyppo\[vllm\]"):
+        import_vllm()
+
+
+def test_a_dead_process_s_engine_checkpoint_is_removed_and_a_live_one_kept(monkeypatch, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from pyppo.rollout import vllm_engine
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    paths = {name: tmp_path / f"pyppo-vllm-{name}-abc" for name in (dead, str(os.getppid()), str(os.getpid()))}
+    other = tmp_path / "pyppo-vllm-notapid"
+    for path in [*paths.values(), other]:
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x")
+    vllm_engine._remove_orphaned_checkpoints()
+    assert not paths[dead].exists()
+    assert paths[str(os.getppid())].exists() and paths[str(os.getpid())].exists() and other.exists()
