@@ -44,6 +44,12 @@ TORCH_LIBRARY(pyppo, m) {
   m.def("gae(Tensor rewards, Tensor values, Tensor response_mask, float gamma, float lam, Tensor? last_values) "
         "-> (Tensor, Tensor)");
 
+  // scores [B], response_mask [B, T], group_ids [B] int64 in [0, B) -> advantages [B, T]: each
+  // score against its group's ("grpo": mean, divided by std + eps when std_normalize; "rloo":
+  // leave-one-out mean), broadcast onto the row's valid positions.
+  m.def("group_advantages(Tensor scores, Tensor response_mask, Tensor group_ids, str estimator, float eps, "
+        "bool std_normalize) -> Tensor");
+
   m.def("masked_mean(Tensor x, Tensor mask, int? dim) -> Tensor");
   m.def("masked_var(Tensor x, Tensor mask, bool unbiased) -> Tensor");
   m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean, bool unbiased, float eps) -> Tensor");

@@ -1,8 +1,8 @@
 """Every pyppo CUDA kernel on tiny shapes, for compute-sanitizer: gather_logprobs forward (with and
 without entropy, temperature 1 and not) and backward, on V = 7, 4099 and 6144, contiguous, T-sliced
 and misaligned (every row one element off 16 bytes); linear_logprobs and linear_ppo_loss;
-kl_penalty, shape_rewards, gae (T = 5, 1024, 2500), masked_mean / masked_var / masked_whiten; every
-dtype. Each result is checked finite where it must be, so a wrong answer fails as well as a bad access.
+kl_penalty, shape_rewards, gae (T = 5, 1024, 2500), masked_mean / masked_var / masked_whiten;
+group_advantages (B = 3 and 300: one tile of ids and two, groups of 1 to 7); every dtype. Each result is checked finite where it must be, so a wrong answer fails as well as a bad access.
 
 gpu_check.sh's sanitize step runs it twice, with no arguments, under
 ``compute-sanitizer --tool memcheck|racecheck --error-exitcode 9 [--kernel-name kns=pyppo]
@@ -67,6 +67,13 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         ops.masked_whiten(r, mk)
         ops.masked_mean(r, mk, dim=1)
         ops.masked_var(r, mk)
+    for B in (3, 300):
+        s = torch.randn(B, device=d, generator=g).to(dtype)
+        ids = torch.randint(0, max(1, B // 4), (B,), device=d, generator=g)
+        mk = torch.rand(B, 9, device=d, generator=g) < 0.8
+        for est in ("grpo", "rloo"):
+            if not torch.isfinite(ops.group_advantages(s, mk, group_ids=ids, estimator=est)).all():
+                problems.append(f"group_advantages {dtype} B={B} {est}: non-finite output")
 torch.cuda.synchronize()
 for p in problems:
     print("gpu_check: FAIL:", p)

@@ -1,8 +1,9 @@
 """The suites ``pyppo bench --suite`` runs, each at three sizes (``full``, ``quick``, ``tiny``).
 
 * ``ops``: every op against its eager peers and its floor, at the shapes of a SmolLM2-sized PPO
-  step (logits ``[4, 512, 49152]``, rollouts ``[64, 1024]``), with sweeps over V and T; on the
-  CPU, and on CUDA too when present. ``full`` keeps peak memory under ~3 GiB; ``quick`` is about
+  step (logits ``[4, 512, 49152]``, rollouts ``[64, 1024]``; the group advantages on a GRPO batch
+  of 512 prompts x 8 responses, ``[4096, 256]``), with sweeps over V and T; on the CPU, and on
+  CUDA too when present. ``full`` keeps peak memory under ~3 GiB; ``quick`` is about
   a minute on 2 cores; ``tiny`` takes seconds (for tests).
 * ``gpu``: CUDA only, at GPU-sized batches (rollouts ``[256, 4096]``), the log-prob forward
   against a device-to-device copy (copy bandwidth is the bar), timed with CUDA events.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .case import Case, Sweep
-from .cases import gae, gather_logprobs, kl, linear_logprobs, linear_ppo_loss, masked
+from .cases import gae, gather_logprobs, group_advantages, kl, linear_logprobs, linear_ppo_loss, masked
 
 __all__ = ["Timing", "Suite", "SUITES", "SIZES", "suite"]
 
@@ -56,7 +57,11 @@ def _ppo_shape(linear_shape) -> tuple[int, int, int, int]:
     return B, N // B, H, V
 
 
-def _op_cases(logits_shape, bt_shape, linear_shape, with_targets: bool) -> list[Case]:
+#: B = 512 prompts x 8 responses (group_advantages.GROUP_SIZE), T = 256.
+GROUP_SHAPE = {"full": (4096, 256), "quick": (4096, 256), "tiny": (16, 8)}
+
+
+def _op_cases(logits_shape, bt_shape, linear_shape, group_shape, with_targets: bool) -> list[Case]:
     t = (lambda *xs: xs) if with_targets else (lambda *xs: ())
     gl, lp = gather_logprobs, linear_ppo_loss
     return [
@@ -74,6 +79,7 @@ def _op_cases(logits_shape, bt_shape, linear_shape, with_targets: bool) -> list[
         gae.case(bt_shape, F32, targets=t(gae.VS_LOOP)),
         gae.case(bt_shape, F32, eager_name="trl loop"),
         masked.masked_whiten_case(bt_shape, F32),
+        *group_advantages.cases(group_shape, F32, with_targets=with_targets),
     ]
 
 
@@ -87,13 +93,15 @@ def _sweeps(logits_lead: tuple[int, int], vs: list[int], B: int, ts: list[int]) 
 
 def _ops(sizes: str) -> Suite:
     if sizes == "full":
-        return Suite("ops", _op_cases((4, 512, 49152), (64, 1024), (2048, 576, 49152), True), _TIMING[sizes],
+        return Suite("ops", _op_cases((4, 512, 49152), (64, 1024), (2048, 576, 49152), GROUP_SHAPE[sizes], True),
+                     _TIMING[sizes],
                      _sweeps((4, 512), [4096, 16384, 32768, 49152, 65536, 131072, 152064], 64,
                              [64, 128, 256, 512, 1024, 2048, 4096]))
     if sizes == "quick":
-        return Suite("ops", _op_cases((4, 512, 49152), (64, 1024), (1024, 576, 49152), True), _TIMING[sizes],
+        return Suite("ops", _op_cases((4, 512, 49152), (64, 1024), (1024, 576, 49152), GROUP_SHAPE[sizes], True),
+                     _TIMING[sizes],
                      _sweeps((2, 256), [4096, 32768, 131072], 64, [128, 512, 2048]))
-    return Suite("ops", _op_cases((2, 8, 1000), (4, 32), (16, 8, 1000), False), _TIMING[sizes],
+    return Suite("ops", _op_cases((2, 8, 1000), (4, 32), (16, 8, 1000), GROUP_SHAPE[sizes], False), _TIMING[sizes],
                  _sweeps((2, 8), [256, 1024], 4, [16, 64]))
 
 
@@ -117,6 +125,8 @@ def _gpu(sizes: str) -> Suite:
         kl.shape_rewards_case(bt, F32),
         gae.case(bt, F32, targets=t(gae.VS_LOOP)),
         masked.masked_whiten_case(bt, F32),
+        group_advantages.grpo_case(GROUP_SHAPE[sizes], F32, targets=t(group_advantages.VS_LOOP)),
+        group_advantages.grpo_case(GROUP_SHAPE[sizes], F32, vectorized=True),
     ]
     timing = {"full": Timing(3, 10, 100, 2.0), "quick": Timing(2, 5, 30, 0.5), "tiny": _TIMING["tiny"]}[sizes]
     return Suite("gpu", cases, timing, cuda_only=True)

@@ -16,6 +16,7 @@ and no message is written twice.
 from ._non_differentiable import register_non_differentiable, register_once_differentiable
 from .gae import gae
 from .gather_logprobs import gather_logprobs
+from .group_advantages import GROUP_ESTIMATORS, group_advantages
 from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
 from .linear_logprobs import linear_logprobs
 from .linear_ppo_loss import linear_ppo_loss
@@ -24,7 +25,9 @@ from .masked import masked_mean, masked_var, masked_whiten
 
 # Outputs that PPO treats as constants: marked non-differentiable rather than left without an
 # autograd kernel, so a requires_grad input gives a clean constant, not a deprecation warning.
-register_non_differentiable("pyppo::gae", "pyppo::shape_rewards", "pyppo::masked_var", "pyppo::masked_whiten")
+register_non_differentiable(
+    "pyppo::gae", "pyppo::group_advantages", "pyppo::shape_rewards", "pyppo::masked_var", "pyppo::masked_whiten"
+)
 register_once_differentiable(
     "pyppo::gather_logprobs_backward", "pyppo::kl_penalty_backward", "pyppo::linear_logprobs_backward"
 )
@@ -37,6 +40,7 @@ __all__ = [
     "kl_penalty",
     "shape_rewards",
     "gae",
+    "group_advantages",
     "masked_mean",
     "masked_var",
     "masked_whiten",
@@ -46,4 +50,5 @@ __all__ = [
     "loss_token_weights",
     "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
+    "GROUP_ESTIMATORS",
 ]

@@ -19,8 +19,8 @@ def _backward(ctx, *grads):
 def register_non_differentiable(*qualnames: str) -> None:
     """Mark every output of each operator non-differentiable (``requires_grad=False``).
 
-    GAE advantages and returns, shaped rewards and whitened advantages are constants in PPO
-    (Schulman et al. 2017, §5): gradients never flow through them.
+    GAE and group-relative advantages, returns, shaped rewards and whitened advantages are
+    constants in PPO (Schulman et al. 2017, §5) and GRPO: gradients never flow through them.
     """
     for name in qualnames:
         torch.library.register_autograd(name, _backward, setup_context=_setup_context)

@@ -13,9 +13,14 @@ per operation, vectorised over rows and threads.
   one-hot or V = 1, finite for huge finite logits) hold whatever those last bits are.
 * :func:`gae` replays ``gae_warp_kernel`` (gae_kernel.cu) bit for bit: every operation in the
   kernel is an explicit IEEE multiply, add or subtract.
+* :func:`group_advantages` replays ``group_advantages_kernel`` (group_advantages_kernel.cu) bit
+  for bit: the tiles of ids, the ballots of 32 lanes and the order in which a warp visits its
+  group's rows, with the kernel's float64 operations (Python floats are IEEE float64).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -28,6 +33,7 @@ LOWEST = F32(-3.402823466e38)
 NINF = F32(-np.inf)
 GAE_SEGMENT = 16  # kGaeSegment in csrc/cuda/kernels/kernels.h
 GAE_TILE = 32 * GAE_SEGMENT
+GROUP_ADV_TILE = 256  # kGroupAdvTile in csrc/cuda/kernels/kernels.h
 
 
 def _ex2(x: np.ndarray, ulps: int, rng: np.random.Generator | None) -> np.ndarray:
@@ -231,3 +237,57 @@ def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: flo
         carry_v = np.where(active, nv[:, 0], carry_v).astype(F32)
         carry_a = np.where(active, na[:, 0], carry_a).astype(F32)
     return adv[:, :T], ret[:, :T]
+
+
+def _group_members(ids: np.ndarray, g: int) -> list[int]:
+    """The rows a warp visits for group ``g``: tile by tile, a ballot of 32 lanes at a time,
+    each ballot's set bits from the lowest (``__ffs``)."""
+    B = len(ids)
+    rows = []
+    for base in range(0, B, GROUP_ADV_TILE):
+        for k0 in range(0, GROUP_ADV_TILE, 32):
+            lanes = np.arange(base + k0, min(base + k0 + 32, B))
+            bits = lanes[ids[lanes] == g] if lanes.size else lanes
+            rows.extend(int(j) for j in bits)
+    return rows
+
+
+def group_advantages(scores: np.ndarray, ids: np.ndarray, mask: np.ndarray, *, estimator: str = "grpo",
+                     eps: float = 1e-6, std_normalize: bool = True) -> np.ndarray:
+    """``[B, T]`` advantages (float32, float64 for float64 scores), as ``group_advantages_kernel``
+    computes them."""
+    out_dtype = np.float64 if scores.dtype == np.float64 else F32
+    s = [float(x) for x in np.asarray(scores, out_dtype)]
+    ids = np.asarray(ids, np.int64)
+    mask = np.asarray(mask, bool)
+    rloo = estimator == "rloo"
+    adv = np.zeros(len(s), out_dtype)
+    for b in range(len(s)):
+        rows = _group_members(ids, int(ids[b]))
+        n, total, lo, hi = 0, 0.0, 0.0, 0.0
+        for j in rows:  # pass 1
+            v = s[j]
+            if n == 0:
+                lo = hi = v
+            else:
+                lo = v if v < lo else lo
+                hi = v if hi < v else hi
+            n += 1
+            total = total + v
+        mean = total / n
+        sq = 0.0
+        for j in rows:  # pass 2
+            d = s[j] - mean
+            sq = sq + d * d
+        if n == 1:
+            a = s[b] / (1.0 + eps) if (std_normalize and not rloo) else s[b]
+        elif lo == hi:
+            a = 0.0
+        elif rloo:
+            a = (s[b] - mean) * (n / (n - 1))
+        elif not std_normalize:
+            a = s[b] - mean
+        else:
+            a = (s[b] - mean) / (math.sqrt(sq / (n - 1)) + eps)
+        adv[b] = a
+    return np.where(mask, adv[:, None], out_dtype(0)).astype(out_dtype)

@@ -15,7 +15,8 @@ SCRIPT = r"""
 import json, sys, torch, pyppo._C as C
 from pyppo import ops
 sys.path.insert(0, sys.argv[1])
-from support.reference import ref_gae, ref_gather_logprobs, ref_kl_penalty, ref_masked_mean, ref_masked_whiten
+from support.reference import (ref_gae, ref_gather_logprobs, ref_group_advantages, ref_kl_penalty, ref_masked_mean,
+                               ref_masked_whiten)
 g = torch.Generator().manual_seed(0)
 out = {"isa": C.cpu_capability()}
 for dtype in (torch.float32, torch.bfloat16):
@@ -39,6 +40,10 @@ adv, _ = ops.gae(x, v, mask, gamma=0.99, lam=0.95)
 out["gae"] = float((adv - ref_gae(x, v, mask, gamma=0.99, lam=0.95)[0]).abs().max())
 out["masked"] = max(float((ops.masked_whiten(x, mask) - ref_masked_whiten(x, mask)).abs().max()),
                     float((ops.masked_mean(x, mask, dim=1) - ref_masked_mean(x, mask, 1)).abs().max()))
+ids = torch.randint(0, 3, (9,), generator=g)
+out["group"] = max(float((ops.group_advantages(x[:, 0], mask, group_ids=ids, estimator=e)
+                          - ref_group_advantages(x[:, 0], mask, ids, estimator=e)).abs().max())
+                   for e in ("grpo", "rloo"))
 print(json.dumps(out))
 """
 
@@ -66,7 +71,7 @@ def test_each_instruction_set_matches_the_float64_reference(isa):
     assert lp < 1e-5 and ent < 1e-5 and grad < 1e-5, res
     lp, ent, grad = res["torch.bfloat16"]  # inputs are rounded to bf16 first; the gradient is stored in bf16
     assert lp < 1e-5 and ent < 1e-5 and grad < 1e-2, res
-    assert res["k3"] < 1e-5 and res["gae"] < 1e-4 and res["masked"] < 1e-5, res
+    assert res["k3"] < 1e-5 and res["gae"] < 1e-4 and res["masked"] < 1e-5 and res["group"] < 1e-6, res
 
 
 def test_bad_capability_name_is_a_clear_error():

@@ -3,8 +3,9 @@ and, where a GPU is present, the kernels against those replays.
 
 The replays perform the kernels' operations in the kernels' order, so what they guarantee here
 the kernels guarantee on the device: log-probs never positive and exactly 0 for one-hot rows and
-V = 1 (whatever the last bits of ex2.approx), huge finite logits finite, and GAE bits that do not
-change when other rows make the padded batch longer.
+V = 1 (whatever the last bits of ex2.approx), huge finite logits finite, GAE bits that do not
+change when other rows make the padded batch longer, and group advantages that are the CPU's bits
+and depend only on their group.
 """
 
 from __future__ import annotations
@@ -173,7 +174,77 @@ def test_emulated_gae_equals_the_serial_loop_inside_one_segment():
     assert bits_equal(torch.from_numpy(adv), cpu)
 
 
+# ------------------------------------------------------------------------------ group_advantages
+
+
+GROUP_CASES = [("grpo", True), ("grpo", False), ("rloo", True)]
+
+
+def _group_inputs(B: int, T: int, seed: int, dtype=np.float32, n_groups: int | None = None):
+    """Shuffled groups of several sizes (ids anywhere in [0, B)), some all-equal groups."""
+    rng = np.random.default_rng(seed)
+    labels = rng.permutation(B)[: n_groups or max(1, B // 4)]
+    ids = labels[rng.integers(0, len(labels), B)]
+    scores = (rng.standard_normal(B) * 2).astype(dtype)
+    scores[ids == ids[0]] = dtype(0.1)  # a constant group
+    mask = rng.random((B, T)) < 0.8
+    mask[min(1, B - 1)] = False
+    return scores, ids, mask
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("estimator,std_normalize", GROUP_CASES)
+@pytest.mark.parametrize("B", [1, 7, 33, 300])
+def test_emulated_group_advantages_are_the_cpu_bits(dtype, estimator, std_normalize, B):
+    # The kernel's order of additions (tiles of 256 ids, ballots of 32 lanes) is row order, the
+    # CPU kernel's: the same float64 operations, the same bits.
+    from pyppo.ops import group_advantages
+
+    scores, ids, mask = _group_inputs(B, 5, seed=B, dtype=dtype)
+    emu_out = emu.group_advantages(scores, ids, mask, estimator=estimator, std_normalize=std_normalize)
+    cpu = group_advantages(torch.from_numpy(scores), torch.from_numpy(mask), group_ids=torch.from_numpy(ids),
+                           estimator=estimator, std_normalize=std_normalize)
+    assert bits_equal(torch.from_numpy(emu_out), cpu)
+    if (ids == ids[0]).sum() > 1:
+        assert (emu_out[ids == ids[0]] == 0).all()
+
+
+def test_emulated_group_advantages_visit_rows_in_order():
+    ids = np.array([3, 1, 3, 3] * 100 + [3])
+    assert emu._group_members(ids, 3) == [j for j in range(len(ids)) if ids[j] == 3]
+    assert emu._group_members(ids, 1) == list(range(1, 400, 4))
+
+
+def test_emulated_group_advantages_depend_only_on_the_group():
+    # The group's rows moved across tile boundaries, between other groups: the same bits.
+    rng = np.random.default_rng(4)
+    member = (rng.standard_normal(9) * 3).astype(np.float32)
+    alone = emu.group_advantages(member, np.zeros(9, np.int64), np.ones((9, 2), bool))
+    B = 700
+    scores = (rng.standard_normal(B) * 3).astype(np.float32)
+    ids = rng.integers(1, 40, B)
+    rows = np.sort(rng.choice(B, 9, replace=False))
+    scores[rows], ids[rows] = member, 0
+    out = emu.group_advantages(scores, ids, np.ones((B, 2), bool))
+    assert np.array_equal(out[rows].view(np.uint32), alone.view(np.uint32))
+
+
 # ---------------------------------------------------------------------- the kernels, on a GPU
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("estimator,std_normalize", GROUP_CASES)
+@pytest.mark.parametrize("B", [7, 300, 1000])
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and pyppo built with CUDA")
+def test_cuda_group_advantages_match_their_replay_bit_for_bit(dtype, estimator, std_normalize, B):
+    from pyppo.ops import group_advantages
+
+    scores, ids, mask = _group_inputs(B, 9, seed=B + 1, dtype=dtype)
+    want = emu.group_advantages(scores, ids, mask, estimator=estimator, std_normalize=std_normalize)
+    got = group_advantages(torch.from_numpy(scores).cuda(), torch.from_numpy(mask).cuda(),
+                           group_ids=torch.from_numpy(ids).cuda(), estimator=estimator, std_normalize=std_normalize)
+    assert bits_equal(got.cpu(), torch.from_numpy(want))
 
 
 @pytest.mark.parametrize("T", [5, 1000, 1024, 2500])

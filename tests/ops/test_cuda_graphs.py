@@ -1,6 +1,7 @@
 """The CUDA ops in a training step's hot path neither copy nor synchronise with the host: they run
 under ``torch.cuda.set_sync_debug_mode("error")`` and are captured into CUDA graphs, whose
-replays give the eager results bit for bit. A bad label under capture (where no error can be
+replays give the eager results bit for bit (``group_advantages`` too, whose data checks are read
+back outside capture only). A bad label under capture (where no error can be
 raised) gives its row NaN, never an out-of-bounds read. CUDA only; the CPU holds nothing to test.
 """
 
@@ -109,6 +110,27 @@ def test_linear_ppo_loss_is_capturable():
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(static_out, loss_fn()):
+        assert bits_equal(a, b)
+
+
+def test_group_advantages_is_capturable_and_replays_bit_for_bit():
+    # Outside capture the op reads its data checks back (one sync); under capture it reads nothing.
+    g = gen(6)
+    d = torch.device("cuda")
+    scores = torch.randn(64, generator=g).to(d)
+    ids = (torch.arange(64) // 8).to(d)
+    mask = random_mask(64, 33, g).to(d)
+
+    def fn():
+        return (ops.group_advantages(scores, mask, group_ids=ids),
+                ops.group_advantages(scores, mask, group_ids=ids, estimator="rloo"))
+
+    graph, static_out = _capture(fn)
+    scores.copy_(torch.randn(64, generator=g).to(d))
+    ids.copy_(torch.randint(0, 64, (64,), generator=g).to(d))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static_out, fn()):
         assert bits_equal(a, b)
 
 

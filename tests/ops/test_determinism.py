@@ -10,7 +10,16 @@ import contextlib
 import pytest
 import torch
 
-from pyppo.ops import gae, gather_logprobs, kl_penalty, masked_mean, masked_var, masked_whiten, shape_rewards
+from pyppo.ops import (
+    gae,
+    gather_logprobs,
+    group_advantages,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    shape_rewards,
+)
 from support.reference import F64, bits_equal, gen, random_mask, ref_gae, ref_gather_logprobs, tol
 
 
@@ -109,6 +118,18 @@ def test_kl_and_shape_rewards_thread_count_and_repeat():
         one, two, again = run_with_threads(lambda: kl_penalty(lp, ref, estimator=est, clamp=(-1.0, 1.0)))
         assert bitwise_equal(one, two) and bitwise_equal(two, again)
         one, two, again = run_with_threads(lambda: shape_rewards(scores, lp, ref, mask, kl_coef=0.1, estimator=est))
+        assert bitwise_equal(one, two) and bitwise_equal(two, again)
+
+
+def test_group_advantages_thread_count_and_repeat():
+    g = gen(9)
+    B, T = 3000, 64  # grain 65536 // T = 1024 rows: the broadcast is split across threads
+    scores = torch.randn(B, generator=g)
+    ids = torch.randint(0, 400, (B,), generator=g)
+    mask = random_mask(B, T, g)
+    for estimator, std_normalize in (("grpo", True), ("grpo", False), ("rloo", True)):
+        one, two, again = run_with_threads(
+            lambda: group_advantages(scores, mask, group_ids=ids, estimator=estimator, std_normalize=std_normalize))
         assert bitwise_equal(one, two) and bitwise_equal(two, again)
 
 
@@ -260,6 +281,24 @@ def test_gae_device_repeat_and_batch_invariance(device, T):
     assert bits_equal(a1[4:5], a3) and bits_equal(r1[4:5], r3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_group_advantages_device_repeat_and_batch_invariance(device, dtype):
+    # A group's bits depend only on its members' scores and order: the same in a batch of other
+    # groups, alone, and padded to a longer T.
+    g = gen(82)
+    B, T, n = 64, 33, 8
+    scores = torch.randn(B, generator=g, dtype=F64).to(dtype).to(device)
+    mask = random_mask(B, T, g).to(device)
+    full = group_advantages(scores, mask, group_size=n)
+    assert bits_equal(full, group_advantages(scores, mask, group_size=n))
+    for k in (0, 3, 7):
+        rows = slice(k * n, (k + 1) * n)
+        alone = group_advantages(scores[rows].clone(), mask[rows].clone(), group_size=n)
+        assert bits_equal(full[rows], alone)
+        padded = torch.nn.functional.pad(mask[rows], (0, 100), value=False)
+        assert bits_equal(group_advantages(scores[rows].clone(), padded, group_size=n)[:, :T], alone)
+
+
 # ------------------------------------------------------------------------------ torch.compile
 
 
@@ -296,3 +335,18 @@ def test_torch_compile_fullgraph():
     # a second call with other values (same shapes) reuses the graph and is still right
     logits2 = torch.randn(B, T, V, generator=g)
     torch.testing.assert_close(compiled(logits2, labels, mask, ref_lp, values), step(logits2, labels, mask, ref_lp, values))
+
+
+def test_torch_compile_group_advantages_fullgraph():
+    torch._dynamo.reset()
+    g = gen(10)
+    scores = torch.randn(12, generator=g)
+    mask = random_mask(12, 7, g)
+
+    def advantages(scores, mask):
+        return group_advantages(scores, mask, group_size=4), group_advantages(scores, mask, group_size=3,
+                                                                              estimator="rloo")
+
+    compiled = torch.compile(advantages, fullgraph=True)
+    for a, b in zip(compiled(scores, mask), advantages(scores, mask), strict=True):
+        assert bitwise_equal(a, b)

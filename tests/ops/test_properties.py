@@ -20,10 +20,21 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pyppo.ops import gae, gather_logprobs, kl_penalty, linear_logprobs, masked_mean, masked_var, masked_whiten, shape_rewards  # noqa: E402
+from pyppo.ops import (  # noqa: E402
+    gae,
+    gather_logprobs,
+    group_advantages,
+    kl_penalty,
+    linear_logprobs,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    shape_rewards,
+)
 from support.reference import (  # noqa: E402
     ref_gae,
     ref_gather_logprobs,
+    ref_group_advantages,
     ref_kl_penalty,
     ref_masked_mean,
     ref_masked_var,
@@ -334,6 +345,44 @@ def test_gae_property(data):
     exp_adv, exp_ret = ref_gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values)
     _close(adv, exp_adv, **_tols(dtype))
     _close(ret, exp_ret, **_tols(dtype))
+
+
+# ----------------------------------------------------------------------------- group_advantages
+
+
+@settings(max_examples=60 * _SCALE, **SETTINGS)
+@given(st.data())
+def test_group_advantages_property(data):
+    g = _seed(data)
+    B = data.draw(st.integers(0, 9), label="B")
+    T = data.draw(st.integers(0, 5), label="T")
+    dtype = data.draw(st.sampled_from(DTYPES))
+    scores = torch.randn(B, generator=g, dtype=torch.float64) * data.draw(st.sampled_from([1e-3, 1.0, 100.0]))
+    n_labels = data.draw(st.integers(1, max(B, 1)), label="groups")
+    ids = torch.randint(0, n_labels, (B,), generator=g)
+    if B and data.draw(st.booleans(), label="constant group"):
+        scores[ids == ids[0]] = data.draw(st.sampled_from([0.0, 0.1, -2.5]))
+    bad_score = bool(B) and data.draw(st.booleans(), label="bad score")
+    if bad_score:
+        scores[-1] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+    bad_id = bool(B) and data.draw(st.booleans(), label="bad id")
+    if bad_id:
+        ids[0] = data.draw(st.sampled_from([-1, B, B + 3]))
+    scores = _layout(scores.to(dtype), data.draw(st.sampled_from(["contiguous", "sliced"])))
+    ids = _layout(ids, data.draw(st.sampled_from(["contiguous", "sliced"])))
+    mask = _mask(data, g, (B, T))
+    estimator = data.draw(st.sampled_from(["grpo", "rloo", "ppo"]))
+    std_normalize = data.draw(st.booleans(), label="std_normalize")
+    eps = data.draw(st.sampled_from([1e-6, 0.0, 0.5, -1.0, math.nan]), label="eps")
+
+    expect_error = bad_score or bad_id or estimator == "ppo" or not eps >= 0
+    res = _run(lambda: group_advantages(scores, mask, group_ids=ids, estimator=estimator, eps=eps,
+                                        std_normalize=std_normalize), expect_error)
+    if res is None:
+        return
+    expected = ref_group_advantages(scores, mask, ids, estimator=estimator, eps=eps, std_normalize=std_normalize)
+    _close(res, expected, **_tols(dtype))
+    assert (res[mask == 0] == 0).all()
 
 
 # ----------------------------------------------------------------------------- masked statistics

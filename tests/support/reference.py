@@ -215,6 +215,49 @@ def ref_gae_compact(rewards, values, *, gamma, lam, last_value=0.0):
 
 
 # ---------------------------------------------------------------------------------------------
+# group_advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_group_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+    std_normalize: bool = True,
+) -> torch.Tensor:
+    """GRPO / Dr. GRPO / RLOO advantages from their definitions (docs/ops.md#group_advantages),
+    one group at a time in exact-ish float64 (``math.fsum``): a group of one has baseline 0 and
+    std 1; a group of equal scores gets 0; RLOO is written as the mean of the *other* scores."""
+    s = [float(x) for x in scores.to(F64).tolist()]
+    ids = [int(i) for i in group_ids.tolist()]
+    members: dict[int, list[int]] = {}
+    for b, g in enumerate(ids):
+        members.setdefault(g, []).append(b)
+    adv = [0.0] * len(s)
+    for rows in members.values():
+        vals = [s[b] for b in rows]
+        n = len(vals)
+        for b in rows:
+            if n == 1:
+                adv[b] = s[b] / (1.0 + eps) if (estimator == "grpo" and std_normalize) else s[b]
+            elif min(vals) == max(vals):
+                adv[b] = 0.0
+            elif estimator == "rloo":
+                adv[b] = s[b] - (math.fsum(vals) - s[b]) / (n - 1)
+            else:
+                mean = math.fsum(vals) / n
+                a = s[b] - mean
+                if std_normalize:
+                    a /= math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / (n - 1)) + eps
+                adv[b] = a
+    out = torch.tensor(adv, dtype=F64)[:, None].expand(response_mask.shape)
+    return torch.where(response_mask != 0, out, torch.zeros_like(out))
+
+
+# ---------------------------------------------------------------------------------------------
 # masked statistics
 # ---------------------------------------------------------------------------------------------
 

@@ -19,11 +19,13 @@ import pyppo.ops as ops
 from pyppo import bench, cli
 from pyppo.bench import eager
 from pyppo.bench.environment import cuda_usable
+from pyppo.bench.cases import group_advantages as group_cases
 from pyppo.bench.inputs import bt_inputs, linear_ppo_inputs
 from pyppo.bench.memory import peak_extra_bytes
 from pyppo.bench.timing import HostClock, measure
 
-OPS = {"gather_logprobs", "linear_logprobs", "linear_ppo_loss", "kl_penalty", "shape_rewards", "gae", "masked_whiten"}
+OPS = {"gather_logprobs", "linear_logprobs", "linear_ppo_loss", "kl_penalty", "shape_rewards", "gae", "masked_whiten",
+       "group_advantages"}
 
 
 # --------------------------------------------------------------------------- the harness
@@ -323,3 +325,42 @@ def test_eager_linear_ppo_loss_matches_pyppo():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def _group(seed, B=64, T=16):
+    return group_cases.group_inputs((B, T), torch.float32, torch.device("cpu"), seed)
+
+
+def test_group_inputs_put_the_score_at_the_last_valid_token():
+    inp = _group(9)
+    m, r = inp["mask"], inp["token_level_rewards"]
+    last = torch.where(m, torch.arange(m.shape[1]), -1).amax(1)
+    assert torch.equal(r.sum(-1), inp["scores"]) and torch.equal(r[torch.arange(64), last], inp["scores"])
+    assert len(set(inp["index"])) == 64 // group_cases.GROUP_SIZE and (inp["index"][:8] == inp["index"][0]).all()
+
+
+@pytest.mark.parametrize("make", [group_cases.grpo_case, lambda s, d: group_cases.grpo_case(s, d, vectorized=True),
+                                  group_cases.rloo_case, group_cases.reinforce_pp_baseline_case],
+                         ids=["grpo", "grpo_vectorized", "rloo", "reinforce_pp_baseline"])
+def test_eager_group_advantages_match_pyppo(make):
+    case = make((64, 16), torch.float32)
+    inp = _group(10)
+    torch.testing.assert_close(case.eager(inp), case.pyppo(inp), atol=1e-5, rtol=1e-5)
+
+
+def test_eager_group_advantages_are_verls_code():
+    # The copies in pyppo.bench.eager give veRL 0.9.1's own results, bit for bit.
+    from support.peer_support import import_peer
+
+    core = import_peer("verl.trainer.ppo.core_algos")
+    inp = _group(11)
+    args = (inp["token_level_rewards"], inp["mask"], inp["index"])
+    for ours, theirs in [
+        (eager.verl_grpo, core.compute_grpo_outcome_advantage),
+        (eager.verl_grpo_vectorized, core.compute_grpo_vectorized_outcome_advantage),
+        (eager.verl_rloo, core.compute_rloo_outcome_advantage),
+        (eager.verl_reinforce_pp_baseline, core.compute_reinforce_plus_plus_baseline_outcome_advantage),
+    ]:
+        torch.testing.assert_close(ours(*args), theirs(*args)[0], rtol=0, atol=1e-7)
+    no_std = eager.verl_grpo(*args, norm_adv_by_std_in_grpo=False)
+    assert torch.equal(no_std, core.compute_grpo_outcome_advantage(*args, norm_adv_by_std_in_grpo=False)[0])

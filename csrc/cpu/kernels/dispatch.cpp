@@ -29,8 +29,9 @@ bool cpu_has_avx512() {
 
 #define PYPPO_KERNEL_TABLE(ISA)                                                                            \
   KernelTable {                                                                                            \
-    #ISA, &ISA::gather_fwd, &ISA::gather_bwd, &ISA::kl_fwd, &ISA::kl_bwd, &ISA::gae, &ISA::masked_sum,     \
-        &ISA::masked_sq_dev, &ISA::masked_whiten, &ISA::masked_mean_rows                                   \
+    #ISA, &ISA::gather_fwd, &ISA::gather_bwd, &ISA::kl_fwd, &ISA::kl_bwd, &ISA::gae,                       \
+        &ISA::group_advantages, &ISA::masked_sum, &ISA::masked_sq_dev, &ISA::masked_whiten,                \
+        &ISA::masked_mean_rows                                                                             \
   }
 const KernelTable kDefault = PYPPO_KERNEL_TABLE(DEFAULT);
 #ifdef PYPPO_HAVE_AVX2

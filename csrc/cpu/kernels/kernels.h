@@ -69,6 +69,19 @@ struct GaeArgs {
   void* returns;
 };
 
+// group_advantages: scores [B] and advantages [B, T] contiguous in the accumulation dtype (float
+// or double), group ids [B] already checked to lie in [0, B), mask [B, T] bool.
+struct GroupAdvantagesArgs {
+  c10::ScalarType dtype;
+  int64_t B, T;
+  const void* scores;
+  const int64_t* group_ids;
+  const bool* mask;
+  bool rloo, std_normalize;
+  double eps;
+  void* advantages;
+};
+
 // The masked statistics over n contiguous elements of the accumulation dtype.
 struct MaskedArgs {
   c10::ScalarType dtype;
@@ -89,6 +102,7 @@ struct KernelTable {
   void (*kl_fwd)(const KLArgs&);
   void (*kl_bwd)(const KLArgs&);
   void (*gae)(const GaeArgs&);
+  void (*group_advantages)(const GroupAdvantagesArgs&);
   MaskedMoments (*masked_sum)(const MaskedArgs&);
   double (*masked_sq_dev)(const MaskedArgs&, double mean);  // sum of (x - mean)^2 over valid x
   // out = valid ? (x - mean) * inv_std + add_back : 0
@@ -109,6 +123,7 @@ const KernelTable& cpu_kernels();
   void kl_fwd(const KLArgs& a);                                                                 \
   void kl_bwd(const KLArgs& a);                                                                 \
   void gae(const GaeArgs& a);                                                                   \
+  void group_advantages(const GroupAdvantagesArgs& a);                                          \
   MaskedMoments masked_sum(const MaskedArgs& a);                                                \
   double masked_sq_dev(const MaskedArgs& a, double mean);                                       \
   void masked_whiten(const MaskedArgs& a, double mean, double inv_std, double add_back, void* out); \

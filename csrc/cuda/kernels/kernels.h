@@ -120,6 +120,26 @@ struct GaeArgs {
 constexpr int kGaeSegment = 16;
 constexpr int kGaeTile = 32 * kGaeSegment;
 
+// group_advantages: scores [B] and advantages [B, T] contiguous acc arrays, group_ids [B] int64
+// (checked to lie in [0, B) outside graph capture; the kernel only compares them, so any value is
+// safe), mask [B, T] bool. One warp per row scans the batch's ids for the row's group in row
+// order (tiles of kGroupAdvTile ids shared by the block's warps), accumulating the group's
+// statistics in double in the CPU kernel's order: the same bits as on CPU, and a group's result
+// depends only on its members' scores and their order.
+struct GroupAdvantagesArgs {
+  bool is_double = false;
+  int64_t B = 0, T = 0;
+  const void* scores = nullptr;
+  const int64_t* group_ids = nullptr;
+  const bool* mask = nullptr;
+  bool rloo = false, std_normalize = true;
+  double eps = 1e-6;
+  void* advantages = nullptr;
+  cudaStream_t stream = nullptr;
+};
+constexpr int kGroupAdvWarps = 8;  // rows per block
+constexpr int kGroupAdvTile = 32 * kGroupAdvWarps;
+
 // Whole-tensor masked moments, reduced in two deterministic stages: fixed chunks of
 // kMaskedChunk elements give per-chunk partial sums (in double), then one block adds the
 // partials in a fixed order. `stats` is a device buffer of 4 doubles:
@@ -173,6 +193,7 @@ cudaError_t launch_kl_penalty_fwd(const KLArgs& p);
 cudaError_t launch_kl_penalty_bwd(const KLArgs& p);
 cudaError_t launch_shape_rewards(const ShapeRewardsArgs& p);
 cudaError_t launch_gae(const GaeArgs& p);
+cudaError_t launch_group_advantages(const GroupAdvantagesArgs& p);
 // stats[0..2] (sum, count, mean).
 cudaError_t launch_masked_sum_count(const MaskedStatsArgs& p);
 // stats[3] (variance about stats[2]); run after launch_masked_sum_count on the same stream.

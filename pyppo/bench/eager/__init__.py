@@ -12,6 +12,7 @@ from .gather_logprobs import (
     logsoftmax_gather,
     selective_log_softmax,
 )
+from .group_advantages import verl_grpo, verl_grpo_vectorized, verl_reinforce_pp_baseline, verl_rloo
 from .kl import compute_approx_kl, compute_reward, shape_rewards
 from .linear_logprobs import linear_logsoftmax_gather
 from .linear_ppo_loss import linear_ppo_loss
@@ -25,6 +26,10 @@ __all__ = [
     "linear_ppo_loss",
     "gae_loop",
     "gae_loop_trl",
+    "verl_grpo",
+    "verl_grpo_vectorized",
+    "verl_rloo",
+    "verl_reinforce_pp_baseline",
     "compute_approx_kl",
     "compute_reward",
     "shape_rewards",
