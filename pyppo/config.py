@@ -25,6 +25,10 @@ DTYPES = ("float32", "bfloat16")
 #: ``PPOConfig.rollout_engine`` values (:func:`pyppo.rollout.make_engine`).
 ROLLOUT_ENGINES = ("transformers", "vllm")
 
+#: ``PPOConfig.advantage_estimator`` values (:data:`pyppo.trainer.advantages.ADVANTAGE_ESTIMATORS`):
+#: ``gae`` trains a value model, the others are critic-free.
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
 #: ``PPOConfig.rollout_correction`` values (:mod:`pyppo.trainer.rollout_correction`).
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -153,7 +157,11 @@ class PPOConfig:
 
     # -- sizes (counts of sequences)
     steps: int = knob(100, "PPO steps (rollout + update) to run", integer(1), group="sizes")
-    batch_size: int = knob(16, "prompts sampled per step", integer(1), group="sizes")
+    batch_size: int = knob(16, "responses (sequences) sampled per step: batch_size / samples_per_prompt prompts, "
+                           "samples_per_prompt responses to each", integer(1), group="sizes")
+    samples_per_prompt: int = knob(
+        1, "responses sampled per prompt, a group (the group-relative estimators' baseline); must divide "
+        "batch_size and each process's share of it", integer(1), group="sizes")
     mini_batch_size: int = knob(8, "sequences per optimizer step; must divide batch_size", integer(1), group="sizes")
     micro_batch_size: Optional[int] = knob(
         None, "sequences per forward/backward (gradient accumulation; also the rollout forward size); "
@@ -279,10 +287,19 @@ class PPOConfig:
         number(0.0), group="KL penalty", optional=True)
 
     # -- advantages and losses
-    gamma: float = knob(1.0, "GAE discount", number(0.0, 1.0), group="advantages and losses")
+    advantage_estimator: str = knob(
+        "gae", "gae (actor-critic PPO: trains a value model); critic-free, no value model: grpo, rloo (group "
+        "baselines over samples_per_prompt responses), reinforce_pp, reinforce_pp_baseline (REINFORCE++) "
+        "(docs/trainer.md, \"Advantage estimators\")", one_of(ADVANTAGE_ESTIMATORS), group="advantages and losses")
+    grpo_std_normalize: bool = knob(
+        True, "grpo: divide by the group's standard deviation; false = Dr. GRPO (the mean is subtracted only)",
+        boolean(), group="advantages and losses")
+    gamma: float = knob(1.0, "discount of GAE and of reinforce_pp's returns", number(0.0, 1.0),
+                        group="advantages and losses")
     lam: float = knob(0.95, "GAE lambda", number(0.0, 1.0), group="advantages and losses")
     whiten_advantages: bool = knob(
-        True, "whiten advantages over the whole batch's valid tokens (skipped below 2 valid tokens)",
+        True, "whiten advantages over the whole batch's valid tokens (skipped below 2 valid tokens); gae and "
+        "reinforce_pp* only: grpo and rloo are normalised within each group",
         boolean(), group="advantages and losses")
     cliprange: float = knob(0.2, "PPO clip epsilon (low side, and high side unless cliprange_high)",
                             number(0.0, 1.0, hi_open=True), group="advantages and losses")
@@ -321,11 +338,20 @@ class PPOConfig:
     def __post_init__(self) -> None:
         for name, k in config_knobs():
             setattr(self, name, k.validate(name, getattr(self, name)))
+        if self.batch_size % self.samples_per_prompt:
+            raise ValueError(f"samples_per_prompt ({self.samples_per_prompt}) must divide batch_size "
+                             f"({self.batch_size}): batch_size counts responses, samples_per_prompt to each prompt")
         if self.batch_size % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide batch_size ({self.batch_size})")
         if self.micro_batch_size is not None and self.mini_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"micro_batch_size ({self.micro_batch_size}) must divide mini_batch_size ({self.mini_batch_size})")
+        if self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and self.samples_per_prompt < 2:
+            raise ValueError(f"samples_per_prompt must be >= 2 with advantage_estimator = {self.advantage_estimator!r}, "
+                             f"got {self.samples_per_prompt}: its baseline is the other responses to the same prompt")
+        if self.value_lora and not self.uses_critic:
+            raise ValueError(f"value_lora needs a value model; advantage_estimator = {self.advantage_estimator!r} "
+                             "trains none")
         if self.value_lora and self.lora_rank == 0:
             raise ValueError("value_lora needs lora_rank > 0 (the value model's adapters use the policy's rank)")
         if self.target_kl is not None and self.kl_coef == 0:
@@ -355,6 +381,11 @@ class PPOConfig:
         return self.cliprange_high if self.cliprange_high is not None else self.cliprange
 
     @property
+    def uses_critic(self) -> bool:
+        """Whether the run trains a value model (``gae``); the other estimators are critic-free."""
+        return self.advantage_estimator == "gae"
+
+    @property
     def effective_value_lr(self) -> float:
         return self.value_lr if self.value_lr is not None else self.lr
 
@@ -382,6 +413,10 @@ class PPOConfig:
             if getattr(self, key) % n:
                 raise ValueError(f"{key} ({getattr(self, key)}) must be divisible by the number of processes ({n}); "
                                  f"each process takes {key} / {n} sequences")
+        if (self.batch_size // n) % self.samples_per_prompt:
+            raise ValueError(f"samples_per_prompt ({self.samples_per_prompt}) must divide each process's share of "
+                             f"batch_size ({self.batch_size} / {n} = {self.batch_size // n}): a prompt's group of "
+                             "responses is never split between processes")
         local_mini = self.mini_batch_size // n
         if self.micro_batch_size is not None and local_mini % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}, per process) must divide each process's "

@@ -1,21 +1,28 @@
-"""Prompt sets (the built-in default and ``.jsonl`` files) and the seeded order they are sampled in.
+"""Prompt sets (the built-in ones and ``.jsonl`` files) and the seeded order they are sampled in.
 
-The built-in prompts are short and open-ended, inviting an opinion or a description, so that the
-default sentiment reward has room to move: a response about a rainy afternoon can be gloomy or
-cheerful, and PPO learns which one scores.
+A prompt set is a list of records, ``{"prompt": str, <other fields>}``: a ``.jsonl`` file's lines,
+or a built-in set (:data:`BUILTIN_PROMPT_SETS`). The fields besides ``"prompt"`` (an ``"answer"``,
+say) reach the reward as columns (:func:`pyppo.rewards.score_responses`).
+
+The default prompts (:data:`DEFAULT_PROMPTS`) are short and open-ended, inviting an opinion or a
+description, so that the default sentiment reward has room to move: a response about a rainy
+afternoon can be gloomy or cheerful, and PPO learns which one scores. The ``arithmetic`` set
+(:func:`arithmetic_prompts`) has an answer to check, for ``--reward math``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .jsonl import read_objects
 
-__all__ = ["DEFAULT_PROMPTS", "PromptSampler", "load_prompts"]
+__all__ = ["ARITHMETIC_EVAL_SIZE", "BUILTIN_PROMPT_SETS", "DEFAULT_PROMPTS", "PromptSampler", "arithmetic_prompts",
+           "load_prompt_records", "load_prompts", "prompt_columns", "prompt_fields"]
 
 DEFAULT_PROMPTS: list[str] = [
     # Descriptions
@@ -91,56 +98,174 @@ DEFAULT_PROMPTS: list[str] = [
 ]
 
 
-def load_prompts(path: str | os.PathLike, *, flag: str = "--prompts") -> list[str]:
-    """Read prompts from a JSON Lines file, one ``{"prompt": "..."}`` object per line.
+#: Prompts the ``arithmetic-eval`` set holds back from ``arithmetic``.
+ARITHMETIC_EVAL_SIZE = 64
 
-    Blank lines are skipped; other keys on a line are ignored (so a data set with extra fields
-    works as is).
+
+def arithmetic_prompts(split: str = "train", *, seed: int = 0) -> list[dict]:
+    """The built-in arithmetic problems: ``{"prompt": "What is 7 + 12? Give the answer as a number.",
+    "answer": "19"}``.
+
+    Every sum ``a + b`` and every difference ``a - b >= 0`` of two numbers from 1 to 20 (610
+    problems), small enough that a 135M instruct model solves some of them, so that RL with
+    ``--reward math`` has something to improve. ``"eval"`` is :data:`ARITHMETIC_EVAL_SIZE` of them,
+    chosen by a hash of ``seed`` and the question (the same on every machine and Python version);
+    ``"train"`` is the rest. Both are in the order ``+`` before ``-``, then by ``a``, then ``b``.
 
     Args:
-        path: the ``.jsonl`` file.
-        flag: the option that named it (``--prompts``, ``--eval-prompts``), for the messages.
+        split: ``"train"`` (``--prompts arithmetic``) or ``"eval"`` (``--eval-prompts arithmetic-eval``).
+        seed: which problems are held out.
 
     Returns:
-        The prompts, in file order.
+        New dicts, one per problem; ``"answer"`` is the result as a string.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: a line is not a JSON object with a non-empty string ``"prompt"`` (the message
-            gives ``path:line``), or the file holds no prompt.
+        ValueError: an unknown split.
     """
-    path = Path(path).expanduser()
+    if split not in ("train", "eval"):
+        raise ValueError(f"arithmetic_prompts: split must be 'train' or 'eval', got {split!r}")
+    problems = [(a, op, b) for op in "+-" for a in range(1, 21) for b in range(1, 21) if op == "+" or a >= b]
+
+    def question(a: int, op: str, b: int) -> str:
+        return f"What is {a} {op} {b}? Give the answer as a number."
+
+    def rank(problem) -> bytes:
+        return hashlib.sha256(f"{seed}:{question(*problem)}".encode()).digest()
+
+    held_out = set(sorted(problems, key=rank)[:ARITHMETIC_EVAL_SIZE])
+    return [{"prompt": question(a, op, b), "answer": str(a + b if op == "+" else a - b)}
+            for a, op, b in problems if ((a, op, b) in held_out) == (split == "eval")]
+
+
+#: The prompt sets ``--prompts`` and ``--eval-prompts`` know by name (a file of that name needs a
+#: path such as ``./arithmetic``).
+BUILTIN_PROMPT_SETS: Dict[str, Callable[[], List[dict]]] = {
+    "arithmetic": lambda: arithmetic_prompts("train"),
+    "arithmetic-eval": lambda: arithmetic_prompts("eval"),
+}
+
+
+def _checked_records(source: str | os.PathLike, flag: str) -> Iterator[Tuple[str, dict]]:
+    """``(where, record)`` for each prompt of a built-in set or ``.jsonl`` file, its ``"prompt"``
+    checked; ``where`` names the line (``path:line``) for messages."""
+    if isinstance(source, str) and source in BUILTIN_PROMPT_SETS:
+        for i, record in enumerate(BUILTIN_PROMPT_SETS[source]()):
+            yield f"{flag} {source!r}, prompt {i}", record
+        return
+    path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
-    prompts: list[str] = []
+    empty = True
     for where, obj in read_objects(path, expected='a JSON object {"prompt": "..."}'):
         if "prompt" not in obj:
             raise ValueError(f"{where}: missing key \"prompt\" (keys: {sorted(obj)})")
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
-        prompts.append(prompt)
-    if not prompts:
+        empty = False
+        yield where, obj
+    if empty:
         raise ValueError(f"{flag} {str(path)!r}: the file holds no prompt (one {{\"prompt\": ...}} per line)")
-    return prompts
+
+
+def _names(fields) -> str:
+    return ", ".join(repr(f) for f in sorted(fields)) or "none"
+
+
+def load_prompt_records(source: str | os.PathLike, *, flag: str = "--prompts") -> list[dict]:
+    """Read a prompt set: a JSON Lines file of ``{"prompt": "...", <other fields>}`` objects, or the
+    name of a built-in set (:data:`BUILTIN_PROMPT_SETS`: ``"arithmetic"``, ``"arithmetic-eval"``).
+
+    The fields besides ``"prompt"`` are kept as JSON gave them; a reward receives each as a column
+    (:func:`pyppo.rewards.score_responses`), so every line must have the same ones. Blank lines
+    are skipped.
+
+    Args:
+        source: the ``.jsonl`` file, or a built-in set's name (matched before any file).
+        flag: the option that named it (``--prompts``, ``--eval-prompts``), for the messages.
+
+    Returns:
+        One dict per prompt, in file order, ``"prompt"`` a non-empty string.
+
+    Raises:
+        FileNotFoundError: ``source`` is neither a built-in set nor an existing file.
+        ValueError: a line is not a JSON object with a non-empty string ``"prompt"``, or its fields
+            besides ``"prompt"`` differ from the first line's (the message gives ``path:line`` and
+            both lines' fields), or the file holds no prompt.
+    """
+    records: list[dict] = []
+    first_where, first_fields = "", frozenset()
+    for where, record in _checked_records(source, flag):
+        fields = frozenset(record) - {"prompt"}
+        if not records:
+            first_where, first_fields = where, fields
+        elif fields != first_fields:
+            raise ValueError(f"{where}: its fields besides \"prompt\" are {_names(fields)}, but {first_where}'s are "
+                             f"{_names(first_fields)}; every line needs the same fields (a reward receives each "
+                             "as a column)")
+        records.append(record)
+    return records
+
+
+def load_prompts(path: str | os.PathLike, *, flag: str = "--prompts") -> list[str]:
+    """The prompt strings of a ``.jsonl`` file (or built-in set), as :func:`load_prompt_records`
+    reads them; other keys on a line are ignored, and need not be the same on every line.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_prompt_records`, but for differing fields.
+    """
+    return [record["prompt"] for _, record in _checked_records(path, flag)]
+
+
+def prompt_fields(prompts: Sequence[Union[str, Mapping[str, Any]]]) -> list[str]:
+    """The sorted field names besides ``"prompt"`` of a prompt list's first record (none for strings)."""
+    first = prompts[0] if len(prompts) else None
+    return sorted(set(first) - {"prompt"}) if isinstance(first, Mapping) else []
+
+
+def prompt_columns(prompts: Sequence[Union[str, Mapping[str, Any]]]) -> Tuple[List[str], Optional[Dict[str, list]]]:
+    """Split prompts (strings, or records as :func:`load_prompt_records` gives them) into the prompt
+    strings and one column per field, as :func:`pyppo.rewards.score_responses` takes them.
+
+    Returns:
+        ``(texts, fields)``: ``fields`` maps each field name of the first record to the values of
+        every prompt in order; ``None`` when the prompts are strings or have no other field.
+
+    Raises:
+        ValueError: a record lacks a field the first one has.
+    """
+    texts = [p if isinstance(p, str) else p["prompt"] for p in prompts]
+    names = prompt_fields(prompts)
+    if not names:
+        return texts, None
+    columns: Dict[str, list] = {name: [] for name in names}
+    for i, p in enumerate(prompts):
+        for name in names:
+            if isinstance(p, str) or name not in p:
+                raise ValueError(f"prompts[{i}] has no field {name!r}, which prompts[0] has")
+            columns[name].append(p[name])
+    return texts, columns
 
 
 class PromptSampler:
     """Prompts in a seeded random order, epoch after epoch (each epoch a fresh permutation).
 
     Epoch ``e``'s order is ``numpy.random.default_rng([seed, e]).permutation(N)``, a pure function
-    of ``(seed, e)``, so the state is just ``(epoch, position)``.
+    of ``(seed, e)``, so the state is just ``(epoch, position)``. The prompts are strings or records
+    (mappings with a string ``"prompt"``, as :func:`load_prompt_records` gives them);
+    :meth:`sample` returns them as given.
 
     Raises:
-        ValueError: an empty prompt list or a non-string prompt.
+        ValueError: an empty prompt list, or a prompt that is neither a string nor such a record.
     """
 
-    def __init__(self, prompts: Sequence[str], seed: int):
+    def __init__(self, prompts: Sequence[Union[str, Mapping[str, Any]]], seed: int):
         if len(prompts) == 0:
             raise ValueError("prompts must not be empty")
         for i, p in enumerate(prompts):
-            if not isinstance(p, str):
-                raise ValueError(f"prompts[{i}] must be a str, got {type(p).__name__}")
+            if not (isinstance(p, str) or isinstance(p, Mapping) and isinstance(p.get("prompt"), str)):
+                raise ValueError(f"prompts[{i}] must be a str or a mapping with a str \"prompt\", "
+                                 f"got {type(p).__name__}")
         self.prompts = list(prompts)
         self.seed = int(seed)
         self.epoch = 0
@@ -154,9 +279,9 @@ class PromptSampler:
             self._perm_epoch = self.epoch
         return self._perm
 
-    def sample(self, k: int) -> List[str]:
+    def sample(self, k: int) -> list:
         """The next ``k`` prompts (crossing into the next epoch's permutation when needed)."""
-        out: List[str] = []
+        out: list = []
         n = len(self.prompts)
         while len(out) < k:
             perm = self._permutation()

@@ -1,10 +1,15 @@
 """Reward functions: ``(prompts, responses) -> one float per response``.
 
 A reward is any callable ``reward_fn(prompts: list[str], responses: list[str]) -> list[float]``
-(a list, tuple, 1-D numpy array or 1-D tensor of length ``B`` also works). :func:`load_reward`
-turns a CLI spec into one:
+(a list, tuple, 1-D numpy array or 1-D tensor of length ``B`` also works). As in TRL, it may also
+take the prompts' other fields (the keys of a prompts ``.jsonl`` line besides ``"prompt"``): a
+parameter named like a field, ``reward_fn(prompts, responses, answer)``, receives that field's
+values, one per prompt; ``**kwargs`` receives every field (:func:`score_responses`,
+:func:`check_reward_fields`). :func:`load_reward` turns a CLI spec into one:
 
 * ``"sentiment"`` (the default): VADER compound sentiment of the response, in ``[-1, 1]``;
+* ``"math"``: 1.0 when the response's final answer equals the prompt's ``answer`` field, else 0.0
+  (:mod:`pyppo.math_reward`);
 * ``"module:function"`` or ``"path/to/file.py:function"``: a Python function;
 * a local directory holding a ``transformers`` sequence-classification model: its logit for the
   positive class (or its single logit, for a one-label reward model) of ``prompt + response``.
@@ -19,29 +24,37 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import numbers
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
+from .math_reward import math_reward
+
 __all__ = [
+    "BUILTIN_REWARDS",
     "RewardError",
     "RewardFn",
     "SequenceClassifierReward",
+    "check_reward_fields",
     "load_reward",
+    "math_reward",
     "reward_name",
     "score_responses",
     "sentiment_reward",
     "validate_scores",
 ]
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+#: ``reward_fn(prompts, responses, **fields) -> scores``: the fields it names, if any (see the module).
+RewardFn = Callable[..., Sequence[float]]
 
 
 class RewardError(ValueError):
@@ -156,19 +169,122 @@ def _clip_text(text: str, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def score_responses(reward_fn: RewardFn, prompts: list[str], responses: list[str], *, where: str) -> list[float]:
-    """Call ``reward_fn`` and check its output: one finite float per (prompt, response).
+class _FieldParams(NamedTuple):
+    """The prompt fields a reward takes, read from its signature."""
+
+    named: frozenset      # parameters after (prompts, responses) that can be passed by keyword
+    required: frozenset   # those of them without a default
+    any: bool             # a **kwargs parameter: every field
+    positional: frozenset  # the names of its (prompts, responses) parameters: never passed as fields
+
+
+_NO_FIELDS = _FieldParams(frozenset(), frozenset(), False, frozenset())
+# Per function, so the signature is read once, not at every step; weak, so that a dropped reward
+# (and the model it holds) is freed. A bound method is keyed by its function: every instance
+# takes the same fields.
+_field_params_cache: "weakref.WeakKeyDictionary[Any, _FieldParams]" = weakref.WeakKeyDictionary()
+
+
+def _read_field_params(fn: Callable) -> _FieldParams:
+    try:
+        params = inspect.signature(fn).parameters.values()  # follows __wrapped__ (load_reward's wrapper)
+    except (TypeError, ValueError):  # a builtin without a signature: (prompts, responses) only
+        return _NO_FIELDS
+    named, required, positional, any_field = set(), set(), [], False
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and len(positional) < 2:
+            positional.append(p.name)
+        elif p.kind == p.VAR_KEYWORD:
+            any_field = True
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            named.add(p.name)
+            if p.default is p.empty:
+                required.add(p.name)
+    return _FieldParams(frozenset(named), frozenset(required), any_field, frozenset(positional))
+
+
+def _field_params(fn: Callable) -> _FieldParams:
+    key = fn.__func__ if inspect.ismethod(fn) else fn
+    try:
+        return _field_params_cache[key]
+    except (KeyError, TypeError):  # TypeError: not weakly referable, read every time
+        pass
+    params = _read_field_params(fn)
+    try:
+        _field_params_cache[key] = params
+    except TypeError:
+        pass
+    return params
+
+
+def reward_takes_fields(reward_fn: RewardFn) -> bool:
+    """Whether the reward takes any prompt field: a parameter after ``(prompts, responses)`` or
+    ``**kwargs`` (:func:`check_reward_fields`)."""
+    params = _field_params(reward_fn)
+    return params.any or bool(params.named)
+
+
+def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *,
+                        source: str = "the prompts") -> List[str]:
+    """Check, before anything is loaded, that the prompts have every field the reward requires.
+
+    A reward requires a field when it has a parameter of that name, after ``(prompts,
+    responses)``, without a default; it receives the fields it names (with or without a default)
+    and, with ``**kwargs``, all of them. The signature is read once per function.
 
     Args:
-        where: context for error messages, e.g. ``"step 3"``.
+        reward_fn: the reward (a :func:`load_reward` result or any callable).
+        field_names: the prompts' fields besides ``"prompt"`` (:func:`pyppo.prompts.prompt_fields`).
+        source: how the message names the prompts, e.g. ``"--prompts 'data.jsonl'"``.
+
+    Returns:
+        The sorted names of the fields that :func:`score_responses` will pass it.
 
     Raises:
-        RewardError: the reward raised, or returned bad scores; the message names the reward,
-            ``where`` and, for one bad element, the prompt and response at fault.
+        RewardError (a ValueError): a required field is missing; the message names the reward,
+            the field and the fields the prompts have.
+    """
+    params = _field_params(reward_fn)
+    names = set(field_names)
+    missing = sorted(params.required - names)
+    if missing:
+        name = reward_name(reward_fn)
+        what = f"field {missing[0]!r}" if len(missing) == 1 else f"fields {', '.join(map(repr, missing))}"
+        raise RewardError(f"reward {name!r} needs the prompt {what}, missing from {source}, whose fields besides "
+                          f"\"prompt\" are: {', '.join(map(repr, sorted(names))) or 'none'}", reward=name)
+    return sorted(names - params.positional if params.any else names & params.named)
+
+
+def score_responses(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], *, where: str,
+                    fields: Optional[Dict[str, List[Any]]] = None) -> list[float]:
+    """Call ``reward_fn`` and check its output: one finite float per (prompt, response).
+
+    The reward is called as ``reward_fn(prompts, responses, **{name: column})`` with the columns
+    of ``fields`` that it takes (:func:`check_reward_fields`): a parameter of that name, or
+    ``**kwargs``; a reward that takes only ``(prompts, responses)`` is called with those.
+
+    Args:
+        prompts: ``B`` prompt strings.
+        responses: ``B`` response strings.
+        where: context for error messages, e.g. ``"step 3"``.
+        fields: the prompts' other fields, one list of ``B`` values per field name, aligned with
+            ``prompts`` (:func:`pyppo.prompts.prompt_columns`); None = no fields.
+
+    Raises:
+        RewardError: the reward raised, returned bad scores, or requires a field that ``fields``
+            lacks; the message names the reward, ``where`` and, for one bad element, the prompt
+            and response at fault.
+        ValueError: a column of ``fields`` is not ``B`` long.
     """
     name = reward_name(reward_fn)
+    fields = fields or {}
+    for field, column in fields.items():
+        if len(column) != len(prompts):
+            raise ValueError(f"score_responses: field {field!r} has {len(column)} values for {len(prompts)} prompts "
+                             f"({where})")
     try:
-        return validate_scores(reward_fn(list(prompts), list(responses)), len(responses), name)
+        passed = {field: list(fields[field]) for field in check_reward_fields(reward_fn, fields)}
+        return validate_scores(reward_fn(list(prompts), list(responses), **passed), len(responses), name)
     except RewardError as exc:
         # Also catches a load_reward wrapper's error: add the pair at fault, don't wrap twice.
         detail = where
@@ -182,13 +298,15 @@ def score_responses(reward_fn: RewardFn, prompts: list[str], responses: list[str
 
 
 def _checked(fn: Callable, name: str) -> RewardFn:
-    """Wrap ``fn`` so that every call validates its output (see :func:`validate_scores`)."""
+    """Wrap ``fn`` so that every call validates its output (see :func:`validate_scores`). The
+    wrapper passes prompt fields through; its signature (``__wrapped__``) is ``fn``'s, so
+    :func:`score_responses` gives it the fields ``fn`` takes."""
 
     @functools.wraps(fn)
-    def reward(prompts: list[str], responses: list[str]) -> list[float]:
+    def reward(prompts: list[str], responses: list[str], **fields) -> list[float]:
         if len(prompts) != len(responses):
             raise RewardError(f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses", reward=name)
-        return validate_scores(fn(list(prompts), list(responses)), len(responses), name)
+        return validate_scores(fn(list(prompts), list(responses), **fields), len(responses), name)
 
     reward.reward_name = name
     return reward
@@ -337,17 +455,22 @@ def _load_function(spec: str) -> Callable:
     return obj
 
 
+#: The rewards ``--reward`` knows by name (matched before any directory of that name).
+BUILTIN_REWARDS: Dict[str, RewardFn] = {"sentiment": sentiment_reward, "math": math_reward}
+
+
 def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.device = "cpu") -> RewardFn:
     """Turn a reward spec into a validated ``reward_fn(prompts, responses) -> list[float]``.
 
     Args:
-        spec: ``"sentiment"``; a local directory with a sequence-classification model;
-            ``"module:function"`` / ``"file.py:function"``; or a callable (wrapped as is).
+        spec: ``"sentiment"`` or ``"math"`` (:data:`BUILTIN_REWARDS`); a local directory with a
+            sequence-classification model; ``"module:function"`` / ``"file.py:function"``; or a
+            callable (wrapped as is). A function may take prompt fields (see :func:`score_responses`).
         device: device of a classifier reward model.
 
     Returns:
         A callable whose every output is checked by :func:`validate_scores`; its ``reward_name``
-        attribute is the spec.
+        attribute is the spec, and its signature the function's (so it takes the same fields).
 
     Raises:
         ValueError: the spec matches none of the forms.
@@ -358,8 +481,8 @@ def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.devic
         return _checked(spec, getattr(spec, "__name__", repr(spec)))
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"reward spec must be a non-empty string, got {spec!r}")
-    if spec == "sentiment":
-        return _checked(sentiment_reward, "sentiment")
+    if spec in BUILTIN_REWARDS:
+        return _checked(BUILTIN_REWARDS[spec], spec)
     path = Path(spec).expanduser()
     # A path is checked before "module:function", so that a directory whose name has a colon in it
     # (or a Windows drive letter) still works.
@@ -368,5 +491,5 @@ def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.devic
     if ":" in spec:
         return _checked(_load_function(spec), spec)
     raise ValueError(
-        f"reward {spec!r} is not 'sentiment', an existing model directory, or 'module:function'"
+        f"reward {spec!r} is not 'sentiment', 'math', an existing model directory, or 'module:function'"
     )

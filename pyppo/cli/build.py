@@ -3,7 +3,7 @@ by ``pyppo train`` and ``pyppo profile`` alike."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, List, Optional, Union
 
 from .. import models, prompts as prompt_sets, rewards
 from ..config import PPOConfig
@@ -13,20 +13,66 @@ from ..trainer import PPOTrainer
 __all__ = ["check_sources", "build_trainer"]
 
 
-def check_sources(model: str, reward: str, prompts: Optional[str], device: str):
+def _load_prompts(source: Optional[str], flag: str, reward_fn) -> Optional[List[dict]]:
+    """The prompt set's records; for a reward that takes no field, only their prompts (so that
+    lines may carry other keys that differ, as any metadata, as before rewards took fields)."""
+    if not source:
+        return None
+    if rewards.reward_takes_fields(reward_fn):
+        return prompt_sets.load_prompt_records(source, flag=flag)
+    return [{"prompt": p} for p in prompt_sets.load_prompts(source, flag=flag)]
+
+
+def _for_trainer(records: List[dict]) -> List[Union[str, dict]]:
+    """The records when they have fields besides "prompt", else their strings (as before records)."""
+    return records if prompt_sets.prompt_fields(records) else [r["prompt"] for r in records]
+
+
+def _fits(reward_fn, set_name: str) -> bool:
+    try:
+        fields = prompt_sets.prompt_fields(prompt_sets.BUILTIN_PROMPT_SETS[set_name]())
+        rewards.check_reward_fields(reward_fn, fields)
+    except rewards.RewardError:
+        return False
+    return True
+
+
+def _check_fields(reward_fn, records: Optional[List[dict]], source: Optional[str], flag: str) -> None:
+    """:func:`~pyppo.rewards.check_reward_fields` on one prompt set; when the prompts lack a field,
+    the message names a built-in set that has what the reward needs."""
+    where = f"{flag} {source!r}" if source else "the default prompts (no --prompts)"
+    try:
+        rewards.check_reward_fields(reward_fn, prompt_sets.prompt_fields(records or []), source=where)
+    except rewards.RewardError as exc:
+        eval_set = flag == "--eval-prompts"
+        fitting = [name for name in prompt_sets.BUILTIN_PROMPT_SETS
+                   if name.endswith("-eval") == eval_set and name != source and _fits(reward_fn, name)]
+        hint = f"; the built-in set {flag} {fitting[0]} has what it needs" if fitting else ""
+        raise rewards.RewardError(f"{exc}{hint}", reward=exc.reward) from None
+
+
+def check_sources(model: str, reward: str, prompts: Optional[str], device: str,
+                  eval_prompts: Optional[str] = None):
     """The cheap checks, before anything large is loaded: the model source exists, the prompts
-    parse, the reward loads. Returns ``(reward_fn, prompt list)``.
+    parse, the reward loads and the prompts have the fields it requires. Returns ``(reward_fn,
+    prompts, eval prompts or None)``, the prompts as the trainer takes them: strings, or records
+    (dicts) when the set has fields besides ``"prompt"``.
 
     Raises:
         FileNotFoundError, ModuleNotFoundError, ValueError: a bad source, naming it.
     """
     models.resolve_model_source(model)
-    prompt_list = prompt_sets.load_prompts(prompts) if prompts else list(prompt_sets.DEFAULT_PROMPTS)
     try:
         reward_fn = rewards.load_reward(reward, device=local_device(device))
     except (AttributeError, TypeError) as exc:  # "module:function" naming a missing or non-callable attribute
         raise ValueError(str(exc)) from None
-    return reward_fn, prompt_list
+    records = _load_prompts(prompts, "--prompts", reward_fn)
+    eval_records = _load_prompts(eval_prompts, "--eval-prompts", reward_fn)
+    _check_fields(reward_fn, records, prompts, "--prompts")
+    if eval_records is not None:
+        _check_fields(reward_fn, eval_records, eval_prompts, "--eval-prompts")
+    prompt_list: List[Any] = _for_trainer(records) if records else list(prompt_sets.DEFAULT_PROMPTS)
+    return reward_fn, prompt_list, _for_trainer(eval_records) if eval_records else None
 
 
 def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, reward: str = "sentiment",
@@ -39,15 +85,16 @@ def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, rewar
         model: ``"smollm2-135m-instruct"``, a local Hugging Face model directory or a ``.gguf`` file;
             also the reference (a frozen copy) and the value model's backbone (a trainable copy).
         reward: a :func:`pyppo.rewards.load_reward` spec.
-        prompts: a ``.jsonl`` file of ``{"prompt": ...}`` lines; ``None`` = the built-in prompts.
-        eval_prompts: held-out prompts in the same format, for ``eval_every``; ``None`` = none.
+        prompts: a ``.jsonl`` file of ``{"prompt": ..., <fields>}`` lines or a built-in set's name
+            (:func:`pyppo.prompts.load_prompt_records`); ``None`` = the default prompts. With
+            fields besides ``"prompt"`` the trainer gets the records (dicts), else the strings.
+        eval_prompts: held-out prompts in the same forms, for ``eval_every``; ``None`` = none.
         before_loading: called after the cheap checks, before the model loads (e.g. to say so).
 
     Raises:
         as :func:`check_sources` and :func:`pyppo.models.load_model_and_tokenizer`.
     """
-    reward_fn, prompt_list = check_sources(model, reward, prompts, config.device)
-    eval_list = prompt_sets.load_prompts(eval_prompts, flag="--eval-prompts") if eval_prompts else None
+    reward_fn, prompt_list, eval_list = check_sources(model, reward, prompts, config.device, eval_prompts)
     if before_loading is not None:
         before_loading()
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).

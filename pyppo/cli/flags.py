@@ -93,10 +93,15 @@ def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = Fa
     src.add_argument("--model", metavar="NAME|DIR|FILE.gguf", default=DEFAULT_MODEL if required_defaults else None,
                      help=f"policy to start from: {DEFAULT_MODEL!r} (default), a local HF model dir or a .gguf file")
     src.add_argument("--reward", metavar="SPEC", default="sentiment" if required_defaults else None,
-                     help="'sentiment' (default, VADER compound of the response), 'module:function', "
-                          "'file.py:function', or a local HF sequence-classification model dir")
-    src.add_argument("--prompts", metavar="FILE.jsonl",
-                     help='prompts, one {"prompt": ...} per line (default: the built-in set)')
+                     help="'sentiment' (default, VADER compound of the response), 'math' (1.0 when the response's "
+                          "final answer, its last \\boxed{} or number, equals the prompt's \"answer\", else 0.0), "
+                          "'module:function', 'file.py:function' (a function of (prompts, responses) and any prompt "
+                          "fields it names), or a local HF sequence-classification model dir")
+    src.add_argument("--prompts", metavar="FILE.jsonl|NAME",
+                     help='prompts, one {"prompt": ..., <fields for the reward>} per line, or a built-in set: '
+                          "'arithmetic' (sums and differences of numbers from 1 to 20, with an \"answer\" for "
+                          "--reward math) (default: open-ended prompts for the sentiment reward)")
     if eval_prompts:
-        src.add_argument("--eval-prompts", metavar="FILE.jsonl",
-                         help="held-out prompts (same format), evaluated every --eval-every steps and after the last")
+        src.add_argument("--eval-prompts", metavar="FILE.jsonl|NAME",
+                         help="held-out prompts (same format, or 'arithmetic-eval': arithmetic problems that "
+                              "'arithmetic' holds out), evaluated every --eval-every steps and after the last")

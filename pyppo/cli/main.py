@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pyppo`` and ``python -m pyppo``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = argv is None  # this process is the command: it exits when main returns
     try:
         with _plain_warnings():
             status = args.func(args)

@@ -32,7 +32,7 @@ Per phase the table also gives the model work done in it:
 * ``tokens``, ``pad`` and ``tokens/s``: generate: tokens sampled, ``B × T`` (pad: sampled after a
   row's EOS; the prompt positions prefilled and their padding are given below the table); a
   forward: positions fed, ``B × (P + T)`` as the micro-batches were fed (pad: padding positions);
-  update: those × ``ppo_epochs`` (each through the policy and the value model). The step row:
+  update: those × ``ppo_epochs`` (each through the policy and the value model, if any). The step row:
   total FLOPs, the step's MFU, tokens sampled per step second.
 
 Files written to ``--output DIR`` (default: the current directory):

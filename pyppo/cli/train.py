@@ -118,6 +118,8 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
         CLIError: unknown key, missing file, invalid value (PPOConfig's validation message).
     """
     from pyppo.models import DEFAULT_MODEL
+    from pyppo.prompts import BUILTIN_PROMPT_SETS
+    from pyppo.rewards import BUILTIN_REWARDS
 
     merged: dict = {"model": DEFAULT_MODEL, "reward": "sentiment", "prompts": None, "eval_prompts": None,
                     **TRAIN_DEFAULTS}
@@ -145,7 +147,7 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
                            "start a new run (--output) to change it")
         merged[key] = value
     flags = config_flag_values(args)
-    _check_lora_flags(flags, resumed if resume_dir is not None else None)
+    _check_resume_flags(flags, resumed if resume_dir is not None else None)
     merged.update(flags)
     # `--batch-size 8` alone should work: when the mini-batch size is still TRAIN_DEFAULTS' and does
     # not divide the batch, train on the whole batch at once.
@@ -154,9 +156,10 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
         merged["mini_batch_size"] = flags["batch_size"]
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
-    # Paths are stored absolute in the resolved config, so `--resume` works from any directory.
+    # Paths are stored absolute in the resolved config, so `--resume` works from any directory;
+    # a built-in set's name ("arithmetic") is kept as it is.
     for key in ("prompts", "eval_prompts"):
-        if run[key]:
+        if run[key] and run[key] not in BUILTIN_PROMPT_SETS:
             path = Path(run[key]).expanduser()
             if not path.is_file():
                 raise CLIError(f"{flag_name(key)} {run[key]!r}: no such file")
@@ -165,9 +168,10 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
     if model_path.exists():
         run["model"] = str(model_path.resolve())
     if not isinstance(run["reward"], str) or not run["reward"]:
-        raise CLIError(f"--reward must be 'sentiment', a model directory or 'module:function', got {run['reward']!r}")
+        raise CLIError(f"--reward must be 'sentiment', 'math', a model directory or 'module:function', got {run['reward']!r}")
     reward_path = Path(run["reward"]).expanduser()
-    if reward_path.is_dir():
+    # A built-in reward's name ("math") stays one, even beside a directory of that name.
+    if reward_path.is_dir() and run["reward"] not in BUILTIN_REWARDS:
         run["reward"] = str(reward_path.resolve())
     elif ".py:" in run["reward"]:  # file.py:function: the file, found from any directory later
         file, _, function = run["reward"].rpartition(":")
@@ -210,14 +214,20 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
 _LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "value_lora")
 
 
-def _check_lora_flags(flags: dict, resumed: dict | None) -> None:
-    """A resumed run's LoRA settings are those its checkpoint was trained with.
+def _check_resume_flags(flags: dict, resumed: dict | None) -> None:
+    """A resumed run's LoRA settings are those its checkpoint was trained with, and so is whether
+    it has a value model (``advantage_estimator = "gae"`` or a critic-free one).
 
     Raises:
-        CLIError: a LoRA flag that differs from the resumed run's config.toml.
+        CLIError: a LoRA flag that differs from the resumed run's config.toml, or an estimator of
+            the other kind.
     """
     if resumed is None:
         return
+    new, old = flags.get("advantage_estimator"), resumed.get("advantage_estimator", "gae")
+    if new is not None and (new == "gae") != (old == "gae"):
+        raise CLIError(f"--advantage-estimator {new!r}: the resumed run's is {old!r}, and its checkpoint "
+                       f"{'has a' if old == 'gae' else 'has no'} value model; start a new run (--output) to change it")
     for key in _LORA_KEYS:
         if key in flags and key in resumed and flags[key] != resumed[key]:
             raise CLIError(f"{flag_name(key)} {flags[key]!r} differs from the resumed run's {key} {resumed[key]!r}: "
@@ -244,7 +254,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
     stop = GracefulStop(say=main_rank, single_process=int(os.environ.get("WORLD_SIZE", "1")) == 1)
-    with stop.installed():
+    with stop.installed(keep=getattr(args, "command_line", False)):
         return _train(args, stop, main_rank)
 
 

@@ -138,7 +138,8 @@ class ShapeRecorder:
         if trainer.ref_policy is not None:
             ref_head = trainer.ref_logprobs if isinstance(trainer.ref_logprobs, nn.Module) else None
             self._add_lm("reference", trainer.ref_policy, ref_head)
-        self._add_value(trainer.value_model)
+        if trainer.value_model is not None:
+            self._add_value(trainer.value_model)
 
     def _add_lm(self, name: str, model: nn.Module, logprob_head: Optional[nn.Module]) -> None:
         base = _unwrap_peft(model)

@@ -88,6 +88,8 @@ def phase_table(events, metrics: dict) -> dict:
     step_s = float(metrics.get("step_seconds", 0.0))
     rows = []
     for phase in PHASES:
+        if f"time_{phase}" not in metrics and not ranges[phase]:
+            continue  # a phase this step does not have (value_forward without a value model)
         merged = _merge(ranges[phase])
         prof_s = sum(b - a for a, b in merged) * 1e-6
         seconds = float(metrics.get(f"time_{phase}", prof_s))
@@ -174,7 +176,7 @@ def _flop_notes(table: dict) -> List[str]:
             f"{gen['prefill_tokens']} prompt positions ({gen['prefill_padding_tokens']} padding) and "
             f"{gen['decode_forwards']} decode forwards; a forward = positions fed, B x (P + T) (pad: padding "
             f"positions); update = those x {info['ppo_epochs']} epoch(s), through the policy and the value model "
-            "each; step = tokens sampled per step second.")
+            "(if any) each; step = tokens sampled per step second.")
     lines.append("score and advantages: no model FLOPs (the reward function's own model is not counted).")
     return lines
 

@@ -245,14 +245,16 @@ def restore_training_state(module: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 def save_trainer(trainer: Any, directory: str | os.PathLike) -> Optional[Path]:
-    """Write everything needed to resume exactly, swapped in atomically (SIGKILL-safe: :func:`save`): the trained weights of both models (every weight, or only the
-    LoRA adapters and the value head), both AdamW states, and the trainer state (step, KL
+    """Write everything needed to resume exactly, swapped in atomically (SIGKILL-safe: :func:`save`): the trained weights of the policy and the value model, if any (every weight, or only the
+    LoRA adapters and the value head; a critic-free run's ``value_model.pt`` is empty), their AdamW states, and the trainer state (step, KL
     controller, prompt position, shuffle generator, every rank's RNGs, skip counters, config).
     The warm-up's learning rate is a function of the applied optimizer steps, which are saved. Every rank calls it;
     rank 0 writes and gets the directory, the others ``None``."""
     policy_state, policy_optim = training_state(trainer.policy_module, trainer.policy_optimizer,
                                                            prefix="model.")
-    value_state, value_optim = training_state(trainer.value_module, trainer.value_optimizer)
+    # A critic-free run has no value model: its value_model.pt is empty.
+    value_state, value_optim = (training_state(trainer.value_module, trainer.value_optimizer)
+                                if trainer.value_module is not None else ({}, None))
     rngs = distributed.gather_objects(capture_rng(), trainer.world)
     saved = None
     if trainer.world.is_main:
@@ -277,8 +279,9 @@ def load_trainer(trainer: Any, directory: str | os.PathLike) -> Path:
     Raises:
         FileNotFoundError: no complete checkpoint (naming the missing files).
         ValueError: a corrupt file; a different KL controller type or prompt count; weights that
-            do not match the trained ones (e.g. a LoRA checkpoint into a full fine-tune); or a
-            checkpoint of another number of processes.
+            do not match the trained ones (e.g. a LoRA checkpoint into a full fine-tune); a
+            checkpoint with a value model into a critic-free run or the reverse; or a checkpoint
+            of another number of processes.
     """
     d, files = load(directory, trainer.device)
     st = files["trainer_state.pt"]
@@ -286,10 +289,15 @@ def load_trainer(trainer: Any, directory: str | os.PathLike) -> Path:
     if saved_n != trainer.world.size:
         raise ValueError(f"checkpoint {str(d)!r} was written by {saved_n} process(es), this run has "
                          f"{trainer.world.size}; resume with torchrun --nproc-per-node {saved_n}")
+    if (trainer.value_module is None) != (not files["value_model.pt"]):
+        has, run = ("no", "trains one") if trainer.value_module is not None else ("a", "trains none")
+        raise ValueError(f"checkpoint {str(d)!r} has {has} value model, and this run (advantage_estimator = "
+                         f"{trainer.config.advantage_estimator!r}) {run}: resume with the checkpoint's estimator")
     restore_training_state(trainer.policy_module, trainer.policy_optimizer, files["policy.pt"],
                                       files["optimizers.pt"]["policy"], prefix="model.", what="policy")
-    restore_training_state(trainer.value_module, trainer.value_optimizer, files["value_model.pt"],
-                                      files["optimizers.pt"]["value"], what="value model")
+    if trainer.value_module is not None:
+        restore_training_state(trainer.value_module, trainer.value_optimizer, files["value_model.pt"],
+                               files["optimizers.pt"]["value"], what="value model")
     trainer.load_state_dict(st)
     restore_rng(st["rank_rng"][trainer.world.rank] if "rank_rng" in st else st)
     trainer.resumed_step = trainer.step_count

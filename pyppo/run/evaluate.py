@@ -10,15 +10,17 @@ import torch
 from .. import distributed
 from ..ops import kl_penalty
 from ..precision import autocast
+from ..prompts import prompt_columns
 from ..rewards import score_responses
 
 __all__ = ["evaluate_prompts"]
 
 
 @torch.no_grad()
-def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[str]] = None) -> Tuple[Dict[str, float], List[dict]]:
-    """Sample one response to each held-out prompt (``trainer.eval_prompts`` by default) as a
-    rollout does, score it with the training reward and measure its KL to the reference.
+def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[Any]] = None) -> Tuple[Dict[str, float], List[dict]]:
+    """Sample one response to each held-out prompt (``trainer.eval_prompts`` by default: strings,
+    or records whose fields the reward receives) as a rollout does, score it with the training
+    reward and measure its KL to the reference.
 
     Returns:
         ``(metrics, rows)``: ``eval/score_mean`` (raw scores), ``eval/kl_mean`` (the
@@ -41,10 +43,10 @@ def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[str]] = None) -> T
     rows: List[dict] = []
     trainer.sync_engine()  # an engine with its own copy of the weights samples the current policy
     for start in range(0, per_rank, b):
-        chunk = padded[start:start + b]
+        chunk, fields = prompt_columns(padded[start:start + b])
         batch = trainer.rollout(chunk)
         scores = score_responses(trainer.reward_fn, batch.prompts, batch.responses,
-                                 where=f"evaluation after step {trainer.step_count}")
+                                 where=f"evaluation after step {trainer.step_count}", fields=fields)
         logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
         for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(trainer.device)

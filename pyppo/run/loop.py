@@ -101,7 +101,8 @@ def _signal_hooks(trainer: Any, stop: Optional[GracefulStop]):
     """While the loop runs: a signal is acted on at the next forward of any model (a step may be
     abandoned there) and no optimizer step starts once it may not (``stop.commit``)."""
     handles = [] if stop is None else (
-        [opt.register_step_pre_hook(stop.commit) for opt in (trainer.policy_optimizer, trainer.value_optimizer)]
+        [opt.register_step_pre_hook(stop.commit) for opt in (trainer.policy_optimizer, trainer.value_optimizer)
+         if opt is not None]
         + [m.register_forward_pre_hook(stop.poll) for m in (trainer.policy, trainer.ref_policy, trainer.value_model)
            if m is not None])
     try:
@@ -121,8 +122,7 @@ def _step_start_state(trainer: Any) -> dict:
 def _restore_step_start(trainer: Any, state: dict) -> None:
     checkpoint.restore_rng(state["rng"])
     trainer.load_state_dict(state)
-    trainer.policy_optimizer.zero_grad(set_to_none=True)
-    trainer.value_optimizer.zero_grad(set_to_none=True)
+    trainer.zero_grad()
 
 
 def _log(trainer: Any, run: RunDir, result: Any, eval_rows: List[dict]) -> None:

@@ -79,12 +79,16 @@ class GracefulStop:
         self._previous = []
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["GracefulStop"]:
+    def installed(self, *, keep: bool = False) -> Iterator["GracefulStop"]:
+        """The handlers for the ``with`` block. ``keep``: leave them installed after it (the
+        process is about to exit; restoring Python's default would let a signal in the gap end it
+        with a ``KeyboardInterrupt`` instead of the exit status of :meth:`_handle`)."""
         self.install()
         try:
             yield self
         finally:
-            self.uninstall()
+            if not keep:
+                self.uninstall()
 
     # ---------------------------------------------------------------------------- phases
     def training(self) -> None:

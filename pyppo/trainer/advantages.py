@@ -1,26 +1,60 @@
-"""Advantage estimators: from a rollout's shaped per-token rewards (and values) to advantages and
-returns, point 5 of a step (``docs/trainer.md``).
+"""Advantage estimators: from a rollout's scores, shaped per-token rewards (and values) to
+advantages and returns, point 5 of a step (``docs/trainer.md``, "Advantage estimators": the
+formulas and their sources; the group step's numerics in ``docs/ops.md``, "group_advantages").
 
-An estimator is a function ``(batch, config) -> (advantages [B, T], returns [B, T])``, float32,
-0 at masked positions, registered by name in :data:`ADVANTAGE_ESTIMATORS`. It reads the batch's
-``rewards`` (the score and the KL penalty already shaped in, :func:`pyppo.ops.shape_rewards`),
-``values`` and ``response_mask``. Whitening over the whole batch (every rank's) is the trainer's,
-after the estimator.
+An estimator is an :class:`Estimator`: a function ``(batch, config) -> (advantages [B, T],
+returns [B, T])``, float32, 0 at masked positions, plus whether it needs a value model and
+whether the trainer whitens its advantages over the whole batch (every rank's) afterwards. It is
+registered by name in :data:`ADVANTAGE_ESTIMATORS` (the names of ``PPOConfig.advantage_estimator``).
+Each reads the batch's ``rewards`` (the score and the KL penalty already shaped in,
+:func:`pyppo.ops.shape_rewards`); ``gae`` also its ``values``. The group estimators take each
+response's rewards summed (:func:`sequence_rewards`): with ``kl_coef = 0`` its score, the KL then
+regularised through ``kl_loss_coef`` as GRPO does.
+
+The group estimators take the batch's rows as groups of ``samples_per_prompt`` consecutive
+responses to one prompt (the layout :meth:`pyppo.trainer.PPOTrainer.step` samples; a group is
+never split between processes).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
 import torch
 
+from ..config import ADVANTAGE_ESTIMATORS as NAMES
 from ..config import PPOConfig
-from ..ops import gae
+from ..ops import gae, group_advantages
 from .buffer import RolloutBuffer
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "gae_advantages", "get_estimator"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "Estimator", "GROUP_EPS", "gae_advantages", "grpo_advantages",
+           "rloo_advantages", "reinforce_pp_advantages", "sequence_rewards", "reinforce_pp_baseline_advantages", "get_estimator"]
 
-AdvantageEstimator = Callable[[RolloutBuffer, PPOConfig], Tuple[torch.Tensor, torch.Tensor]]
+#: The ``eps`` of the group standard deviation (veRL 0.9.1's ``compute_grpo_outcome_advantage``).
+GROUP_EPS = 1e-6
+
+EstimatorFn = Callable[[RolloutBuffer, PPOConfig], Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator as the trainer uses it.
+
+    Attributes:
+        fn: ``(batch, config) -> (advantages [B, T], returns [B, T])``.
+        uses_critic: it reads ``batch.values``: the trainer builds, trains and checkpoints a
+            value model (otherwise none exists, and the value metrics are absent).
+        whitened: the trainer whitens its advantages over the global batch afterwards (when
+            ``whiten_advantages``); ``False`` for estimators normalised within each group.
+    """
+
+    fn: EstimatorFn
+    uses_critic: bool
+    whitened: bool
+
+    def __call__(self, batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(batch, config)
 
 
 def gae_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -31,11 +65,62 @@ def gae_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tenso
     return gae(batch.rewards, batch.values, batch.response_mask, gamma=config.gamma, lam=config.lam)
 
 
-#: Estimators by name.
-ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {"gae": gae_advantages}
+def sequence_rewards(batch: RolloutBuffer) -> torch.Tensor:
+    """``[B]`` float32: each response's rewards summed over its valid tokens, the score plus its
+    KL penalty (``kl_coef = 0``: the score), what veRL's outcome estimators sum from
+    ``token_level_rewards``."""
+    return (batch.rewards * batch.response_mask).sum(-1)
 
 
-def get_estimator(name: str) -> AdvantageEstimator:
+def _outcome(batch: RolloutBuffer, config: PPOConfig, estimator: str, std_normalize: bool):
+    advantages = group_advantages(sequence_rewards(batch), batch.response_mask, group_size=config.samples_per_prompt,
+                                  estimator=estimator, eps=GROUP_EPS, std_normalize=std_normalize)
+    return advantages, advantages  # no value model: the returns are only logged
+
+
+def grpo_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's outcome advantage (Shao et al. 2024, "DeepSeekMath", §4.1.2): each response's
+    :func:`sequence_rewards` minus its group's mean, over the group's standard deviation (``+ 1e-6``), on every token of
+    the response; ``grpo_std_normalize = false`` subtracts the mean only (Dr. GRPO, Liu et al.
+    2025, "Understanding R1-Zero-Like Training", §3.2). :func:`pyppo.ops.group_advantages`."""
+    return _outcome(batch, config, "grpo", config.grpo_std_normalize)
+
+
+def rloo_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for
+    Free!"; Ahmadian et al. 2024, "Back to Basics", eq. 6): each response's :func:`sequence_rewards`
+    minus the mean of the other responses' to its prompt, on every token. :func:`pyppo.ops.group_advantages`."""
+    return _outcome(batch, config, "rloo", False)
+
+
+def reinforce_pp_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, "REINFORCE++", eqs. 4-6): each token's discounted return
+    ``sum_{k >= t} gamma^(k-t) r_k`` of the KL-shaped rewards, no value baseline (the trainer
+    whitens them over the global batch). Computed as GAE with ``values = 0`` and ``lam = 1``."""
+    zeros = torch.zeros_like(batch.rewards)
+    advantages, _ = gae(batch.rewards, zeros, batch.response_mask, gamma=config.gamma, lam=1.0)
+    return advantages, advantages
+
+
+def reinforce_pp_baseline_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu 2025; veRL's ``reinforce_plus_plus_baseline``):
+    each response's :func:`sequence_rewards` minus its group's mean, on every token (the trainer
+    then whitens over the global batch)."""
+    return _outcome(batch, config, "grpo", False)
+
+
+#: Estimators by name (``PPOConfig.advantage_estimator``).
+ADVANTAGE_ESTIMATORS: Dict[str, Estimator] = {
+    "gae": Estimator(gae_advantages, uses_critic=True, whitened=True),
+    "grpo": Estimator(grpo_advantages, uses_critic=False, whitened=False),
+    "rloo": Estimator(rloo_advantages, uses_critic=False, whitened=False),
+    "reinforce_pp": Estimator(reinforce_pp_advantages, uses_critic=False, whitened=True),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline_advantages, uses_critic=False, whitened=True),
+}
+assert tuple(ADVANTAGE_ESTIMATORS) == NAMES
+
+
+def get_estimator(name: str) -> Estimator:
     """The estimator registered as ``name``.
 
     Raises:

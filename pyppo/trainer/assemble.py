@@ -5,7 +5,7 @@ tokenizer's padding, and the checks of the trainer's arguments."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ RewardFn = Callable[[List[str], List[str]], Sequence[float]]
 
 
 def check_arguments(config: PPOConfig, ref_policy: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn,
-                    eval_prompts: Optional[Sequence[str]]) -> None:
+                    eval_prompts: Optional[Sequence[Any]]) -> None:
     """The checks of :class:`~pyppo.trainer.PPOTrainer`'s arguments that need no model.
 
     Raises:
@@ -40,8 +40,9 @@ def check_arguments(config: PPOConfig, ref_policy: Optional[nn.Module], tokenize
                          "adapters disabled")
     if config.eval_every and not eval_prompts:
         raise ValueError(f"eval_every = {config.eval_every} needs eval_prompts (a non-empty list of prompts)")
-    if eval_prompts is not None and not all(isinstance(p, str) for p in eval_prompts):
-        raise ValueError("eval_prompts must be a list of strings")
+    if eval_prompts is not None and not all(
+            isinstance(p, str) or (isinstance(p, Mapping) and isinstance(p.get("prompt"), str)) for p in eval_prompts):
+        raise ValueError("eval_prompts must be a list of strings, or of records {'prompt': str, ...}")
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:
@@ -53,7 +54,7 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def logprob_modules(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module], value_model: nn.Module,
+def logprob_modules(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module], value_model: Optional[nn.Module],
                     world: distributed.World, dtype: torch.dtype) -> dict:
     """The forwards of a step: ``policy_logprobs`` (the policy's :class:`LogprobHead`),
     ``policy_module`` and ``value_module`` (those DDP- or FSDP2-wrapped under torchrun),
@@ -64,7 +65,7 @@ def logprob_modules(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Mod
     # FSDP2 shards the policy in place: the replica is taken before.
     replica = copy.deepcopy(policy).to("meta") if c.fsdp and world.active and world.is_main else None
     policy_module = distributed.wrap(head, world, fsdp=c.fsdp)
-    value_module = distributed.wrap(value_model, world, fsdp=c.fsdp)
+    value_module = distributed.wrap(value_model, world, fsdp=c.fsdp) if value_model is not None else None
     ref = (AdaptersDisabled(policy_module, head) if c.lora_rank else
            LogprobHead(ref_policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden, dtype=dtype))
     return {"policy_logprobs": head, "policy_module": policy_module, "value_module": value_module,
@@ -73,12 +74,14 @@ def logprob_modules(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Mod
 
 def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module], value_model: Optional[nn.Module],
                    device: torch.device) -> tuple:
-    """``(policy, reference or None, value model)`` on ``device``, as ``c`` asks: the reference a
-    frozen copy of the policy (none with LoRA: the adapters are disabled instead), the value model
-    a copy of the policy's backbone with a scalar head (taken before any adapter is added), LoRA,
-    dropout off, gradient checkpointing.
+    """``(policy, reference or None, value model or None)`` on ``device``, as ``c`` asks: the
+    reference a frozen copy of the policy (none with LoRA: the adapters are disabled instead), the
+    value model a copy of the policy's backbone with a scalar head (taken before any adapter is
+    added; none for a critic-free ``advantage_estimator``), LoRA, dropout off, gradient
+    checkpointing.
 
     Raises:
+        ValueError: a ``value_model`` given to a critic-free estimator, which would not train it.
         ValueError: ``value_lora`` without a value model that has a ``.backbone``; a model that
             cannot checkpoint; ``lora_target_modules`` matching nothing.
     """
@@ -87,7 +90,12 @@ def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Modu
     if not c.lora_rank:
         ref = (ref_policy if ref_policy is not None else make_reference(policy)).to(device)
         ref.requires_grad_(False).eval()
-    value_model = (value_model if value_model is not None else ValueModel.from_causal_lm(policy)).to(device)
+    if not c.uses_critic:
+        if value_model is not None:
+            raise ValueError(f"value_model: advantage_estimator = {c.advantage_estimator!r} trains no value model; "
+                             "pass value_model=None")
+    else:
+        value_model = (value_model if value_model is not None else ValueModel.from_causal_lm(policy)).to(device)
     if c.lora_rank:
         policy = add_lora(policy, rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_target_modules)
     if c.value_lora:
@@ -97,17 +105,21 @@ def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Modu
                                         targets=c.lora_target_modules)
     if c.disable_dropout:
         disable_dropout(policy)
-        disable_dropout(value_model)
+        if value_model is not None:
+            disable_dropout(value_model)
     if c.gradient_checkpointing:
         enable_gradient_checkpointing(policy, "policy")
-        enable_gradient_checkpointing(getattr(value_model, "backbone", value_model), "value model")
+        if value_model is not None:
+            enable_gradient_checkpointing(getattr(value_model, "backbone", value_model), "value model")
     return policy, ref, value_model
 
 
-def check_trainable(policy: nn.Module, value_model: nn.Module, c: PPOConfig) -> None:
-    """Raises ValueError when the policy or the value model has no trainable parameter (LoRA
-    targets that matched nothing)."""
+def check_trainable(policy: nn.Module, value_model: Optional[nn.Module], c: PPOConfig) -> None:
+    """Raises ValueError when the policy or the value model (if any) has no trainable parameter
+    (LoRA targets that matched nothing)."""
     for what, model in (("policy", policy), ("value model", value_model)):
+        if model is None:
+            continue
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(f"the {what} has no trainable parameter (lora_target_modules = "
                              f"{c.lora_target_modules!r}, lora_rank = {c.lora_rank})")

@@ -1,15 +1,19 @@
 """The PPO step for language models. ``docs/trainer.md`` walks through it; each step is:
 
-1. take ``batch_size`` prompts and sample a response to each (pure sampling at ``temperature``,
-   by the rollout engine: :mod:`pyppo.rollout`);
+1. take ``batch_size / samples_per_prompt`` prompts and sample ``samples_per_prompt`` responses to
+   each, ``batch_size`` in all (pure sampling at ``temperature``, by the rollout engine:
+   :mod:`pyppo.rollout`);
 2. cut each response after its first EOS;
 3. score each (prompt, response); clip the score, then subtract ``missing_eos_penalty``;
 4. the rollout's forwards: ``old_logprobs`` and the entropy (policy), ``ref_logprobs`` (frozen
-   reference), ``values`` (value model), at the response positions;
-5. ``shape_rewards`` -> the advantage estimator (:mod:`pyppo.trainer.advantages`, GAE) ->
-   ``masked_whiten`` of the advantages over the whole batch;
+   reference), ``values`` (value model, :mod:`pyppo.trainer.critic`; none for a critic-free
+   estimator), at the response positions;
+5. ``shape_rewards`` -> the advantage estimator (:mod:`pyppo.trainer.advantages`: GAE, or the
+   group-relative GRPO / RLOO, or REINFORCE++) -> ``masked_whiten`` of the advantages over the
+   whole batch (GAE and REINFORCE++ only);
 6. ``ppo_epochs`` passes over shuffled minibatches (gradient accumulation over micro-batches):
-   ``policy_loss + vf_coef * value_loss - entropy_coef * entropy``, gradient clipping, AdamW;
+   ``policy_loss + vf_coef * value_loss - entropy_coef * entropy`` (no value loss without a value
+   model), gradient clipping, AdamW;
 7. update the KL coefficient (adaptive when ``target_kl`` is set);
 8. return the step's metrics and its batch.
 
@@ -23,8 +27,9 @@ When the first minibatch is one micro-batch, point 4's policy forward of its row
 (:meth:`PPOTrainer.first_policy_forward`): its detached log-probs are the rollout's, and the first
 :meth:`PPOTrainer.micro_step` trains on the live ones, so that forward is not run twice.
 
-Under ``torchrun`` each of the N processes samples ``batch_size / N`` prompts of one global order
-and trains on its share of each minibatch; :mod:`pyppo.distributed` makes the whitening, the loss
+Under ``torchrun`` each of the N processes samples ``batch_size / N`` responses (whole groups of
+``samples_per_prompt``) to its share of one global order of prompts and trains on its share of
+each minibatch; :mod:`pyppo.distributed` makes the whitening, the loss
 normaliser, the KL controller's input and the metrics global, and DDP or FSDP2 the gradients.
 The run around the steps (logs, cadences, signals, evaluation, checkpoints, export) is
 :mod:`pyppo.run`.
@@ -32,6 +37,7 @@ The run around the steps (logs, cadences, signals, evaluation, checkpoints, expo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -46,10 +52,10 @@ from torch import nn
 from .. import distributed
 from ..config import PPOConfig
 from ..ops import shape_rewards
-from ..ops.losses import loss_normalizer, ppo_value_loss
+from ..ops.losses import loss_normalizer
 from ..precision import autocast
-from ..prompts import PromptSampler
-from ..rewards import score_responses
+from ..prompts import PromptSampler, prompt_columns, prompt_fields
+from ..rewards import check_reward_fields, score_responses
 from ..rollout import EngineSync, RolloutEngine, make_engine
 from ..rollout.hf_generate import generation_config
 from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
@@ -62,7 +68,8 @@ from .assemble import (check_arguments, check_trainable, logprob_modules, make_a
                        prepare_tokenizer, share_reward_weights)
 from .buffer import RolloutBuffer, buffer_from_rollout
 from .kl_controllers import AdaptiveKLController, FixedKLController
-from .logprob_head import PolicyObjective, policy_objective, response_values
+from .critic import Critic
+from .logprob_head import PolicyObjective, policy_objective
 from .results import METRIC_KEYS, MicroStepResult, StepResult
 from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats, rollout_metrics
 
@@ -72,7 +79,8 @@ RewardFn = Callable[[List[str], List[str]], Sequence[float]]
 
 
 class PPOTrainer:
-    """PPO for a causal LM policy with a separate value model.
+    """PPO for a causal LM policy: actor-critic with a separate value model (GAE), or critic-free
+    (GRPO, RLOO, REINFORCE++: ``advantage_estimator``).
 
     Args:
         config: a :class:`~pyppo.config.PPOConfig`; ``config.device`` says where the models run
@@ -80,12 +88,15 @@ class PPOTrainer:
         policy: a ``transformers`` causal LM (trained in place).
         ref_policy: frozen reference; ``None`` = a frozen deep copy of ``policy`` taken now.
         value_model: ``forward(input_ids, attention_mask, position_ids) -> [B, L]`` float32;
-            ``None`` = ``ValueModel.from_causal_lm(policy)`` (seeded by ``config.seed``).
+            ``None`` = ``ValueModel.from_causal_lm(policy)`` (seeded by ``config.seed``); must be
+            ``None`` for a critic-free estimator, which builds none.
         tokenizer: the policy's tokenizer; needs an EOS token. Its ``padding_side`` is set to
             ``"left"``; a missing pad token is taken to be EOS.
-        reward_fn: ``(prompts, responses) -> scores``, one finite float per pair.
-        prompts: the prompt strings to sample from.
-        eval_prompts: held-out prompts for :meth:`evaluate_prompts`; :meth:`train` evaluates them
+        reward_fn: ``(prompts, responses) -> scores``, one finite float per pair; a reward with
+            more parameters gets the prompts' fields of those names (``docs/rewards.md``).
+        prompts: the prompts to sample from: strings, or records ``{"prompt": str, <field>: ...}``
+            (:func:`pyppo.prompts.load_prompt_records`) whose fields the reward receives.
+        eval_prompts: held-out prompts (strings or records) for :meth:`evaluate_prompts`; :meth:`train` evaluates them
             every ``eval_every`` steps and after the last.
         base_model_source: what an adapter-only export names as its base (``pyppo train`` passes
             its ``--model``); ``None`` = peft's record of the base's path.
@@ -98,7 +109,10 @@ class PPOTrainer:
         world: this process's :class:`~pyppo.distributed.World` (rank, number of processes, device).
         policy_module, value_module: the models as the forwards call them (DDP- or FSDP2-wrapped
             under torchrun); ``policy`` and ``value_model`` are the models themselves.
-        engine: the :class:`~pyppo.rollout.RolloutEngine` that samples (``transformers.generate``).
+            ``value_model``, ``value_module``, ``value_optimizer`` and ``critic`` are ``None``
+            for a critic-free estimator.
+        critic: the value model's share of a step (:class:`~pyppo.trainer.critic.Critic`).
+        engine: the :class:`~pyppo.rollout.RolloutEngine` that samples (``rollout_engine``).
         resumed_step: the step of the checkpoint :meth:`load_checkpoint` restored (``None``).
 
     Raises:
@@ -107,8 +121,8 @@ class PPOTrainer:
     """
 
     def __init__(self, config: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module],
-                 value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[str],
-                 *, eval_prompts: Optional[Sequence[str]] = None, base_model_source: Optional[str] = None):
+                 value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[Any],
+                 *, eval_prompts: Optional[Sequence[Any]] = None, base_model_source: Optional[str] = None):
         check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts)
         self.config = c = config
         self.world = distributed.join(c.device)
@@ -120,6 +134,7 @@ class PPOTrainer:
         np.random.seed(c.seed % 2**32)
         torch.manual_seed(c.seed)
 
+        self.estimate_advantages = get_estimator(c.advantage_estimator)
         self.policy, self.ref_policy, self.value_model = prepare_models(c, policy, ref_policy, value_model,
                                                                         self.device)
         self.shared_weight_bytes = share_reward_weights(self.ref_policy, reward_fn)
@@ -141,7 +156,9 @@ class PPOTrainer:
         # crawl past the model's positions.
         self.max_prompt_tokens, room = prompt_token_limit(self.policy, max_new_tokens=c.max_new_tokens,
                                                           max_prompt_length=c.max_prompt_length)
-        for what, texts in (("prompts", prompts), ("eval_prompts", self.eval_prompts)):
+        for what, records in (("prompts", prompts), ("eval_prompts", self.eval_prompts)):
+            check_reward_fields(reward_fn, prompt_fields(records), source=what)
+            texts = prompt_columns(records)[0]
             check_prompt_lengths(tokenizer, texts, use_chat_template=c.use_chat_template, room=room,
                                  max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,
                                  truncate=c.truncate_prompts, what=what)
@@ -153,10 +170,11 @@ class PPOTrainer:
 
         check_trainable(self.policy, self.value_model, c)
         self.policy_optimizer = make_adamw(self.policy, c.lr, c)
-        self.value_optimizer = make_adamw(self.value_model, c.effective_value_lr, c)
+        self.value_optimizer = make_adamw(self.value_model, c.effective_value_lr, c) if c.uses_critic else None
+        self.critic = (Critic(self.value_model, self.value_module, self.value_optimizer, c, device=self.device,
+                              dtype=self.dtype) if c.uses_critic else None)
         self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.kl_horizon) if c.target_kl is not None
                        else FixedKLController(c.kl_coef))
-        self.estimate_advantages = get_estimator("gae")
         # Minibatch shuffles have their own stream, independent of how much sampling consumed.
         self.shuffle_generator = torch.Generator().manual_seed(c.seed + 1)
         self.skips = SkipPolicy(c.max_consecutive_skips)
@@ -181,14 +199,14 @@ class PPOTrainer:
             RewardError: the reward raised or returned bad scores.
             NonFiniteUpdateError: ``max_consecutive_skips`` non-finite updates in a row.
         """
-        c, timer = self.config, PhaseTimer()
-        b, r = self.local_batch_size, self.world.rank  # this rank's share of the global batch's prompts
+        c, timer = self.config, PhaseTimer(absent=() if self.critic is not None else ("value_forward",))
         with timer.phase("weight_sync"):
             self.sync_engine()
+        prompts, fields = prompt_columns(self.step_prompts())
         with timer.phase("generate"):
-            batch = self.rollout(self.sampler.sample(c.batch_size)[r * b:(r + 1) * b])   # 1, 2
+            batch = self.rollout(prompts)                                                  # 1, 2
         with timer.phase("score"):
-            batch.raw_scores, batch.scores = self.score(batch)                           # 3
+            batch.raw_scores, batch.scores = self.score(batch, fields)                   # 3
         first_perm = batch.epoch_permutation(self.shuffle_generator)
         fold = self.first_pass_is_rollout_pass()
         self.rollout_forwards(batch, first_perm, timer, first_policy=not fold)            # 4
@@ -220,6 +238,15 @@ class PPOTrainer:
         (:class:`~pyppo.rollout.EngineSync`)."""
         self.engine_sync(self.engine, self.policy, self.optimizer_steps)
 
+    def step_prompts(self) -> List[Any]:
+        """This rank's prompts of the next step, each ``samples_per_prompt`` times in a row (a
+        group): ``batch_size / samples_per_prompt`` prompts of one global order are drawn, and
+        each rank takes its consecutive share of them, so no group is split between ranks."""
+        k = self.config.samples_per_prompt
+        p, r = self.local_batch_size // k, self.world.rank
+        prompts = self.sampler.sample(self.config.batch_size // k)[r * p:(r + 1) * p]
+        return [prompt for prompt in prompts for _ in range(k)]
+
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
         """Sample one response per prompt with :attr:`engine` and cut it after its first EOS
         (points 1 and 2), with the policy in eval mode (as the rollout's forwards).
@@ -231,12 +258,13 @@ class PPOTrainer:
         self.policy.eval()
         return buffer_from_rollout(self.engine.generate(prompts), prompts, self.engine)
 
-    def score(self, batch: RolloutBuffer) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw_scores [B], scores [B])``: the reward's scores, then clipped to ``score_clip`` and
+    def score(self, batch: RolloutBuffer, fields: Optional[Dict[str, list]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(raw_scores [B], scores [B])``: the reward's scores (given the prompts' ``fields``, a
+        column each, :func:`pyppo.rewards.score_responses`), then clipped to ``score_clip`` and
         lowered by ``missing_eos_penalty`` where the response has no EOS (point 3)."""
         c = self.config
         raw = torch.tensor(score_responses(self.reward_fn, batch.prompts, batch.responses,
-                                           where=f"step {self.step_count + 1}"),
+                                           where=f"step {self.step_count + 1}", fields=fields),
                            dtype=torch.float32, device=self.device)
         scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
         if c.missing_eos_penalty is not None:
@@ -253,7 +281,8 @@ class PPOTrainer:
         B, T = len(batch), batch.response_length
         for name in ("old_logprobs", "entropy", "ref_logprobs", "values"):
             setattr(batch, name, torch.zeros(B, T, device=self.device))
-        self.value_model.eval()
+        if self.critic is not None:
+            self.critic.train(False)
         for i, idx in enumerate(first_perm.split(self.micro_batch_size)):
             mb, ix = batch.select(idx), idx.to(self.device)
             with autocast(self.device, self.dtype):
@@ -262,8 +291,9 @@ class PPOTrainer:
                         batch.old_logprobs[ix], batch.entropy[ix] = self.policy_module(mb, return_entropy=True)
                 with timer.phase("ref_forward"):
                     batch.ref_logprobs[ix] = self.ref_logprobs(mb)[0]
-                with timer.phase("value_forward"):
-                    batch.values[ix] = response_values(self.value_module, mb)
+                if self.critic is not None:
+                    with timer.phase("value_forward"):
+                        batch.values[ix] = self.critic.values(mb)
 
     def first_policy_forward(self, batch: RolloutBuffer, first_perm: torch.Tensor,
                              timer: PhaseTimer) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -282,14 +312,15 @@ class PPOTrainer:
     @torch.no_grad()
     def advantages(self, batch: RolloutBuffer, kl_coef: float) -> None:
         """Fill ``rewards``, ``kl``, ``advantages`` and ``returns`` (point 5). Whitening needs two
-        valid tokens; with fewer, the raw advantages are used."""
+        valid tokens; with fewer, the raw advantages are used. Group-normalised estimators
+        (``grpo``, ``rloo``) are not whitened."""
         c = self.config
         batch.rewards, batch.kl = shape_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs,
                                                 batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
         check_rollout(batch, self.world, f"step {self.step_count + 1}")
         batch.advantages, batch.returns = self.estimate_advantages(batch, c)
         valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
-        if c.whiten_advantages and valid >= 2:
+        if c.whiten_advantages and self.estimate_advantages.whitened and valid >= 2:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
 
     def first_pass_is_rollout_pass(self) -> bool:
@@ -322,8 +353,7 @@ class PPOTrainer:
         """
         c = self.config
         stats, seen, first, skipped_before = RunningStats(), [], {}, self.skips.total
-        self.policy.train()
-        self.value_model.train()
+        self.train_mode(True)
         for epoch in range(c.ppo_epochs):
             perm = first_perm if epoch == 0 else batch.epoch_permutation(self.shuffle_generator)
             for index, mb in enumerate(batch.minibatches(self.local_mini_batch_size, permutation=perm)):
@@ -332,17 +362,29 @@ class PPOTrainer:
                 seen_mb = self.minibatch_step(mb, stats, where, first_forward=live)
                 first = first or ratio_stats(seen_mb)
                 seen += seen_mb
-        self.policy.eval()
-        self.value_model.eval()
+        self.train_mode(False)
         # The gradients are not needed until the next update: freed now, they do not add to the
         # memory of the next rollout.
-        self.policy_optimizer.zero_grad(set_to_none=True)
-        self.value_optimizer.zero_grad(set_to_none=True)
-        out = {k: math.nan for k in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "ratio_max")}
-        values, returns, mask = (torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "response_mask"))
-        out.update(stats.means(), explained_variance=distributed.explained_variance(values, returns, mask, self.world),
-                   skipped_updates=self.skips.total - skipped_before)
+        self.zero_grad()
+        out = {k: math.nan for k in ("policy_loss", "clipfrac", "approx_kl", "ratio_max")}
+        if self.critic is not None:
+            values, returns, mask = (torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "response_mask"))
+            out.update(value_loss=math.nan,
+                       explained_variance=distributed.explained_variance(values, returns, mask, self.world))
+        out.update(stats.means(), skipped_updates=self.skips.total - skipped_before)
         return {**out, **{f"first_{k}": v for k, v in first.items()}}
+
+    def train_mode(self, mode: bool) -> None:
+        """The policy and the value model in training (``True``) or eval mode."""
+        self.policy.train(mode)
+        if self.critic is not None:
+            self.critic.train(mode)
+
+    def zero_grad(self) -> None:
+        """Free the gradients of the policy and the value model."""
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.zero_grad()
 
     def minibatch_step(self, mb: RolloutBuffer, stats: RunningStats, where: str, *,
                        first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> List["MicroStepResult"]:
@@ -350,8 +392,7 @@ class PPOTrainer:
         skipped when a loss or gradient norm is not finite. Its statistics go into ``stats``
         when applied. Returns the micro-batches' :meth:`micro_step` results. ``first_forward``:
         the live policy forward of the minibatch's only micro-batch (:meth:`micro_step`)."""
-        self.policy_optimizer.zero_grad(set_to_none=True)
-        self.value_optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         token_stats, losses = RunningStats(), RunningStats()
         # The whole minibatch's count over all ranks, divided by N because DDP and FSDP average
         # the ranks' gradients: each rank's loss is then its share of the global minibatch's sum.
@@ -361,23 +402,25 @@ class PPOTrainer:
         seen = []
         for i, mu in enumerate(micros):
             sync = i == len(micros) - 1  # gradients are reduced once, after the last micro-batch
-            with distributed.gradient_sync(self.policy_module, sync), distributed.gradient_sync(self.value_module, sync):
+            value_sync = self.critic.gradient_sync(sync) if self.critic is not None else contextlib.nullcontext()
+            with distributed.gradient_sync(self.policy_module, sync), value_sync:
                 seen.append(self.micro_step(mu, normalizer, token_stats, losses,
                                                  first_forward=first_forward if i == 0 else None))
         # The micro losses sum to this rank's share; the ranks' shares average to the minibatch's.
         totals = distributed.reduce_metrics({k: losses.total(k) for k in losses.means()}, self.world)
-        totals.update(policy_grad_norm=self.clip_grad_norm(self.policy),
-                      value_grad_norm=self.clip_grad_norm(self.value_model))
+        totals.update(policy_grad_norm=self.clip_grad_norm(self.policy))
+        if self.critic is not None:
+            totals.update(value_grad_norm=self.clip_grad_norm(self.critic.model))
         if self.skips.allows(totals, where):
             self.warm_up_learning_rates()
             self.policy_optimizer.step()
-            self.value_optimizer.step()
+            if self.critic is not None:
+                self.critic.step()
             self.optimizer_steps += 1
             stats.merge(token_stats)
             stats.add(totals)
         else:
-            self.policy_optimizer.zero_grad(set_to_none=True)
-            self.value_optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
         return seen
 
     def warm_up_learning_rates(self) -> None:
@@ -386,9 +429,10 @@ class PPOTrainer:
         SGD", §2.2), then constant."""
         c = self.config
         scale = min(1.0, (self.optimizer_steps + 1) / c.lr_warmup_steps) if c.lr_warmup_steps else 1.0
-        for opt, lr in ((self.policy_optimizer, c.lr), (self.value_optimizer, c.effective_value_lr)):
-            for group in opt.param_groups:
-                group["lr"] = lr * scale
+        for group in self.policy_optimizer.param_groups:
+            group["lr"] = c.lr * scale
+        if self.critic is not None:
+            self.critic.set_lr_scale(scale)
 
     def micro_step(self, mu: RolloutBuffer, normalizer: float, token_stats: RunningStats, losses: RunningStats,
                    *, first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> MicroStepResult:
@@ -412,16 +456,13 @@ class PPOTrainer:
             pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, objective)
             logprobs = logprobs.detach()
         pg_loss.backward()
-        with autocast(self.device, self.dtype):
-            values = response_values(self.value_module, mu)
-        vf_loss, vf_stats = ppo_value_loss(values, mu.values, mu.returns, mu.response_mask,
-                                           cliprange_value=c.cliprange_value, loss_agg=c.loss_agg,
-                                           loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer)
-        (c.vf_coef * vf_loss).backward()
-        terms = {k: pg_stats.pop(k) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
-        losses.add({"value_loss": float(vf_loss.detach()), **{k: float(v) for k, v in terms.items()}})
+        terms = {k: float(pg_stats.pop(k)) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
+        vf_stats, values = {}, mu.values
+        if self.critic is not None:
+            terms["value_loss"], vf_stats, values = self.critic.loss_backward(mu, normalizer)
+        losses.add(terms)
         record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.response_mask.sum()))
-        return MicroStepResult(logprobs, mu.old_logprobs, values.detach(), mu.returns, mu.response_mask)
+        return MicroStepResult(logprobs, mu.old_logprobs, values, mu.returns, mu.response_mask)
 
     def clip_grad_norm(self, model: nn.Module) -> float:
         """Clip ``model``'s gradient norm to ``max_grad_norm``; returns the norm before clipping."""

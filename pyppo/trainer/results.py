@@ -11,14 +11,18 @@ import torch
 from .buffer import RolloutBuffer
 from .step_stats import PHASES
 
-__all__ = ["METRIC_KEYS", "MicroStepResult", "StepResult"]
+__all__ = ["METRIC_KEYS", "VALUE_METRIC_KEYS", "MicroStepResult", "StepResult"]
+
+#: Keys the metrics of a step with a value model (``advantage_estimator = "gae"``) have, beside
+#: :data:`METRIC_KEYS`; a critic-free step has none of them.
+VALUE_METRIC_KEYS = ("value_loss", "explained_variance", "time_value_forward")
 
 #: Keys every step's metrics have; diagnostics come on top (``step``, ``clipfrac_lower``,
 #: ``ratio_mean``, ``ratio_max``, ``vf_clipfrac``, grad norms, ``eos_fraction``, ``first_*``...).
-METRIC_KEYS = (
+METRIC_KEYS = tuple(k for k in (
     "score_mean", "reward_mean", "kl_mean", "kl_coef", "entropy_mean", "policy_loss", "value_loss",
     "clipfrac", "approx_kl", "explained_variance", "response_length_mean", "step_seconds",
-) + tuple(f"time_{p}" for p in PHASES)
+    *(f"time_{p}" for p in PHASES)) if k not in VALUE_METRIC_KEYS)
 
 
 

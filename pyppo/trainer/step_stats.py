@@ -69,10 +69,11 @@ class RunningStats:
 
 
 class PhaseTimer:
-    """Seconds per phase, each phase also marked for ``torch.profiler``."""
+    """Seconds per phase, each phase also marked for ``torch.profiler``; ``absent`` phases
+    (``value_forward`` without a value model) are not reported."""
 
-    def __init__(self) -> None:
-        self.seconds = {p: 0.0 for p in PHASES}
+    def __init__(self, absent: tuple = ()) -> None:
+        self.seconds = {p: 0.0 for p in PHASES if p not in absent}
         self._start = time.perf_counter()
 
     @contextmanager

@@ -126,7 +126,7 @@ def test_unknown_config_key_is_named(tmp_path, capsys):
         (["--resume", "/nonexistent/run"], "--resume '/nonexistent/run': no such run directory"),
         (["--batch-size", "3", "--mini-batch-size", "2"], "mini_batch_size (2) must divide batch_size (3)"),
         (["--lr", "-1"], "lr must be"),
-        (["--reward", ""], "--reward must be 'sentiment', a model directory or 'module:function', got ''"),
+        (["--reward", ""], "--reward must be 'sentiment', 'math', a model directory or 'module:function', got ''"),
     ],
 )
 def test_bad_train_arguments_give_one_line(argv, expected, capsys):
@@ -312,6 +312,14 @@ def test_lora_and_fsdp_flags_that_do_nothing(tmp_path, capsys, no_loading):
     (run / "config.toml").write_text("lora_rank = 16\nlora_alpha = 32.0\n")
     assert cli.main(["train", "--resume", str(run), "--lora-rank", "8"]) == 2
     assert "--lora-rank 8 differs from the resumed run's lora_rank 16" in _error_line(capsys)
+    # Whether the run has a value model is its checkpoint's too; another critic-free estimator is fine.
+    (run / "config.toml").write_text('advantage_estimator = "gae"\n')
+    assert cli.main(["train", "--resume", str(run), "--advantage-estimator", "grpo", "--samples-per-prompt", "2"]) == 2
+    assert "--advantage-estimator 'grpo': the resumed run's is 'gae', and its checkpoint has a value model" in \
+        _error_line(capsys)
+    (run / "config.toml").write_text('advantage_estimator = "grpo"\nsamples_per_prompt = 2\n')
+    assert cli.main(["train", "--resume", str(run), "--advantage-estimator", "gae"]) == 2
+    assert "the resumed run's is 'grpo', and its checkpoint has no value model" in _error_line(capsys)
 
 
 def test_empty_eval_prompts_names_the_flag(tmp_path, capsys):

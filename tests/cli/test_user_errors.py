@@ -134,3 +134,59 @@ def test_resume_of_a_directory_without_config_is_refused(tmp_path, capsys):
     (run / "checkpoint").mkdir(parents=True)
     assert cli.main(["train", "--resume", str(run)]) == 2
     assert "no config.toml in it (not a pyppo run directory)" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- prompt fields
+
+
+def _no_loading(monkeypatch):
+    import pyppo.models
+
+    def no_loading(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("a model was loaded before the prompts' fields were checked")
+
+    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", no_loading)
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ([], "reward 'math' needs the prompt field 'answer', missing from the default prompts (no --prompts), whose "
+             "fields besides \"prompt\" are: none; the built-in set --prompts arithmetic has what it needs"),
+        (["--prompts", "{fields}"], "reward 'math' needs the prompt field 'answer', missing from --prompts '{fields}', "
+                                   "whose fields besides \"prompt\" are: 'level', 'solution'; the built-in set "
+                                   "--prompts arithmetic has what it needs"),
+        (["--prompts", "arithmetic", "--eval-prompts", "{plain}"],
+         "reward 'math' needs the prompt field 'answer', missing from --eval-prompts '{plain}', whose fields besides "
+         "\"prompt\" are: none; the built-in set --eval-prompts arithmetic-eval has what it needs"),
+        (["--prompts", "{mixed}"], "{mixed}:2: its fields besides \"prompt\" are 'answer', 'level', but {mixed}:1's "
+                                  "are 'answer'; every line needs the same fields"),
+    ],
+)
+def test_prompts_without_the_rewards_fields_fail_before_loading(flags, expected, tiny_dir, tmp_path, capsys,
+                                                               monkeypatch):
+    _no_loading(monkeypatch)
+    paths = {"fields": tmp_path / "fields.jsonl", "plain": tmp_path / "plain.jsonl", "mixed": tmp_path / "mixed.jsonl"}
+    paths["fields"].write_text('{"prompt": "1+1?", "solution": "2", "level": 1}\n')
+    paths["plain"].write_text('{"prompt": "1+1?"}\n')
+    paths["mixed"].write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4", "level": 1}\n')
+    names = {key: str(path) for key, path in paths.items()}
+    out = tmp_path / "o"
+    argv = ["train", "--model", str(tiny_dir), "--reward", "math", "--output", str(out),
+            *[flag.format(**names) for flag in flags]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pyppo: error: "), err
+    assert expected.format(**names) in err[0]
+    assert not out.exists()
+
+
+def test_a_user_reward_that_needs_a_field_is_named(tiny_dir, prompts_file, tmp_path, capsys, monkeypatch):
+    _no_loading(monkeypatch)
+    (tmp_path / "graded.py").write_text("def score(prompts, responses, reference, **rest):\n    return [0.0]\n")
+    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(tmp_path / "o"),
+            "--reward", f"{tmp_path / 'graded.py'}:score"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pyppo: error: reward '{tmp_path / 'graded.py'}:score' needs the prompt field 'reference', "
+                   f"missing from --prompts {str(prompts_file)!r}, whose fields besides \"prompt\" are: none"]

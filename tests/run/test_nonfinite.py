@@ -117,7 +117,7 @@ def test_diverged_model_is_reported_before_whitening_keeping_the_checkpoint(tmp_
 
 
 def test_non_finite_values_are_named(monkeypatch):
-    import pyppo.trainer.ppo as trainer_mod
+    import pyppo.trainer.critic as trainer_mod  # the value model's forwards
 
     real = trainer_mod.response_values
 

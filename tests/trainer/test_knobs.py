@@ -21,9 +21,10 @@ def _optimizer_steps(tr):
     return counts
 
 
-def _spy(monkeypatch, name):
-    import pyppo.trainer.ppo as trainer_mod
+def _spy(monkeypatch, name, module="pyppo.trainer.critic"):
+    import importlib
 
+    trainer_mod = importlib.import_module(module)
     calls = []
     real = getattr(trainer_mod, name)
 
@@ -272,6 +273,11 @@ ELSEWHERE = {
     "eval_every": ("run/test_eval.py", "test_eval_every_logs_scores_kl_and_samples"),
     "rollout_correction": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
     "rollout_is_cap": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
+    "samples_per_prompt": ("trainer/test_group_estimators.py",
+                           "test_each_prompt_is_sampled_samples_per_prompt_times_in_a_row_and_ranks_take_whole_groups"),
+    "advantage_estimator": ("trainer/test_group_estimators.py",
+                            "test_a_critic_free_step_has_no_value_model_and_its_advantages_match_float64"),
+    "grpo_std_normalize": ("trainer/test_group_estimators.py", "test_dr_grpo_does_not_divide_by_the_group_std"),
     "rollout_engine": ("trainer/test_vllm_engine.py", "test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one"),
     "vllm_kv_cache_gib": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
     "vllm_gpu_memory_utilization": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),

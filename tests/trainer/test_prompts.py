@@ -1,12 +1,22 @@
-"""pyppo.prompts: the built-in prompt set and .jsonl loading."""
+"""pyppo.prompts: the built-in prompt sets, .jsonl loading (records with fields) and the sampler."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 import pytest
 
-from pyppo.prompts import DEFAULT_PROMPTS, load_prompts
+from pyppo.prompts import (ARITHMETIC_EVAL_SIZE, BUILTIN_PROMPT_SETS, DEFAULT_PROMPTS, PromptSampler,
+                           arithmetic_prompts, load_prompt_records, load_prompts, prompt_columns, prompt_fields)
+
+#: The first held-out arithmetic problems and the hash of all of them: a change to the set changes
+#: every run that uses it, so it must be deliberate (update these with it).
+PINNED_EVAL_HEAD = [{"prompt": "What is 1 + 1? Give the answer as a number.", "answer": "2"},
+                    {"prompt": "What is 1 + 12? Give the answer as a number.", "answer": "13"},
+                    {"prompt": "What is 1 + 13? Give the answer as a number.", "answer": "14"}]
+PINNED_EVAL_SHA256 = "d005f380852556999259ab9fde2bc6c4f13c2abd300f670a2775f14c45c25aba"
 
 
 def test_default_prompts():
@@ -32,18 +42,141 @@ def test_load_prompts(tmp_path):
         ('{"text": "x"}', r':2: missing key "prompt"'),
         ('{"prompt": ""}', r':2: "prompt" must be a non-empty string'),
         ('{"prompt": 3}', r':2: "prompt" must be a non-empty string, got 3'),
+        ('{"prompt": " ", "id": 1}', r':2: "prompt" must be a non-empty string'),
+        ('{"prompt": ["x"]}', r':2: "prompt" must be a non-empty string, got \[\'x\'\]'),
     ],
 )
-def test_bad_lines_name_the_line(tmp_path, line, pattern):
+@pytest.mark.parametrize("loader", [load_prompts, load_prompt_records])
+def test_bad_lines_name_the_line(tmp_path, line, pattern, loader):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "fine"}\n' + line + "\n")
     with pytest.raises(ValueError, match=pattern):
-        load_prompts(path)
+        loader(path)
 
 
-def test_missing_and_empty_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_prompts(tmp_path / "none.jsonl")
+@pytest.mark.parametrize("loader", [load_prompts, load_prompt_records])
+def test_missing_and_empty_files(tmp_path, loader):
+    with pytest.raises(FileNotFoundError, match=r"^--eval-prompts '.*none\.jsonl' does not exist"):
+        loader(tmp_path / "none.jsonl", flag="--eval-prompts")
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(ValueError, match="holds no prompt"):
-        load_prompts(tmp_path / "empty.jsonl")
+        loader(tmp_path / "empty.jsonl")
+
+
+# ----------------------------------------------------------------------------- records with fields
+
+
+def _write_lines(path, *objects):
+    path.write_text("\n".join(json.dumps(o) for o in objects) + "\n")
+    return path
+
+
+def test_load_prompt_records_keeps_the_fields(tmp_path):
+    path = _write_lines(tmp_path / "p.jsonl",
+                        {"prompt": "What is 2+3?", "answer": "5", "meta": {"level": 1, "tags": ["add"]}},
+                        {"prompt": "What is 2/4?", "answer": 0.5, "meta": None})
+    records = load_prompt_records(path)
+    assert records == [{"prompt": "What is 2+3?", "answer": "5", "meta": {"level": 1, "tags": ["add"]}},
+                       {"prompt": "What is 2/4?", "answer": 0.5, "meta": None}]
+    assert prompt_fields(records) == ["answer", "meta"]
+    assert load_prompts(path) == ["What is 2+3?", "What is 2/4?"]
+    texts, columns = prompt_columns(records)
+    assert texts == ["What is 2+3?", "What is 2/4?"]
+    assert columns == {"answer": ["5", 0.5], "meta": [{"level": 1, "tags": ["add"]}, None]}
+
+
+def test_records_without_fields(tmp_path):
+    path = _write_lines(tmp_path / "p.jsonl", {"prompt": "a"}, {"prompt": "b"})
+    assert load_prompt_records(path) == [{"prompt": "a"}, {"prompt": "b"}]
+    assert prompt_fields(load_prompt_records(path)) == []
+    assert prompt_columns(load_prompt_records(path)) == (["a", "b"], None)
+    assert prompt_columns(["a", "b"]) == (["a", "b"], None)
+    assert prompt_fields(["a"]) == [] and prompt_fields([]) == []
+
+
+@pytest.mark.parametrize(
+    "second, pattern",
+    [
+        ({"prompt": "b"}, r"p\.jsonl:3: its fields besides \"prompt\" are none, but .*p\.jsonl:1's are 'answer'"),
+        ({"prompt": "b", "answer": "1", "id": 2},
+         r":3: its fields besides \"prompt\" are 'answer', 'id', but .*:1's are 'answer'; every line needs the "
+         r"same fields \(a reward receives each as a column\)"),
+        ({"prompt": "b", "solution": "1"},
+         r":3: its fields besides \"prompt\" are 'solution', but .*:1's are 'answer'"),
+    ],
+)
+def test_records_with_other_fields_than_the_first_line_are_refused(tmp_path, second, pattern):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "answer": "0"}) + "\n\n" + json.dumps(second) + "\n")
+    with pytest.raises(ValueError, match=pattern):
+        load_prompt_records(path)
+    assert load_prompts(path) == ["a", "b"]  # the strings alone: other keys are ignored, as before
+
+
+def test_prompt_columns_needs_every_field():
+    with pytest.raises(ValueError, match=r"prompts\[1\] has no field 'answer', which prompts\[0\] has"):
+        prompt_columns([{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+
+
+def test_sampler_takes_records():
+    records = [{"prompt": f"p{i}", "answer": str(i)} for i in range(5)]
+    strings = PromptSampler([r["prompt"] for r in records], seed=3).sample(12)
+    sampled = PromptSampler(records, seed=3).sample(12)
+    assert [r["prompt"] for r in sampled] == strings  # the same order as the strings'
+    assert all(r["answer"] == r["prompt"][1:] for r in sampled)
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a str or a mapping with a str \"prompt\", got dict"):
+        PromptSampler(["a", {"answer": "1"}], seed=0)
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a str .* got int"):
+        PromptSampler([3], seed=0)
+
+
+# ----------------------------------------------------------------------------- the arithmetic set
+
+
+def _evaluate(prompt: str) -> int:
+    match = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\? Give the answer as a number\.", prompt)
+    assert match, prompt
+    a, op, b = match.groups()
+    return eval(f"{a} {op} {b}")  # the expression as written in the prompt
+
+
+def test_arithmetic_set():
+    train, held_out = arithmetic_prompts("train"), arithmetic_prompts("eval")
+    assert len(held_out) == ARITHMETIC_EVAL_SIZE and len(train) + len(held_out) == 610
+    for records in (train, held_out):
+        assert all(set(r) == {"prompt", "answer"} and isinstance(r["answer"], str) for r in records)
+        assert all(r["answer"] == str(_evaluate(r["prompt"])) for r in records)  # every answer is right
+        assert all(0 <= int(r["answer"]) <= 40 for r in records)
+    prompts, eval_prompts = [r["prompt"] for r in train], [r["prompt"] for r in held_out]
+    assert len(set(prompts)) == len(prompts) and len(set(eval_prompts)) == len(eval_prompts)
+    assert not set(prompts) & set(eval_prompts)  # disjoint
+    assert {"What is 7 + 12? Give the answer as a number.", "What is 20 - 20? Give the answer as a number.",
+            "What is 1 + 1? Give the answer as a number."} <= set(prompts) | set(eval_prompts)
+    assert "What is 3 - 5? Give the answer as a number." not in set(prompts) | set(eval_prompts)  # no negatives
+    assert {p.split()[3] for p in eval_prompts} == {"+", "-"}  # both operations held out
+    # Deterministic: the same every time, new dicts each time; another seed holds out others.
+    assert arithmetic_prompts("train") == train and arithmetic_prompts("train") is not train
+    other = arithmetic_prompts("eval", seed=1)
+    assert len(other) == ARITHMETIC_EVAL_SIZE and other != held_out
+    with pytest.raises(ValueError, match="split must be 'train' or 'eval', got 'test'"):
+        arithmetic_prompts("test")
+
+
+def test_arithmetic_set_is_pinned():
+    # The held-out problems depend only on sha256, so they are the same on every machine.
+    digest = hashlib.sha256(json.dumps(arithmetic_prompts("eval")).encode()).hexdigest()
+    assert arithmetic_prompts("eval")[:3] == PINNED_EVAL_HEAD and digest == PINNED_EVAL_SHA256
+
+
+def test_builtin_sets_by_name(tmp_path, monkeypatch):
+    assert set(BUILTIN_PROMPT_SETS) == {"arithmetic", "arithmetic-eval"}
+    assert load_prompt_records("arithmetic") == arithmetic_prompts("train")
+    assert load_prompt_records("arithmetic-eval", flag="--eval-prompts") == arithmetic_prompts("eval")
+    assert load_prompts("arithmetic") == [r["prompt"] for r in arithmetic_prompts("train")]
+    # The name wins over a file of that name in the working directory; a path reaches the file.
+    monkeypatch.chdir(tmp_path)
+    _write_lines(tmp_path / "arithmetic", {"prompt": "from the file"})
+    assert load_prompt_records("arithmetic") == arithmetic_prompts("train")
+    assert load_prompt_records("./arithmetic") == [{"prompt": "from the file"}]
+    with pytest.raises(FileNotFoundError, match="'arithmetics' does not exist"):
+        load_prompt_records("arithmetics")

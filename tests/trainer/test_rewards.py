@@ -1,4 +1,5 @@
-"""pyppo.rewards: the sentiment reward, reward specs, output validation, classifier rewards."""
+"""pyppo.rewards: the sentiment reward, reward specs, output validation, classifier rewards, the
+prompt fields a reward receives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 import pyppo.rewards as rewards
-from pyppo.rewards import SequenceClassifierReward, load_reward, sentiment_reward, validate_scores
+from pyppo.rewards import (RewardError, SequenceClassifierReward, check_reward_fields, load_reward, score_responses,
+                           sentiment_reward, validate_scores)
 from support.tiny_models import save_tiny_classifier
 
 
@@ -76,8 +78,15 @@ def test_file_function_spec(tmp_path):
 
 
 def test_unknown_spec():
-    with pytest.raises(ValueError, match="'positivity' is not 'sentiment'"):
+    with pytest.raises(ValueError, match="'positivity' is not 'sentiment', 'math', an existing model directory"):
         load_reward("positivity")
+
+
+def test_builtin_names_come_before_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "math").mkdir()  # not a reward model: the name still means the built-in reward
+    assert load_reward("math").__wrapped__ is rewards.math_reward
+    assert load_reward("sentiment").__wrapped__ is sentiment_reward
 
 
 @pytest.mark.parametrize(
@@ -158,3 +167,117 @@ def test_a_checkpoint_without_the_score_head_is_not_a_reward_model(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"no weights for score\.weight; they would be initialised at random"):
         load_reward(str(path))
+
+
+# ----------------------------------------------------------------------------- prompt fields
+
+
+FIELDS = {"answer": ["5", "7"], "level": [1, 2]}
+
+
+def takes_answer(prompts, responses, answer):
+    return [float(r == a) for r, a in zip(responses, answer)]
+
+
+def takes_kwargs(prompts, responses, **kwargs):
+    assert sorted(kwargs) == ["answer", "level"] and all(type(v) is list for v in kwargs.values())
+    return [float(level) for level in kwargs["level"]]
+
+
+def takes_neither(prompts, responses):
+    return [float(len(r)) for r in responses]
+
+
+def takes_optional(p, r, *, level=None, hint="none"):  # any names for the first two; fields by keyword
+    return [-1.0] * len(r) if level is None else [float(x) for x in level]
+
+
+class Scorer:
+    def __init__(self, bonus):
+        self.bonus = bonus
+
+    def __call__(self, prompts, responses, answer):
+        return [self.bonus + (r == a) for r, a in zip(responses, answer)]
+
+    def method(self, prompts, responses, level, **extra):
+        assert extra == {"answer": ["5", "7"]}
+        return [self.bonus * x for x in level]
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["callable", "load_reward"])
+@pytest.mark.parametrize(
+    "fn, expected, passed",
+    [
+        (takes_answer, [1.0, 0.0], ["answer"]),
+        (takes_kwargs, [1.0, 2.0], ["answer", "level"]),
+        (takes_neither, [1.0, 1.0], []),
+        (takes_optional, [1.0, 2.0], ["level"]),
+        (Scorer(0.5), [1.5, 0.5], ["answer"]),
+        (Scorer(3.0).method, [3.0, 6.0], ["answer", "level"]),
+    ],
+)
+def test_rewards_receive_the_fields_they_take(fn, expected, passed, wrap):
+    reward_fn = load_reward(fn) if wrap else fn
+    assert check_reward_fields(reward_fn, FIELDS) == passed
+    assert score_responses(reward_fn, ["p", "q"], ["5", "8"], where="step 1", fields=FIELDS) == expected
+
+
+def test_without_fields_every_reward_is_called_as_before():
+    assert score_responses(takes_neither, ["p"], ["abc"], where="s") == [3.0]
+    assert score_responses(takes_optional, ["p"], ["abc"], where="s", fields={}) == [-1.0]
+    assert check_reward_fields(load_reward("sentiment"), ["answer"]) == []
+    assert score_responses(load_reward("sentiment"), ["p"], ["great!"], where="s",
+                           fields={"answer": ["x"]}) == sentiment_reward(["p"], ["great!"])
+
+
+def test_a_missing_field_is_named_early_and_when_scoring():
+    with pytest.raises(RewardError, match=r"^reward 'takes_answer' needs the prompt field 'answer', missing from "
+                                          r"--prompts 'p\.jsonl', whose fields besides \"prompt\" are: 'id', 'level'$"):
+        check_reward_fields(takes_answer, ["level", "id"], source="--prompts 'p.jsonl'")
+
+    def two(prompts, responses, answer, solution, level=0):
+        return [0.0] * len(responses)
+
+    with pytest.raises(ValueError, match=r"needs the prompt fields 'answer', 'solution', missing from the prompts, "
+                                         r"whose fields besides \"prompt\" are: none$") as info:
+        check_reward_fields(load_reward(two), [])
+    assert info.value.reward == "two"
+    with pytest.raises(RewardError, match=r"'takes_answer' needs the prompt field 'answer'.*: 'level' \(step 4\)"):
+        score_responses(takes_answer, ["p", "q"], ["5", "7"], where="step 4", fields={"level": [1, 2]})
+    with pytest.raises(RewardError, match=r"needs the prompt field 'answer'.*are: none \(step 4\)"):
+        score_responses(load_reward(takes_answer), ["p"], ["5"], where="step 4")
+
+
+def test_a_field_column_of_the_wrong_length():
+    with pytest.raises(ValueError, match=r"field 'answer' has 1 values for 2 prompts \(step 2\)"):
+        score_responses(takes_answer, ["p", "q"], ["5", "7"], where="step 2", fields={"answer": ["5"]})
+
+
+def test_field_names_like_the_first_two_parameters_are_not_passed():
+    def reward(prompts, responses, **kwargs):
+        return [float(len(kwargs))] * len(responses)
+
+    # A field called "prompts" would collide with the reward's own first parameter.
+    fields = {"prompts": ["x"], "answer": ["1"]}
+    assert check_reward_fields(reward, fields) == ["answer"]
+    assert score_responses(reward, ["p"], ["r"], where="s", fields=fields) == [1.0]
+
+
+def test_the_signature_is_read_once_per_function(monkeypatch):
+    reads = []
+    real = rewards._read_field_params
+    monkeypatch.setattr(rewards, "_read_field_params", lambda fn: reads.append(fn) or real(fn))
+
+    def fresh(prompts, responses, answer):
+        return [0.0] * len(responses)
+
+    class Fresh(Scorer):
+        def method(self, prompts, responses, level, **extra):
+            return super().method(prompts, responses, level, **extra)
+
+    scorer = Fresh(1.0)
+    for _ in range(3):
+        score_responses(fresh, ["p", "q"], ["5", "7"], where="s", fields=FIELDS)
+        score_responses(scorer.method, ["p", "q"], ["5", "7"], where="s", fields=FIELDS)  # a new bound method each time
+    score_responses(Fresh(2.0).method, ["p", "q"], ["5", "7"], where="s", fields=FIELDS)  # another instance
+    assert reads == [fresh, Fresh.method.__get__(scorer)]  # one read each

@@ -55,7 +55,7 @@ def test_any_engine_with_the_interface_drives_a_step():
 
 
 def test_the_gae_estimator_is_registered_and_matches_the_reference():
-    assert get_estimator("gae") is gae_advantages and ADVANTAGE_ESTIMATORS["gae"] is gae_advantages
+    assert get_estimator("gae") is ADVANTAGE_ESTIMATORS["gae"] and ADVANTAGE_ESTIMATORS["gae"].fn is gae_advantages
     tr = make_trainer(small_config(steps=1, gamma=0.97, lam=0.9))
     b = tr.step().batch
     adv, ret = gae_advantages(b, tr.config)
@@ -65,8 +65,9 @@ def test_the_gae_estimator_is_registered_and_matches_the_reference():
 
 
 def test_an_unknown_estimator_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"'grpo' is not one of \['gae'\]"):
-        get_estimator("grpo")
+    with pytest.raises(ValueError, match=r"'dapo' is not one of \['gae', 'grpo', 'reinforce_pp', "
+                                         r"'reinforce_pp_baseline', 'rloo'\]"):
+        get_estimator("dapo")
 
 
 class _Broken(_ScriptedEngine):

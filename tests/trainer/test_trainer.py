@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pyppo.rollout.tokens import response_mask_from_eos
-from pyppo.trainer import METRIC_KEYS
+from pyppo.trainer import METRIC_KEYS, VALUE_METRIC_KEYS
 from support.reference import ref_gae, ref_masked_whiten, ref_shape_rewards
 from support.tiny_models import tiny_batch_mixing_lm, tiny_causal_lm, tiny_dropout_lm
 from support.trainer_fixture import EOS, PROMPTS, count_e, make_trainer, small_config
@@ -73,7 +73,7 @@ def test_two_steps_first_ratio_exactly_one_and_metrics():
     policy_before = [p.detach().clone() for p in tr.policy.parameters()]
     for step in (1, 2):
         m = tr.step().metrics
-        for k in METRIC_KEYS:
+        for k in METRIC_KEYS + VALUE_METRIC_KEYS:
             assert k in m, k
         assert all(math.isfinite(v) for v in m.values()), m
         # Before the first optimizer step of a PPO step, π_θ is π_old: bit-identical log-probs.

@@ -10,7 +10,6 @@ trainer has: ``token_level_rewards [B, T]`` holding the score at each row's last
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pyppo.ops import group_advantages, masked_whiten
@@ -35,7 +34,8 @@ def group_inputs(shape, dtype, device, seed) -> Inputs:
     last = (mask * torch.arange(T)).argmax(1)
     rewards = torch.zeros(B, T, dtype=dtype)
     rewards[torch.arange(B), last] = scores
-    index = np.repeat(np.array([f"{seed}-{k:06d}" for k in range(B // GROUP_SIZE)], dtype=object), GROUP_SIZE)
+    # veRL's uids (a numpy array of strings there; a list here, as pyppo runs without numpy)
+    index = [f"{seed}-{k:06d}" for k in range(B // GROUP_SIZE) for _ in range(GROUP_SIZE)]
     return {"scores": scores.to(device), "mask": mask.to(device), "token_level_rewards": rewards.to(device),
             "index": index}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import numpy as np
 import torch
 
 from .masked import masked_whiten
@@ -77,6 +76,8 @@ def verl_reinforce_pp_baseline(token_level_rewards, response_mask, index):
 def _as_group_index(index, device) -> torch.Tensor:
     """veRL's ``as_torch_index`` (``verl/utils/groupwise.py``) for uid strings: not integers, so
     factorised with ``np.unique``."""
+    import numpy as np  # only here: pyppo's wheel runs without numpy
+
     arr = np.asarray(index, dtype=object)
     try:
         return torch.from_numpy(arr.astype(np.int64)).to(device)
