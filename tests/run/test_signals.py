@@ -249,7 +249,10 @@ def test_random_signals_never_lose_work(tiny_dir, prompts_file, stop_straight_ro
                                            argv, rng, external, window, tmp_path)
             where = f"seed {seed}, round {rounds}, mode {mode} x{count}, {sent} external: {err[-2000:]}"
             assert "Traceback" not in err, where
-            assert status in (0, 130, 143), where
+            # -2 / -15: the signal's default action, which Python has before pyppo installs its
+            # handlers (imports) and again once the interpreter shuts down (it restores them):
+            # outside the run, where nothing can be lost (what follows checks that nothing was).
+            assert status in (0, 130, 143, -signal.SIGINT, -signal.SIGTERM), where
             fired = "signaller: firing" in err
             total += sent + (0 if not fired else 1 if mode == "loading" else count)
             rows = read_rows(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
