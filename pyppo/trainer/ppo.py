@@ -157,7 +157,8 @@ class PPOTrainer:
         self.max_prompt_tokens, room = prompt_token_limit(self.policy, max_new_tokens=c.max_new_tokens,
                                                           max_prompt_length=c.max_prompt_length)
         for what, records in (("prompts", prompts), ("eval_prompts", self.eval_prompts)):
-            check_reward_fields(reward_fn, prompt_fields(records), source=what)
+            if records:  # no eval prompts: nothing to check
+                check_reward_fields(reward_fn, prompt_fields(records), source=what)
             texts = prompt_columns(records)[0]
             check_prompt_lengths(tokenizer, texts, use_chat_template=c.use_chat_template, room=room,
                                  max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,

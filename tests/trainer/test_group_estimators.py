@@ -195,6 +195,13 @@ def test_pyppo_train_grpo_with_the_math_reward_and_prompt_records(tmp_path):
     assert len(rows) == 2 and not any(k in row for row in rows for k in VALUE_KEYS)
     assert all(0.0 <= row["score_mean"] <= 1.0 for row in rows) and "eval/score_mean" in rows[-1]
     assert torch.load(out / "checkpoint" / "value_model.pt") == {}
+    # Without eval prompts (a field-taking reward once refused their absence).
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyppo", "train", "--model", str(model), "--prompts", str(prompts), "--reward", "math",
+         "--advantage-estimator", "rloo", "--samples-per-prompt", "2", "--batch-size", "4", "--mini-batch-size", "4",
+         "--ppo-epochs", "1", "--max-new-tokens", "4", "--steps", "1", "--output", str(tmp_path / "no_eval")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.load(out / "checkpoint" / "optimizers.pt")["value"] is None
     assert (out / "policy" / "config.json").is_file() and (out / "curves.png").is_file()
     assert not (out / "value").exists()
