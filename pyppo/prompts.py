@@ -293,6 +293,15 @@ class PromptSampler:
                 self.position = 0
         return out
 
+    def sample_groups(self, batch_size: int, group_size: int, rank: int = 0, world_size: int = 1) -> list:
+        """One rank's prompts of a step of ``batch_size`` responses, each ``group_size`` times in a
+        row (a group): the next ``batch_size / group_size`` prompts are drawn (every rank draws the
+        same ones) and rank ``rank`` of ``world_size`` takes its consecutive share, whole groups
+        only. Both divisions must be exact (``PPOConfig`` checks them)."""
+        per_rank = batch_size // world_size // group_size
+        prompts = self.sample(batch_size // group_size)[rank * per_rank:(rank + 1) * per_rank]
+        return [prompt for prompt in prompts for _ in range(group_size)]
+
     def state_dict(self) -> Dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": len(self.prompts)}
 

@@ -203,7 +203,8 @@ class PPOTrainer:
         c, timer = self.config, PhaseTimer(absent=() if self.critic is not None else ("value_forward",))
         with timer.phase("weight_sync"):
             self.sync_engine()
-        prompts, fields = prompt_columns(self.step_prompts())
+        prompts, fields = prompt_columns(self.sampler.sample_groups(c.batch_size, c.samples_per_prompt, self.world.rank,
+                                                                    self.world.size))
         with timer.phase("generate"):
             batch = self.rollout(prompts)                                                  # 1, 2
         with timer.phase("score"):
@@ -238,15 +239,6 @@ class PPOTrainer:
         """Give an engine that holds its own copy of the policy the current weights
         (:class:`~pyppo.rollout.EngineSync`)."""
         self.engine_sync(self.engine, self.policy, self.optimizer_steps)
-
-    def step_prompts(self) -> List[Any]:
-        """This rank's prompts of the next step, each ``samples_per_prompt`` times in a row (a
-        group): ``batch_size / samples_per_prompt`` prompts of one global order are drawn, and
-        each rank takes its consecutive share of them, so no group is split between ranks."""
-        k = self.config.samples_per_prompt
-        p, r = self.local_batch_size // k, self.world.rank
-        prompts = self.sampler.sample(self.config.batch_size // k)[r * p:(r + 1) * p]
-        return [prompt for prompt in prompts for _ in range(k)]
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
         """Sample one response per prompt with :attr:`engine` and cut it after its first EOS

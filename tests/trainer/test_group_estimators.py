@@ -90,17 +90,18 @@ def test_a_group_is_never_split_between_processes():
 
 def test_each_prompt_is_sampled_samples_per_prompt_times_in_a_row_and_ranks_take_whole_groups():
     tr = make_trainer(group_config("grpo", k=4, batch_size=16, mini_batch_size=8))
-    first = tr.step_prompts()
+    first = tr.sampler.sample_groups(16, 4)
     assert len(first) == 16 and all(first[g * 4:(g + 1) * 4] == [first[g * 4]] * 4 for g in range(4))
     assert len(set(first)) == 4
     # Two ranks of the same run: rank r takes the r-th consecutive half of the same prompt draw.
-    tr.sampler.load_state_dict({**tr.sampler.state_dict(), "position": 0, "epoch": 0})
-    tr.local_batch_size, shares = 8, []
+    shares = []
     for rank in (0, 1):
-        tr.world = type(tr.world)(rank=rank, size=2, device=tr.world.device)
         tr.sampler.load_state_dict({**tr.sampler.state_dict(), "position": 0, "epoch": 0})
-        shares.append(tr.step_prompts())
+        shares.append(tr.sampler.sample_groups(16, 4, rank, 2))
     assert shares[0] + shares[1] == first
+    # The trainer's step samples exactly that layout.
+    tr.sampler.load_state_dict({**tr.sampler.state_dict(), "position": 0, "epoch": 0})
+    assert tr.step().batch.prompts == first
 
 
 @pytest.mark.parametrize("estimator", CRITIC_FREE)
