@@ -24,13 +24,14 @@ TORCH_LIBRARY(pyppo, m) {
 
   // hidden [B, T, H], weight [V, H], labels and the per-token inputs [B, T] -> (loss [], logprobs [B, T],
   // entropy [B, T] or [0] when neither return_entropy nor entropy_coef > 0, grad_hidden, grad_weight,
-  // grad_bias): loss = sum(token_weights * per-token PPO loss), its gradients computed in the same
-  // chunked pass (output_mask says which; one not wanted is [0]).
+  // grad_bias): loss = sum(token_weights * per-token policy loss), its gradients computed in the same
+  // chunked pass (output_mask says which; one not wanted is [0]). policy_loss: "ppo", "gspo" (one
+  // more logits GEMM per chunk when the tokens take more than one chunk) or "cispo".
   m.def("linear_ppo_loss(Tensor hidden, Tensor weight, Tensor labels, Tensor old_logprobs, Tensor advantages, "
         "Tensor response_mask, Tensor token_weights, Tensor? ref_logprobs, Tensor? bias, float temperature, "
         "int ignore_index, float cliprange_low, float cliprange_high, float? dual_clip, float kl_loss_coef, "
-        "str kl_loss_estimator, float entropy_coef, bool return_entropy, int chunk_size, bool[3] output_mask) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "str kl_loss_estimator, float entropy_coef, bool return_entropy, int chunk_size, bool[3] output_mask, "
+        "str policy_loss=\"ppo\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   m.def("kl_penalty(Tensor logprobs, Tensor ref_logprobs, str estimator, float? clamp_min, float? clamp_max) -> Tensor");
   m.def("kl_penalty_backward(Tensor grad_kl, Tensor logprobs, Tensor ref_logprobs, str estimator, "

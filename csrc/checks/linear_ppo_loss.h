@@ -14,7 +14,22 @@ namespace pyppo {
 // The log-ratio bound of ppo_policy_loss (LOG_RATIO_CLAMP in pyppo/ops/losses.py).
 constexpr double kLogRatioClamp = 20.0;
 
+// GSPO's upper bound on the sequence log-ratio (GSPO_LOG_RATIO_MAX in pyppo/ops/policy_losses.py).
+constexpr double kGspoLogRatioMax = 10.0;
+
+// The policy losses of pyppo/ops/policy_losses.py (POLICY_LOSSES).
+enum class PolicyLoss { PPO, GSPO, CISPO };
+
+inline PolicyLoss parse_policy_loss(c10::string_view name) {
+  if (name == "ppo") return PolicyLoss::PPO;
+  if (name == "gspo") return PolicyLoss::GSPO;
+  if (name == "cispo") return PolicyLoss::CISPO;
+  TORCH_CHECK_VALUE(false, "pyppo.linear_ppo_loss: policy_loss must be one of 'ppo', 'gspo', 'cispo', got '",
+                    std::string(name.data(), name.size()), "'");
+}
+
 struct PpoScalars {
+  PolicyLoss loss = PolicyLoss::PPO;
   double cliprange_low = 0, cliprange_high = 0;
   std::optional<double> dual_clip;
   double kl_coef = 0, entropy_coef = 0;
@@ -37,7 +52,7 @@ inline PpoScalars check_linear_ppo_loss(const at::Tensor& hidden, const at::Tens
                                         const std::optional<at::Tensor>& bias, double temperature,
                                         double cliprange_low, double cliprange_high, std::optional<double> dual_clip,
                                         double kl_loss_coef, c10::string_view kl_loss_estimator, double entropy_coef,
-                                        int64_t chunk_size) {
+                                        int64_t chunk_size, c10::string_view policy_loss) {
   const char* op = "linear_ppo_loss";
   check_linear_inputs(op, hidden, weight, labels, response_mask, bias, temperature, chunk_size, "response_mask");
   check_2d(op, "labels", labels);
@@ -65,6 +80,10 @@ inline PpoScalars check_linear_ppo_loss(const at::Tensor& hidden, const at::Tens
                     "pyppo.linear_ppo_loss: dual_clip must be a finite number > 1 or None, got ",
                     dual_clip.value_or(0.0));
   PpoScalars s;
+  s.loss = parse_policy_loss(policy_loss);
+  TORCH_CHECK_VALUE(s.loss == PolicyLoss::PPO || !dual_clip.has_value(),
+                    "pyppo.linear_ppo_loss: dual_clip applies to policy_loss 'ppo' only, got policy_loss '",
+                    std::string(policy_loss.data(), policy_loss.size()), "' with dual_clip ", dual_clip.value_or(0.0));
   s.cliprange_low = cliprange_low;
   s.cliprange_high = cliprange_high;
   s.dual_clip = dual_clip;

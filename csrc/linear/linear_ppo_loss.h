@@ -18,6 +18,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& bias, double temperature,
     int64_t ignore_index, double cliprange_low, double cliprange_high, std::optional<double> dual_clip,
     double kl_loss_coef, c10::string_view kl_loss_estimator, double entropy_coef, bool return_entropy,
-    int64_t chunk_size, std::array<bool, 3> output_mask);
+    int64_t chunk_size, std::array<bool, 3> output_mask, c10::string_view policy_loss);
 
 }  // namespace pyppo

@@ -13,11 +13,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& bias, double temperature,
     int64_t /*ignore_index*/, double cliprange_low, double cliprange_high, std::optional<double> dual_clip,
     double kl_loss_coef, c10::string_view kl_loss_estimator, double entropy_coef, bool return_entropy,
-    int64_t chunk_size, std::array<bool, 3> output_mask) {
+    int64_t chunk_size, std::array<bool, 3> output_mask, c10::string_view policy_loss) {
   const PpoScalars s = check_linear_ppo_loss(hidden, weight, labels, old_logprobs, advantages, response_mask,
                                              token_weights, ref_logprobs, bias, temperature, cliprange_low,
                                              cliprange_high, dual_clip, kl_loss_coef, kl_loss_estimator,
-                                             entropy_coef, chunk_size);
+                                             entropy_coef, chunk_size, policy_loss);
   LogprobsOutputs out = alloc_logprobs_outputs(labels, out_options(hidden), return_entropy || s.entropy_coef > 0);
   auto none = [&] { return at::empty({0}, hidden.options()); };
   return {at::empty({}, hidden.options().dtype(ppo_dtype(hidden, old_logprobs, advantages))),

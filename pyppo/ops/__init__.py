@@ -21,6 +21,7 @@ from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
 from .linear_logprobs import linear_logprobs
 from .linear_ppo_loss import linear_ppo_loss
 from .losses import LOSS_AGG_MODES, aggregate_loss, loss_token_weights, ppo_policy_loss, ppo_value_loss
+from .policy_losses import POLICY_LOSSES, cispo_policy_loss, gspo_policy_loss
 from .masked import masked_mean, masked_var, masked_whiten
 
 # Outputs that PPO treats as constants: marked non-differentiable rather than left without an
@@ -45,10 +46,13 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "ppo_policy_loss",
+    "gspo_policy_loss",
+    "cispo_policy_loss",
     "ppo_value_loss",
     "aggregate_loss",
     "loss_token_weights",
     "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
     "GROUP_ESTIMATORS",
+    "POLICY_LOSSES",
 ]

@@ -9,7 +9,8 @@ import torch
 
 from ._non_differentiable import first_derivative_only
 from .kl import kl_penalty
-from .losses import _as_bool_mask, aggregate_loss, loss_token_weights, named_errors, ppo_policy_loss
+from .losses import _as_bool_mask, aggregate_loss, loss_token_weights, named_errors
+from .policy_losses import policy_loss_fn
 
 __all__ = ["linear_ppo_loss"]
 
@@ -26,6 +27,7 @@ def linear_ppo_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # what linear_logprobs takes
     old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,  # what the loss takes
     *,
+    policy_loss: str = "ppo",
     bias: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_loss_coef: float = 0.0,
@@ -41,29 +43,34 @@ def linear_ppo_loss(
     chunk_size: int | None = None,
     return_entropy: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    r"""The PPO policy loss of ``hidden @ weight.T + bias``, without the ``[tokens, V]`` logits
-    and without a second pass over them in the backward.
+    r"""The policy loss of ``hidden @ weight.T + bias``, without the ``[tokens, V]`` logits and
+    without a second pass over them in the backward.
 
     The value and gradients of::
 
         lp, ent = linear_logprobs(hidden, weight, labels, response_mask, bias=bias,
                                   temperature=temperature, return_entropy=True)
-        policy_loss, stats = ppo_policy_loss(lp, old_logprobs, advantages, response_mask, ...)
+        policy_loss, stats = POLICY_LOSSES[policy_loss](lp, old_logprobs, advantages, response_mask, ...)
         loss = (policy_loss
                 + kl_loss_coef * aggregate_loss(kl_penalty(lp, ref_logprobs, estimator=kl_loss_estimator),
                                                 response_mask, ...)   # when kl_loss_coef > 0
                 - entropy_coef * aggregate_loss(ent, response_mask, ...))  # when entropy_coef > 0
 
-    with the same ``loss_agg`` / ``loss_agg_norm`` / ``normalizer`` for every term: the clipped
-    surrogate of Schulman et al. 2017 (eq. 7) with the ±20 log-ratio clamp and the optional dual
-    clip of Ye et al. 2020, see :func:`~pyppo.ops.ppo_policy_loss`.
+    with the same ``loss_agg`` / ``loss_agg_norm`` / ``normalizer`` for every term. ``policy_loss``
+    picks the policy term (:data:`~pyppo.ops.POLICY_LOSSES`): ``"ppo"``, the clipped surrogate
+    of Schulman et al. 2017 (eq. 7) with the ±20 log-ratio clamp and the optional dual clip of
+    Ye et al. 2020 (:func:`~pyppo.ops.ppo_policy_loss`); ``"gspo"``, the sequence-level ratio of
+    :func:`~pyppo.ops.gspo_policy_loss`; ``"cispo"``, the clipped detached weight of
+    :func:`~pyppo.ops.cispo_policy_loss`.
 
     Each token's loss depends on its own log-prob and entropy only, and the aggregation is a fixed
     weight per token (:func:`~pyppo.ops.losses.loss_token_weights`), so the gradient of a chunk
     of tokens is known as soon as its log-probs are: the op computes each chunk's logits (one
     GEMM), turns them in place into their gradient, and multiplies that into ``grad_hidden`` and
     ``grad_weight`` (two GEMMs), all in the forward. The backward only scales the saved gradients
-    by the incoming gradient of ``loss``. Three GEMMs in all, against four for ``linear_logprobs``
+    by the incoming gradient of ``loss``. GSPO's ratio is a row's mean, so its tokens' gradients
+    wait for every log-prob of the row: when the tokens take more than one chunk, a first pass
+    computes the log-probs alone (one more GEMM per chunk). Three GEMMs in all, against four for ``linear_logprobs``
     (which recomputes the logits in its backward), and one ``[chunk, V]`` buffer instead of the
     ``[tokens, V]`` logits, softmax and gradients of the eager path: the chunked fused loss of
     Liger-Kernel's fused linear cross-entropy and of Wijmans et al. 2024, "Cut Your Losses in
@@ -71,7 +78,7 @@ def linear_ppo_loss(
     accumulated in float32.
 
     The loss value, ``logprobs``, ``entropy`` and ``stats`` are those of the unfused path on the
-    same log-probs: they are computed by ``ppo_policy_loss``, ``kl_penalty`` and
+    same log-probs: they are computed by the policy loss, ``kl_penalty`` and
     ``aggregate_loss`` on the returned log-probs, so ``loss`` is their result bit for bit. The
     gradients agree with the unfused path's to float32 rounding.
 
@@ -88,7 +95,9 @@ def linear_ppo_loss(
         kl_loss_coef: β ≥ 0 of the KL-in-loss term (off at 0).
         kl_loss_estimator: one of :data:`~pyppo.ops.KL_ESTIMATORS` (see :func:`~pyppo.ops.kl_penalty`).
         entropy_coef: ≥ 0, weight of the entropy bonus (off at 0).
-        cliprange_low, cliprange_high, dual_clip: as :func:`~pyppo.ops.ppo_policy_loss`.
+        policy_loss: ``"ppo"``, ``"gspo"`` or ``"cispo"``.
+        cliprange_low, cliprange_high, dual_clip: as :func:`~pyppo.ops.ppo_policy_loss`
+            (``dual_clip`` with ``"ppo"`` only).
         loss_agg, loss_agg_norm, normalizer: as :func:`~pyppo.ops.aggregate_loss`; with
             ``normalizer`` the losses (and gradients) of the micro-batches of a minibatch sum to the
             minibatch's.
@@ -101,16 +110,17 @@ def linear_ppo_loss(
         ``(loss, stats, logprobs, entropy)``: ``loss`` 0-d, float32 (float64 when ``hidden``,
         ``old_logprobs`` or ``advantages`` is float64), differentiable w.r.t. ``hidden``,
         ``weight`` and ``bias`` (first derivatives only); ``stats`` the 0-d detached float32 stats of
-        ``ppo_policy_loss`` plus ``policy_loss``, ``kl_loss`` (when ``kl_loss_coef > 0``) and
+        the policy loss plus ``policy_loss``, ``kl_loss`` (when ``kl_loss_coef > 0``) and
         ``entropy_loss`` (when ``entropy_coef > 0``); ``logprobs [B, T]`` detached, float32 (float64
         for float64 hidden), 0 at masked positions; ``entropy [B, T]`` likewise when
         ``return_entropy`` or ``entropy_coef > 0``, else ``None``.
 
     Raises:
-        ValueError: the errors of ``linear_logprobs`` and ``ppo_policy_loss`` (shapes, dtypes,
+        ValueError: the errors of ``linear_logprobs`` and the policy loss (shapes, dtypes,
             ranges, unknown ``loss_agg``, no valid token without ``normalizer``, ...), naming the
             argument after ``pyppo.linear_ppo_loss:``; ``ref_logprobs`` missing with
-            ``kl_loss_coef > 0``; an unknown ``kl_loss_estimator``; a negative or non-finite
+            ``kl_loss_coef > 0``; an unknown ``policy_loss`` or ``kl_loss_estimator``; ``dual_clip``
+            with a ``policy_loss`` other than ``"ppo"``; a negative or non-finite
             ``kl_loss_coef`` / ``entropy_coef``; ``chunk_size <= 0``; ``hidden`` not ``[B, T, H]``.
         RuntimeError: inputs on different devices.
     """
@@ -133,14 +143,16 @@ def linear_ppo_loss(
         float(temperature), -100, float(cliprange_low), float(cliprange_high),
         None if dual_clip is None else float(dual_clip), float(kl_loss_coef), kl_loss_estimator,
         float(entropy_coef), bool(return_entropy), 0 if chunk_size is None else int(chunk_size), want,
+        policy_loss,
     )
     agg = _named(functools.partial(aggregate_loss, loss_agg=loss_agg, loss_agg_norm=loss_agg_norm,
                                    normalizer=normalizer))
+    clip = dict(dual_clip=dual_clip) if policy_loss == "ppo" else {}
     with torch.no_grad():
-        loss, stats = _named(ppo_policy_loss)(
+        loss, stats = _named(policy_loss_fn(policy_loss))(
             logprobs, old_logprobs, advantages, response_mask, cliprange_low=cliprange_low,
-            cliprange_high=cliprange_high, dual_clip=dual_clip, loss_agg=loss_agg, loss_agg_norm=loss_agg_norm,
-            normalizer=normalizer,
+            cliprange_high=cliprange_high, loss_agg=loss_agg, loss_agg_norm=loss_agg_norm,
+            normalizer=normalizer, **clip,
         )
         stats["policy_loss"] = loss.float()
         if kl_on:
@@ -160,8 +172,9 @@ def linear_ppo_loss(
     return loss, stats, logprobs, entropy if (return_entropy or ent_on) else None
 
 
-# The differentiable inputs' positions in the schema, and their output_mask entries.
+# The differentiable inputs' positions in the schema, and their output_mask entries; output_mask's.
 _DIFFERENTIABLE = ((0, "hidden"), (1, "weight"), (8, "bias"))
+_OUTPUT_MASK = 19
 
 
 def _setup_context(ctx, inputs, output):
@@ -173,7 +186,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     # hidden is saved only to tie the gradients to it, so that a second derivative raises.
     ctx.save_for_backward(hidden, grad_hidden, grad_weight, grad_bias)
-    ctx.want = inputs[-1]
+    ctx.want = inputs[_OUTPUT_MASK]
     ctx.n_inputs = len(inputs)
 
 

@@ -394,14 +394,8 @@ def ppo_policy_loss(
     _check_loss_agg(loss_agg, loss_agg_norm)
     m = _as_bool_mask(response_mask, "response_mask")
 
-    dt = _compute_dtype(logprobs, old_logprobs, advantages)
-    zero = torch.zeros((), dtype=dt, device=logprobs.device)
-    raw_log_ratio = logprobs.to(dt) - old_logprobs.to(dt)
-    # Masked positions may hold garbage (e.g. -inf logprobs): where() zeroes their log-ratio and
-    # its gradient. The clamp bounds the exponent at valid ones (see LOG_RATIO_CLAMP).
-    log_ratio = torch.where(m, torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), zero)
+    dt, zero, raw_log_ratio, log_ratio, adv = _token_log_ratio(logprobs, old_logprobs, advantages, m)
     ratio = torch.exp(log_ratio)
-    adv = torch.where(m, advantages.to(dt), zero)
 
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
@@ -417,11 +411,36 @@ def ppo_policy_loss(
 
     loss = aggregate_loss(pg_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
 
+    return loss, policy_stats(m, raw_log_ratio, log_ratio, ratio, clipped, lower_active)
+
+
+def _token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     m: torch.Tensor):
+    """``(dt, zero, raw, log_ratio, adv)``: the compute dtype, a 0-d zero of it, the raw token
+    log-ratio ``logprobs − old_logprobs``, the same clamped to ±:data:`LOG_RATIO_CLAMP` and 0 at
+    masked positions, and the advantages, 0 at masked positions."""
+    dt = _compute_dtype(logprobs, old_logprobs, advantages)
+    zero = torch.zeros((), dtype=dt, device=logprobs.device)
+    raw_log_ratio = logprobs.to(dt) - old_logprobs.to(dt)
+    # Masked positions may hold garbage (e.g. -inf logprobs): where() zeroes their log-ratio and
+    # its gradient. The clamp bounds the exponent at valid ones (see LOG_RATIO_CLAMP).
+    log_ratio = torch.where(m, torch.clamp(raw_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), zero)
+    return dt, zero, raw_log_ratio, log_ratio, torch.where(m, advantages.to(dt), zero)
+
+
+def policy_stats(m: torch.Tensor, raw_log_ratio: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor,
+                 clipped: torch.Tensor, lower_active: torch.Tensor) -> Stats:
+    """The statistics every policy loss reports (see :func:`ppo_policy_loss`), over the valid
+    tokens of ``m``: ``approx_kl`` and ``logratio_clampfrac`` from the token log-ratios (raw and
+    clamped), ``ratio_mean`` / ``ratio_max`` of the ratio the loss used, ``clipfrac`` /
+    ``clipfrac_lower`` the fractions of ``clipped`` / ``lower_active``."""
     with torch.no_grad():
+        dt = log_ratio.dtype
+        zero = torch.zeros((), dtype=dt, device=log_ratio.device)
         n = m.sum()
         r = ratio.detach()
-        k3 = r - 1.0 - log_ratio.detach()
-        stats = {
+        k3 = torch.exp(log_ratio.detach()) - 1.0 - log_ratio.detach()
+        return {
             "clipfrac": _masked_stat_mean(clipped.to(dt), m, n),
             "clipfrac_lower": _masked_stat_mean(lower_active.to(dt), m, n),
             "approx_kl": _masked_stat_mean(k3, m, n),
@@ -433,7 +452,6 @@ def ppo_policy_loss(
                 n > 0, torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max(), zero
             ).float() if r.numel() else torch.zeros((), dtype=torch.float32, device=r.device),
         }
-    return loss, stats
 
 
 @named_errors
