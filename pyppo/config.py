@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from .ops.kl import KL_ESTIMATORS
 from .ops.losses import LOSS_AGG_MODES
+from .ops.policy_losses import POLICY_LOSSES
 
 #: ``PPOConfig.dtype`` values.
 DTYPES = ("float32", "bfloat16")
@@ -139,6 +140,29 @@ class Knob:
 def knob(default: Any, help: str, check: Any, *, group: str, optional: bool = False) -> Any:
     """A config field: ``default``, a one-line ``help``, its ``check`` and the ``group`` it is listed under."""
     return dataclasses.field(default=default, metadata={"knob": Knob(help, check, group, optional)})
+
+
+def _inert_knobs(c: "PPOConfig") -> Iterator[tuple]:
+    """``(knob, what it needs)`` for each knob set away from its default where it acts on nothing:
+    a silently ignored setting is refused instead."""
+    est = repr(c.advantage_estimator)
+    needs = [
+        (("value_lora", "value_lr", "vf_coef", "cliprange_value", "lam"), c.uses_critic,
+         f"a value model (advantage_estimator = 'gae'; {est} trains none)"),
+        (("gamma",), c.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"),
+         f"token returns (advantage_estimator 'gae', 'reinforce_pp' or 'reinforce_pp_baseline', not {est})"),
+        (("whiten_advantages",), c.advantage_estimator not in ("grpo", "rloo"),
+         f"a batch-whitened estimator ({est} normalises within each group)"),
+        (("grpo_std_normalize",), c.advantage_estimator == "grpo", f"advantage_estimator = 'grpo', not {est}"),
+        (("dual_clip",), c.policy_loss == "ppo", f"policy_loss = 'ppo', not {c.policy_loss!r}"),
+        (("filter_groups_max_tries",), c.filter_groups, "filter_groups = true"),
+        (("overlong_penalty",), c.overlong_buffer > 0, "overlong_buffer > 0"),
+    ]
+    defaults = {f.name: f.default for f in dataclasses.fields(c)}
+    for names, active, what in needs:
+        for name in names:
+            if not active and getattr(c, name) != defaults[name]:
+                yield name, what
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +310,24 @@ class PPOConfig:
         None, "subtracted from the (clipped) score of responses that hit max_new_tokens without EOS",
         number(0.0), group="KL penalty", optional=True)
 
+    # -- DAPO's rollout rules (docs/trainer.md, "DAPO's rollout rules")
+    filter_groups: bool = knob(
+        False, "DAPO dynamic sampling: drop groups whose scores are all equal (no signal for a group baseline) "
+        "and sample more prompts until the batch is full; needs samples_per_prompt >= 2",
+        boolean(), group="DAPO's rollout rules")
+    filter_groups_max_tries: int = knob(
+        4, "filter_groups: rollouts per step at most; a batch still short then is filled with all-equal groups "
+        "(logged as filter_groups_filled)", integer(1), group="DAPO's rollout rules")
+    overlong_buffer: int = knob(
+        0, "DAPO overlong shaping: a penalty rising linearly from 0 to overlong_penalty over a response's last "
+        "overlong_buffer tokens before max_new_tokens, subtracted from its score; 0 = off",
+        integer(0), group="DAPO's rollout rules")
+    overlong_penalty: float = knob(1.0, "the overlong penalty at max_new_tokens", number(0.0),
+                                   group="DAPO's rollout rules")
+    mask_truncated: bool = knob(
+        False, "responses cut at max_new_tokens (no EOS) take no loss; their scores still count in their "
+        "group's baseline", boolean(), group="DAPO's rollout rules")
+
     # -- advantages and losses
     advantage_estimator: str = knob(
         "gae", "gae (actor-critic PPO: trains a value model); critic-free, no value model: grpo, rloo (group "
@@ -301,6 +343,10 @@ class PPOConfig:
         True, "whiten advantages over the whole batch's valid tokens (skipped below 2 valid tokens); gae and "
         "reinforce_pp* only: grpo and rloo are normalised within each group",
         boolean(), group="advantages and losses")
+    policy_loss: str = knob(
+        "ppo", "ppo (clipped token ratio), gspo (clipped sequence ratio, the geometric mean of its tokens'; GSPO "
+        "clips far narrower: cliprange ~3e-4), cispo (clipped, detached importance weight times log-prob) "
+        "(docs/ops.md)", one_of(tuple(POLICY_LOSSES)), group="advantages and losses")
     cliprange: float = knob(0.2, "PPO clip epsilon (low side, and high side unless cliprange_high)",
                             number(0.0, 1.0, hi_open=True), group="advantages and losses")
     cliprange_high: Optional[float] = knob(
@@ -349,9 +395,14 @@ class PPOConfig:
         if self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and self.samples_per_prompt < 2:
             raise ValueError(f"samples_per_prompt must be >= 2 with advantage_estimator = {self.advantage_estimator!r}, "
                              f"got {self.samples_per_prompt}: its baseline is the other responses to the same prompt")
-        if self.value_lora and not self.uses_critic:
-            raise ValueError(f"value_lora needs a value model; advantage_estimator = {self.advantage_estimator!r} "
-                             "trains none")
+        if self.filter_groups and self.samples_per_prompt < 2:
+            raise ValueError(f"filter_groups needs samples_per_prompt >= 2, got {self.samples_per_prompt}: it drops "
+                             "groups whose responses all scored the same")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
+                             f"({self.max_new_tokens})")
+        for name, needs in _inert_knobs(self):
+            raise ValueError(f"{name} = {getattr(self, name)!r} has no effect here: it needs {needs}")
         if self.value_lora and self.lora_rank == 0:
             raise ValueError("value_lora needs lora_rank > 0 (the value model's adapters use the policy's rank)")
         if self.target_kl is not None and self.kl_coef == 0:

@@ -153,6 +153,36 @@ class RolloutBuffer:
                 kwargs[f.name] = v.index_select(0, idx_cpu.to(v.device))
         return RolloutBuffer(**kwargs)
 
+    @classmethod
+    def cat(cls, buffers: Sequence["RolloutBuffer"]) -> "RolloutBuffer":
+        """The rows of ``buffers``, in order, as one buffer: prompts left-padded and responses
+        right-padded to the longest (pad tokens 0, masks false, per-token values 0). A field must
+        be set in every buffer or in none.
+
+        Raises:
+            ValueError: no buffer, or a field set in some buffers only (naming it).
+        """
+        if not buffers:
+            raise ValueError("cat needs at least one buffer")
+        P = max(b.prompt_length for b in buffers)
+        T = max(b.response_length for b in buffers)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            values = [getattr(b, f.name) for b in buffers]
+            if all(v is None for v in values):
+                kwargs[f.name] = None
+            elif any(v is None for v in values):
+                raise ValueError(f"cat: {f.name} is set in some buffers only")
+            elif f.name in _LIST_FIELDS:
+                kwargs[f.name] = [x for v in values for x in v]
+            elif f.name in ("query_ids", "query_mask"):
+                kwargs[f.name] = torch.cat([torch.nn.functional.pad(v, (P - v.shape[1], 0)) for v in values])
+            elif values[0].dim() == 2:
+                kwargs[f.name] = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in values])
+            else:
+                kwargs[f.name] = torch.cat(values)
+        return cls(**kwargs)
+
     def to(self, device) -> "RolloutBuffer":
         """A copy with every tensor on ``device``."""
         kwargs = {}

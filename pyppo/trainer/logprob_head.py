@@ -20,7 +20,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..ops import aggregate_loss, gather_logprobs, kl_penalty, linear_logprobs, ppo_policy_loss
+from ..ops import aggregate_loss, gather_logprobs, kl_penalty, linear_logprobs
+from ..ops.policy_losses import policy_loss_fn
 from ..precision import autocast, autocast_dtype
 from .buffer import RolloutBuffer
 
@@ -85,18 +86,22 @@ class PolicyObjective:
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     fused: bool = True
+    policy_loss: str = "ppo"
 
     def loss_args(self) -> dict:
-        return dict(cliprange_low=self.cliprange_low, cliprange_high=self.cliprange_high, dual_clip=self.dual_clip,
-                    loss_agg=self.loss_agg, loss_agg_norm=self.loss_agg_norm, normalizer=self.normalizer)
+        """The keyword arguments of the policy loss (``dual_clip`` for ``ppo`` only)."""
+        clip = dict(dual_clip=self.dual_clip) if self.policy_loss == "ppo" else {}
+        return dict(cliprange_low=self.cliprange_low, cliprange_high=self.cliprange_high, loss_agg=self.loss_agg,
+                    loss_agg_norm=self.loss_agg_norm, normalizer=self.normalizer, **clip)
 
 
 def policy_objective(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], mb: RolloutBuffer,
                      objective: PolicyObjective) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The policy's loss from its log-probs: ``policy_loss + kl_loss_coef · kl_loss −
     entropy_coef · entropy_loss``, each term aggregated with ``loss_agg`` over ``mb``'s
-    ``response_mask`` (the clipped surrogate of Schulman et al. 2017, eq. 7, in
-    :func:`~pyppo.ops.ppo_policy_loss`; the KL term is veRL's ``use_kl_loss``: the
+    ``response_mask`` (``policy_loss`` from :data:`~pyppo.ops.POLICY_LOSSES`: the clipped
+    surrogate of Schulman et al. 2017, eq. 7, :func:`~pyppo.ops.ppo_policy_loss`, or GSPO or
+    CISPO; the KL term is veRL's ``use_kl_loss``: the
     ``kl_loss_estimator`` of ``logprobs`` against ``ref_logprobs``, in the loss instead of, or as
     well as, in the reward).
 
@@ -105,11 +110,11 @@ def policy_objective(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], mb
             when ``entropy_coef > 0``).
 
     Returns:
-        ``(loss 0-d float32, stats)``: :func:`~pyppo.ops.ppo_policy_loss`'s statistics plus
+        ``(loss 0-d float32, stats)``: the policy loss's statistics plus
         ``policy_loss`` and, when on, ``kl_loss`` and ``entropy_loss`` (detached).
     """
     o, m = objective, mb.response_mask
-    pg_loss, stats = ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, m, **o.loss_args())
+    pg_loss, stats = policy_loss_fn(o.policy_loss)(logprobs, mb.old_logprobs, mb.advantages, m, **o.loss_args())
     agg = dict(loss_agg=o.loss_agg, loss_agg_norm=o.loss_agg_norm, normalizer=o.normalizer)
     loss, stats = pg_loss, {**stats, "policy_loss": pg_loss.detach()}
     if o.kl_loss_coef > 0:
@@ -215,7 +220,7 @@ class LogprobHead(nn.Module):
                 hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages, mb.response_mask, bias=bias,
                 ref_logprobs=mb.ref_logprobs, kl_loss_coef=o.kl_loss_coef, kl_loss_estimator=o.kl_loss_estimator,
                 entropy_coef=o.entropy_coef, temperature=self.temperature, return_entropy=want_entropy,
-                **o.loss_args())
+                policy_loss=o.policy_loss, **o.loss_args())
         logprobs, entropy = self._logprobs(mb, want_entropy)
         loss, stats = policy_objective(logprobs, entropy, mb, o)
         return loss, stats, logprobs.detach(), None if entropy is None else entropy.detach()

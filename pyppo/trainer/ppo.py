@@ -4,7 +4,9 @@
    each, ``batch_size`` in all (pure sampling at ``temperature``, by the rollout engine:
    :mod:`pyppo.rollout`);
 2. cut each response after its first EOS;
-3. score each (prompt, response); clip the score, then subtract ``missing_eos_penalty``;
+3. score each (prompt, response); clip the score, then subtract ``missing_eos_penalty`` and
+   DAPO's overlong penalty (with ``filter_groups``, 1-3 repeat until the batch holds groups
+   whose scores differ: :mod:`pyppo.trainer.group_filter`);
 4. the rollout's forwards: ``old_logprobs`` and the entropy (policy), ``ref_logprobs`` (frozen
    reference), ``values`` (value model, :mod:`pyppo.trainer.critic`; none for a critic-free
    estimator), at the response positions;
@@ -24,8 +26,9 @@ That holds in bfloat16 too (every forward runs under the same autocast) and with
 reference is the policy with its adapters disabled, and the adapters start at 0).
 
 When the first minibatch is one micro-batch, point 4's policy forward of its rows runs with grad
-(:meth:`PPOTrainer.first_policy_forward`): its detached log-probs are the rollout's, and the first
-:meth:`PPOTrainer.micro_step` trains on the live ones, so that forward is not run twice.
+(:func:`~pyppo.trainer.rollout_forwards.first_policy_forward`): its detached log-probs are the
+rollout's, and the first :meth:`PPOTrainer.micro_step` trains on the live ones, so that forward
+is not run twice.
 
 Under ``torchrun`` each of the N processes samples ``batch_size / N`` responses (whole groups of
 ``samples_per_prompt``) to its share of one global order of prompts and trains on its share of
@@ -69,7 +72,10 @@ from .assemble import (check_arguments, check_trainable, logprob_modules, make_a
 from .buffer import RolloutBuffer, buffer_from_rollout
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .critic import Critic
+from .group_filter import sample_scored_batch
+from .overlong import mask_truncated, overlong_penalty
 from .logprob_head import PolicyObjective, policy_objective
+from .rollout_forwards import first_policy_forward, rollout_forwards
 from .results import METRIC_KEYS, MicroStepResult, StepResult
 from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats, rollout_metrics
 
@@ -203,29 +209,24 @@ class PPOTrainer:
         c, timer = self.config, PhaseTimer(absent=() if self.critic is not None else ("value_forward",))
         with timer.phase("weight_sync"):
             self.sync_engine()
-        prompts, fields = prompt_columns(self.sampler.sample_groups(c.batch_size, c.samples_per_prompt, self.world.rank,
-                                                                    self.world.size))
-        with timer.phase("generate"):
-            batch = self.rollout(prompts)                                                  # 1, 2
-        with timer.phase("score"):
-            batch.raw_scores, batch.scores = self.score(batch, fields)                   # 3
+        batch, sampled = sample_scored_batch(self, timer)                                 # 1, 2, 3
         first_perm = batch.epoch_permutation(self.shuffle_generator)
         fold = self.first_pass_is_rollout_pass()
-        self.rollout_forwards(batch, first_perm, timer, first_policy=not fold)            # 4
-        first_forward = self.first_policy_forward(batch, first_perm, timer) if fold else None
+        rollout_forwards(self, batch, first_perm, timer, first_policy=not fold)           # 4
+        first_forward = first_policy_forward(self, batch, first_perm, timer) if fold else None
         kl_coef = float(self.kl_ctl.value)
         with timer.phase("advantages"):
-            self.advantages(batch, kl_coef)                                               # 5
+            rollout = self.advantages(batch, kl_coef)                                     # 5
             mismatch = correct_for_sampler(batch, c.rollout_correction, c.rollout_is_cap, self.world,
                                            type(self.engine).__name__)
         with timer.phase("update"):
             update_metrics = self.update(batch, first_perm, first_forward)                # 6
-        kl_sum = float((batch.kl * batch.response_mask).sum())
+        kl_sum = float(batch.kl.sum())  # 0 where masked: every sampled token, truncated or not
         kl_mean = distributed.all_sum([kl_sum], self.world)[0] / c.batch_size
         self.update_kl_coef(kl_mean)                                                     # 7
         self.step_count += 1
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
-                   **rollout_metrics(batch), **mismatch, **update_metrics, **timer.metrics()}
+                   **rollout, **sampled, **mismatch, **update_metrics, **timer.metrics()}
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
 
     def close(self) -> None:
@@ -253,8 +254,9 @@ class PPOTrainer:
 
     def score(self, batch: RolloutBuffer, fields: Optional[Dict[str, list]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(raw_scores [B], scores [B])``: the reward's scores (given the prompts' ``fields``, a
-        column each, :func:`pyppo.rewards.score_responses`), then clipped to ``score_clip`` and
-        lowered by ``missing_eos_penalty`` where the response has no EOS (point 3)."""
+        column each, :func:`pyppo.rewards.score_responses`), then clipped to ``score_clip``,
+        lowered by ``missing_eos_penalty`` where the response has no EOS and by DAPO's overlong
+        penalty over the last ``overlong_buffer`` tokens (point 3)."""
         c = self.config
         raw = torch.tensor(score_responses(self.reward_fn, batch.prompts, batch.responses,
                                            where=f"step {self.step_count + 1}", fields=fields),
@@ -262,59 +264,34 @@ class PPOTrainer:
         scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
         if c.missing_eos_penalty is not None:
             scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
+        if c.overlong_buffer:
+            scores = scores - overlong_penalty(batch.response_mask.sum(dim=1), c.max_new_tokens, c.overlong_buffer,
+                                               c.overlong_penalty)
         return raw, scores
 
     @torch.no_grad()
-    def rollout_forwards(self, batch: RolloutBuffer, first_perm: torch.Tensor, timer: PhaseTimer, *,
-                         first_policy: bool = True) -> None:
-        """Fill ``old_logprobs``, ``entropy``, ``ref_logprobs`` and ``values`` without gradients
-        (point 4), on the micro-batches of the first epoch's layout (``first_policy=False``: the
-        first micro-batch's ``old_logprobs`` and ``entropy`` are left to
-        :meth:`first_policy_forward`)."""
-        B, T = len(batch), batch.response_length
-        for name in ("old_logprobs", "entropy", "ref_logprobs", "values"):
-            setattr(batch, name, torch.zeros(B, T, device=self.device))
-        if self.critic is not None:
-            self.critic.train(False)
-        for i, idx in enumerate(first_perm.split(self.micro_batch_size)):
-            mb, ix = batch.select(idx), idx.to(self.device)
-            with autocast(self.device, self.dtype):
-                if first_policy or i > 0:
-                    with timer.phase("policy_forward"):
-                        batch.old_logprobs[ix], batch.entropy[ix] = self.policy_module(mb, return_entropy=True)
-                with timer.phase("ref_forward"):
-                    batch.ref_logprobs[ix] = self.ref_logprobs(mb)[0]
-                if self.critic is not None:
-                    with timer.phase("value_forward"):
-                        batch.values[ix] = self.critic.values(mb)
+    def advantages(self, batch: RolloutBuffer, kl_coef: float) -> Dict[str, float]:
+        """Fill ``rewards``, ``kl``, ``advantages`` and ``returns`` (point 5). With
+        ``mask_truncated``, responses without EOS then leave the loss (their scores served their
+        group's baseline). Whitening needs two valid tokens; with fewer, the raw advantages are
+        used. Group-normalised estimators (``grpo``, ``rloo``) are not whitened.
 
-    def first_policy_forward(self, batch: RolloutBuffer, first_perm: torch.Tensor,
-                             timer: PhaseTimer) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Point 4's policy forward of the first micro-batch, with grad, in training mode (dropout
-        is off: :meth:`first_pass_is_rollout_pass`). Its detached log-probs and entropy are the
-        rollout's for those rows; the live ``(logprobs, entropy)``, ``[b, T]``, are returned for
-        the first :meth:`micro_step`, before any optimizer step."""
-        rows = first_perm[:self.micro_batch_size]
-        self.policy.train()
-        with timer.phase("policy_forward"), autocast(self.device, self.dtype):
-            logprobs, entropy = self.policy_module(batch.select(rows), return_entropy=True)
-        ix = rows.to(self.device)
-        batch.old_logprobs[ix], batch.entropy[ix] = logprobs.detach(), entropy.detach()
-        return logprobs, entropy
-
-    @torch.no_grad()
-    def advantages(self, batch: RolloutBuffer, kl_coef: float) -> None:
-        """Fill ``rewards``, ``kl``, ``advantages`` and ``returns`` (point 5). Whitening needs two
-        valid tokens; with fewer, the raw advantages are used. Group-normalised estimators
-        (``grpo``, ``rloo``) are not whitened."""
+        Returns:
+            the rollout's metrics (:func:`rollout_metrics`, over every sampled response), and
+            ``truncated_masked``, the responses taken out of the loss, with ``mask_truncated``.
+        """
         c = self.config
         batch.rewards, batch.kl = shape_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs,
                                                 batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
         check_rollout(batch, self.world, f"step {self.step_count + 1}")
         batch.advantages, batch.returns = self.estimate_advantages(batch, c)
+        metrics = rollout_metrics(batch)
+        if c.mask_truncated:
+            metrics["truncated_masked"] = mask_truncated(batch.response_mask, batch.advantages, batch.has_eos)
         valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
         if c.whiten_advantages and self.estimate_advantages.whitened and valid >= 2:
             batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
+        return metrics
 
     def first_pass_is_rollout_pass(self) -> bool:
         """Whether the first epoch's first minibatch is one micro-batch, so that its policy
@@ -335,7 +312,7 @@ class PPOTrainer:
     def update(self, batch: RolloutBuffer, first_perm: torch.Tensor,
                first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches, one optimizer step each (point 6).
-        ``first_forward``: :meth:`first_policy_forward`'s live output, the first minibatch's
+        ``first_forward``: :func:`~pyppo.trainer.rollout_forwards.first_policy_forward`'s live output, the first minibatch's
         policy forward.
 
         Returns:
@@ -353,14 +330,14 @@ class PPOTrainer:
                 where = f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"
                 live = first_forward if epoch == 0 and index == 0 else None
                 seen_mb = self.minibatch_step(mb, stats, where, first_forward=live)
-                first = first or ratio_stats(seen_mb)
+                first = first or (ratio_stats(seen_mb) if seen_mb else {})
                 seen += seen_mb
         self.train_mode(False)
         # The gradients are not needed until the next update: freed now, they do not add to the
         # memory of the next rollout.
         self.zero_grad()
         out = {k: math.nan for k in ("policy_loss", "clipfrac", "approx_kl", "ratio_max")}
-        if self.critic is not None:
+        if self.critic is not None and seen:
             values, returns, mask = (torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "response_mask"))
             out.update(value_loss=math.nan,
                        explained_variance=distributed.explained_variance(values, returns, mask, self.world))
@@ -390,6 +367,8 @@ class PPOTrainer:
         # The whole minibatch's count over all ranks, divided by N because DDP and FSDP average
         # the ranks' gradients: each rank's loss is then its share of the global minibatch's sum.
         count = distributed.all_sum([loss_normalizer(mb.response_mask, self.config.loss_agg)], self.world)[0]
+        if count == 0:  # every response of the minibatch left the loss (mask_truncated): nothing to learn
+            return []
         normalizer = count / self.world.size
         micros = list(mb.micro_batches(self.micro_batch_size))
         seen = []
@@ -433,14 +412,14 @@ class PPOTrainer:
         ``normalizer``, so the accumulated gradient (and the sum of the micro-batch losses) is the
         minibatch's. The policy's backward runs before the value model's forward, so the two
         models' activations are never held at once. ``first_forward``: the policy's live
-        ``(logprobs, entropy)`` of ``mu`` (:meth:`first_policy_forward`), trained on instead of a
-        new forward."""
+        ``(logprobs, entropy)`` of ``mu`` (``rollout_forwards.first_policy_forward``), trained on
+        instead of a new forward."""
         c = self.config
         objective = PolicyObjective(
             cliprange_low=c.cliprange, cliprange_high=c.effective_cliprange_high, dual_clip=c.dual_clip,
             loss_agg=c.loss_agg, loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer,
             entropy_coef=c.entropy_coef, kl_loss_coef=c.kl_loss_coef, kl_loss_estimator=c.kl_loss_estimator,
-            fused=c.fused_policy_loss)
+            fused=c.fused_policy_loss, policy_loss=c.policy_loss)
         if first_forward is None:
             with autocast(self.device, self.dtype):
                 pg_loss, pg_stats, logprobs, _ = self.policy_module(mu, objective=objective)

@@ -25,9 +25,9 @@ def _adam_steps(opt) -> set:
 
 
 def test_nan_loss_skips_that_update_only(monkeypatch):
-    import pyppo.trainer.logprob_head as forward_mod
+    from pyppo.ops.policy_losses import POLICY_LOSSES
 
-    real = forward_mod.ppo_policy_loss
+    real = POLICY_LOSSES["ppo"]
     calls = {"n": 0}
 
     def nan_on_second_minibatch(*args, **kwargs):
@@ -35,7 +35,7 @@ def test_nan_loss_skips_that_update_only(monkeypatch):
         calls["n"] += 1
         return (loss * math.nan if calls["n"] == 2 else loss), stats
 
-    monkeypatch.setattr(forward_mod, "ppo_policy_loss", nan_on_second_minibatch)
+    monkeypatch.setitem(POLICY_LOSSES, "ppo", nan_on_second_minibatch)
     # 8 sequences, minibatches of 4, no accumulation, 2 epochs: 4 updates, the 2nd one poisoned
     # (the loss from the log-probs, where ppo_policy_loss is called).
     tr = make_trainer(small_config(steps=1, micro_batch_size=None, fused_policy_loss=False))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from support.distributed_worker import one_update, update_config
+from pyppo.trainer.rollout_forwards import rollout_forwards
 from pyppo.trainer.step_stats import PhaseTimer
 from support.trainer_fixture import PROMPTS, count_e, make_trainer
 from support.tiny_models import save_tiny_causal_lm
@@ -40,7 +41,7 @@ def fixed_rollout(tmp_path_factory):
     trainer = make_trainer(update_config(False, 4))
     batch = trainer.rollout(PROMPTS[:4])
     batch.raw_scores, batch.scores = trainer.score(batch)
-    trainer.rollout_forwards(batch, torch.arange(4), PhaseTimer())
+    rollout_forwards(trainer, batch, torch.arange(4), PhaseTimer())
     path = tmp_path_factory.mktemp("rollout") / "batch.pt"
     torch.save({"batch": batch, "kl_coef": 0.05}, path)
     return path, batch

@@ -70,13 +70,34 @@ def test_the_config_names_and_the_registry_agree():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_size=8, mini_batch_size=4, samples_per_prompt=3), r"samples_per_prompt \(3\) must divide batch_size \(8\)"),
-    (dict(advantage_estimator="grpo", samples_per_prompt=2, lora_rank=4, value_lora=True), r"value_lora needs a value model; advantage_estimator = 'grpo'"),
+    (dict(advantage_estimator="grpo", samples_per_prompt=2, lora_rank=4, value_lora=True),
+     r"value_lora = True has no effect here: it needs a value model \(advantage_estimator = 'gae'; 'grpo' trains none\)"),
+    (dict(advantage_estimator="rloo", samples_per_prompt=2, vf_coef=0.5), r"vf_coef = 0.5 has no effect here"),
+    (dict(advantage_estimator="reinforce_pp", value_lr=1e-4), r"value_lr = 0.0001 has no effect here"),
+    (dict(advantage_estimator="reinforce_pp", lam=0.9), r"lam = 0.9 has no effect here"),
+    (dict(advantage_estimator="grpo", samples_per_prompt=2, cliprange_value=None),
+     r"cliprange_value = None has no effect here"),
+    (dict(advantage_estimator="grpo", samples_per_prompt=2, gamma=0.99), r"gamma = 0.99 has no effect here: it needs token returns"),
+    (dict(advantage_estimator="grpo", samples_per_prompt=2, whiten_advantages=False),
+     r"whiten_advantages = False has no effect here: it needs a batch-whitened estimator \('grpo' normalises"),
+    (dict(advantage_estimator="rloo", samples_per_prompt=2, grpo_std_normalize=False),
+     r"grpo_std_normalize = False has no effect here: it needs advantage_estimator = 'grpo', not 'rloo'"),
+    (dict(policy_loss="cispo", dual_clip=3.0), r"dual_clip = 3.0 has no effect here: it needs policy_loss = 'ppo', not 'cispo'"),
+    (dict(policy_loss="sapo"), r"policy_loss must be one of"),
     (dict(advantage_estimator="dapo"), r"advantage_estimator must be one of"),
     (dict(advantage_estimator="rloo"), r"samples_per_prompt must be >= 2 with advantage_estimator = 'rloo', got 1"),
 ])
 def test_bad_sizes_and_settings_are_refused_with_the_argument_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kwargs)
+
+
+def test_knobs_that_act_are_accepted_with_their_estimator():
+    PPOConfig(advantage_estimator="reinforce_pp", gamma=0.99, whiten_advantages=False)
+    PPOConfig(advantage_estimator="grpo", samples_per_prompt=2, grpo_std_normalize=False, policy_loss="gspo")
+    PPOConfig(lam=0.9, vf_coef=0.5, dual_clip=3.0, gamma=0.99)
+    # a critic-free config that spells out the value knobs' defaults (a saved config.json) loads
+    PPOConfig.from_dict({**PPOConfig().to_dict(), "advantage_estimator": "rloo", "samples_per_prompt": 2})
 
 
 def test_a_group_is_never_split_between_processes():

@@ -117,12 +117,38 @@ def check_device(tmp_path, monkeypatch):
             make_trainer(small_config(device="cuda"))
 
 
-def check_policy_loss_knobs(tmp_path, monkeypatch):
-    import pyppo.trainer.logprob_head as forward_mod
+def _spy_policy_loss(monkeypatch, name):
+    from pyppo.ops.policy_losses import POLICY_LOSSES
 
-    calls = []
-    real = forward_mod.ppo_policy_loss
-    monkeypatch.setattr(forward_mod, "ppo_policy_loss", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    calls, real = [], POLICY_LOSSES[name]
+    monkeypatch.setitem(POLICY_LOSSES, name, lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    return calls
+
+
+def check_policy_loss(tmp_path, monkeypatch):
+    """Each policy loss is the one the update calls, fused or not (the same update either way),
+    and changes the update."""
+    def policy_after(name, fused):
+        tr = make_trainer(small_config(steps=1, ppo_epochs=2, policy_loss=name, fused_policy_loss=fused,
+                                       cliprange=0.01))
+        m = tr.step().metrics
+        return [p.detach().clone() for p in tr.policy.parameters()], m
+
+    ppo, _ = policy_after("ppo", True)
+    for name in ("gspo", "cispo"):
+        calls = _spy_policy_loss(monkeypatch, name)
+        fused, m_fused = policy_after(name, True)
+        plain, m_plain = policy_after(name, False)
+        assert calls and all(c["cliprange_low"] == 0.01 and "dual_clip" not in c for c in calls)
+        for a, b in zip(fused, plain):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert m_fused["first_ratio_max"] == m_plain["first_ratio_max"] == 1.0
+        assert m_fused["clipfrac"] == pytest.approx(m_plain["clipfrac"], abs=1e-6)
+        assert any(not torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(fused, ppo)), name
+
+
+def check_policy_loss_knobs(tmp_path, monkeypatch):
+    calls = _spy_policy_loss(monkeypatch, "ppo")
     cfg = small_config(steps=1, cliprange=0.15, cliprange_high=0.28, dual_clip=2.5,
                        loss_agg="seq-mean-token-sum-norm", loss_agg_norm=5.0, fused_policy_loss=False)
     make_trainer(cfg).step()
@@ -234,7 +260,8 @@ def check_log_samples(tmp_path, monkeypatch):
 
 CHECKS = {
     "steps": check_steps, "batch_size": check_batch_size, "mini_batch_size": check_mini_batch_size_and_ppo_epochs,
-    "ppo_epochs": check_mini_batch_size_and_ppo_epochs, "micro_batch_size": check_micro_batch_size,
+    "ppo_epochs": check_mini_batch_size_and_ppo_epochs, "policy_loss": check_policy_loss,
+    "micro_batch_size": check_micro_batch_size,
     "max_new_tokens": check_max_new_tokens, "max_prompt_length": check_max_prompt_length,
     "temperature": check_temperature, "top_k": check_top_k_and_top_p, "top_p": check_top_k_and_top_p,
     "use_chat_template": check_use_chat_template, "lr": check_optimizer_knobs, "value_lr": check_optimizer_knobs,
@@ -278,6 +305,14 @@ ELSEWHERE = {
     "advantage_estimator": ("trainer/test_group_estimators.py",
                             "test_a_critic_free_step_has_no_value_model_and_its_advantages_match_float64"),
     "grpo_std_normalize": ("trainer/test_group_estimators.py", "test_dr_grpo_does_not_divide_by_the_group_std"),
+    "filter_groups": ("trainer/test_dapo.py",
+                      "test_filter_groups_keeps_varied_groups_and_samples_again_until_the_batch_is_full"),
+    "filter_groups_max_tries": ("trainer/test_dapo.py",
+                                "test_filter_groups_fills_the_batch_with_equal_groups_when_the_tries_run_out"),
+    "overlong_buffer": ("trainer/test_dapo.py", "test_the_step_subtracts_the_overlong_penalty_from_the_scores"),
+    "overlong_penalty": ("trainer/test_dapo.py", "test_the_step_subtracts_the_overlong_penalty_from_the_scores"),
+    "mask_truncated": ("trainer/test_dapo.py",
+                       "test_mask_truncated_takes_responses_without_eos_out_of_the_loss_after_their_group_baseline"),
     "rollout_engine": ("trainer/test_vllm_engine.py", "test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one"),
     "vllm_kv_cache_gib": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
     "vllm_gpu_memory_utilization": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),

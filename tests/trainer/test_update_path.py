@@ -12,6 +12,7 @@ import torch
 from pyppo.trainer.logprob_head import PolicyObjective, policy_objective
 from pyppo.ops import aggregate_loss, kl_penalty, ppo_policy_loss
 from pyppo.trainer import METRIC_KEYS
+from pyppo.trainer.rollout_forwards import rollout_forwards
 from pyppo.trainer.step_stats import PhaseTimer
 from support.trainer_fixture import make_trainer, small_config
 
@@ -95,7 +96,7 @@ def test_the_policys_backward_runs_before_the_value_models_forward(layout):
 def _micro_batch(tr):
     batch = tr.rollout(["hello there", "a b", "x y z", "the cat"])
     batch.raw_scores, batch.scores = tr.score(batch)
-    tr.rollout_forwards(batch, torch.arange(len(batch)), PhaseTimer())
+    rollout_forwards(tr, batch, torch.arange(len(batch)), PhaseTimer())
     tr.advantages(batch, 0.05)
     return batch
 

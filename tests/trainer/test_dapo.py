@@ -1,0 +1,124 @@
+"""DAPO's rollout rules in the trainer: dynamic sampling (filter_groups), overlong shaping and
+truncated-sample masking, on a tiny random model."""
+
+import pytest
+import torch
+
+from pyppo import ops
+from pyppo.trainer.buffer import RolloutBuffer
+from pyppo.trainer.group_filter import varied_groups
+from pyppo.trainer.overlong import overlong_penalty
+from support.trainer_fixture import count_e, make_trainer, small_config
+
+
+def group_config(**overrides):
+    base = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, samples_per_prompt=4, advantage_estimator="grpo",
+                kl_coef=0.0, steps=1)
+    return small_config(**{**base, **overrides})
+
+
+# ------------------------------------------------------------------ overlong shaping
+
+
+def test_overlong_penalty_is_dapo_eq_13():
+    L, C = 20, 5
+    lengths = torch.arange(0, L + 1)
+    expected = [0.0 if l <= L - C else 0.5 * (l - (L - C)) / C for l in range(L + 1)]
+    torch.testing.assert_close(overlong_penalty(lengths, L, C, 0.5), torch.tensor(expected), rtol=0, atol=1e-7)
+    assert overlong_penalty(torch.tensor([15, 20]), 20, 5).tolist() == [0.0, 1.0]
+    with pytest.raises(ValueError, match=r"overlong_buffer must be in \[1, max_new_tokens = 20\], got 21"):
+        overlong_penalty(lengths, 20, 21)
+
+
+def test_the_step_subtracts_the_overlong_penalty_from_the_scores():
+    tr = make_trainer(small_config(steps=1, overlong_buffer=4, overlong_penalty=2.0))
+    b = tr.step().batch
+    length = b.response_mask.sum(1)  # tokens, the EOS included
+    assert (length > 4).any() and (length < 8).any()  # the penalty is exercised, not everywhere full
+    expected = b.raw_scores - 2.0 * ((length.float() - 4).clamp(0, 4) / 4)
+    torch.testing.assert_close(b.scores, expected)
+
+
+# ------------------------------------------------------------------ truncated responses
+
+
+def test_mask_truncated_takes_responses_without_eos_out_of_the_loss_after_their_group_baseline():
+    tr = make_trainer(group_config(mask_truncated=True, max_new_tokens=6), eos_bias=1.0)
+    res = tr.step()
+    b, m = res.batch, res.metrics
+    truncated = ~b.has_eos
+    assert 0 < int(truncated.sum()) < len(b)  # both kinds are in the batch
+    assert m["truncated_masked"] == int(truncated.sum())
+    assert not b.response_mask[truncated].any() and (b.advantages[truncated] == 0).all()
+    # the kept rows' advantages are GRPO's over every score of their group, truncated ones included
+    full = ops.group_advantages(b.scores, torch.ones(8, 1, dtype=torch.bool), group_size=4)[:, 0]
+    kept = b.response_mask
+    torch.testing.assert_close(b.advantages[kept], full[:, None].expand_as(kept)[kept])
+    assert (full[truncated] != 0).any()  # had they been scored 0 instead, the kept rows' baseline would differ
+    assert m["response_length_mean"] > 0 and m["eos_fraction"] == pytest.approx(float(b.has_eos.float().mean()))
+
+
+def test_a_minibatch_of_truncated_responses_only_is_skipped_without_error():
+    tr = make_trainer(group_config(mask_truncated=True, max_new_tokens=4), eos_bias=-30.0)  # never EOS
+    before = [p.detach().clone() for p in tr.policy.parameters()]
+    m = tr.step().metrics
+    assert m["truncated_masked"] == 8 and tr.optimizer_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.policy.parameters()))
+
+
+# ------------------------------------------------------------------ dynamic sampling
+
+
+def test_varied_groups():
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 2.0, 0.0, 0.0, 0.0])
+    assert varied_groups(scores, 3).tolist() == [False, True, False]
+
+
+def _half_constant(prompts, responses):
+    """Constant scores for prompts ending in an even number, the sample's own score for the others."""
+    varied = count_e(prompts, responses)
+    return [0.5 if int(p.split()[-1]) % 2 == 0 else s for p, s in zip(prompts, varied)]
+
+
+def test_filter_groups_keeps_varied_groups_and_samples_again_until_the_batch_is_full():
+    tr = make_trainer(group_config(filter_groups=True, filter_groups_max_tries=8), reward=_half_constant)
+    res = tr.step()
+    b, m = res.batch, res.metrics
+    assert len(b) == 8 and varied_groups(b.scores, 4).all()
+    groups = [b.prompts[i] for i in range(0, 8, 4)]
+    assert all(int(p.split()[-1]) % 2 == 1 for p in groups)
+    assert all(b.prompts[i:i + 4] == [b.prompts[i]] * 4 for i in range(0, 8, 4))  # groups stay whole
+    assert m["filter_groups_tries"] >= 2 and m["filter_groups_dropped"] >= 1 and m["filter_groups_filled"] == 0
+    assert (b.advantages[b.response_mask] != 0).any()
+
+
+def test_filter_groups_fills_the_batch_with_equal_groups_when_the_tries_run_out():
+    tr = make_trainer(group_config(filter_groups=True, filter_groups_max_tries=2), reward=lambda p, r: [1.0] * len(r))
+    res = tr.step()
+    m = res.metrics
+    assert len(res.batch) == 8
+    assert m["filter_groups_tries"] == 2 and m["filter_groups_filled"] == 2 and m["filter_groups_dropped"] == 2
+    assert (res.batch.advantages == 0).all()
+
+
+def test_without_filter_groups_one_draw_and_no_filter_metrics():
+    tr = make_trainer(group_config(), reward=lambda p, r: [1.0] * len(r))
+    drawn = []
+    real = tr.sampler.sample_groups
+    tr.sampler.sample_groups = lambda *a: (drawn.append(a), real(*a))[1]
+    m = tr.step().metrics
+    assert len(drawn) == 1 and not any(k.startswith("filter_groups") for k in m)
+
+
+def test_cat_pads_prompts_left_and_responses_right():
+    a = RolloutBuffer(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool),
+                      torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.bool),
+                      scores=torch.ones(2), prompts=["a", "b"])
+    b = RolloutBuffer(torch.full((1, 1), 2), torch.ones(1, 1, dtype=torch.bool), torch.full((1, 4), 3),
+                      torch.ones(1, 4, dtype=torch.bool), scores=torch.zeros(1), prompts=["c"])
+    c = RolloutBuffer.cat([a, b])
+    assert c.query_ids.tolist()[2] == [0, 0, 2] and c.query_mask.tolist()[2] == [False, False, True]
+    assert c.response_ids.tolist()[0] == [1, 1, 0, 0] and c.response_mask.tolist()[0] == [True, True, False, False]
+    assert c.scores.tolist() == [1.0, 1.0, 0.0] and c.prompts == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="cat: scores is set in some buffers only"):
+        RolloutBuffer.cat([a, RolloutBuffer(b.query_ids, b.query_mask, b.response_ids, b.response_mask)])
