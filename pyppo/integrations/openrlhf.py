@@ -7,6 +7,10 @@ fewer than the peer's: see its docstring). ``masked_normalize`` is here with the
 formula for direct callers, but not patched (OpenRLHF 0.11.2 never calls it, and pyppo's
 ``masked_whiten`` is another statistic). Each adapter has the peer's signature, return types,
 output dtypes and masking conventions;
+:func:`group_rewards` is the group-relative baseline step that OpenRLHF writes inline in
+``RemoteExperienceMaker.compute_advantages_and_returns`` (``rloo``, ``reinforce_baseline``,
+``dr_grpo``, ``group_norm``, ``flash_reinforce``), computed with ``pyppo.ops.group_advantages``:
+a pure function to call from that method, not patched (there is no peer function to replace);
 ``docs/integrations.md`` lists every place where plain torch around an op keeps the peer's
 result, and the tolerances tested.
 
@@ -23,7 +27,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from pyppo.ops import kl_penalty
+from pyppo.ops import group_advantages, kl_penalty
 from pyppo.ops import masked_mean as _masked_mean
 
 from . import _patching
@@ -39,6 +43,8 @@ __all__ = [
     "compute_entropy",
     "masked_mean",
     "masked_normalize",
+    "GROUP_REWARD_ESTIMATORS",
+    "group_rewards",
     "install_flash_attn_stub",
     "PEER",
     "patch",
@@ -297,6 +303,106 @@ def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, dim: int = 1, eps
     mean_centered = (tensor - mean) * mask
     var = (mean_centered**2).sum(dim=dim, keepdim=True) / mask_sum
     return mean_centered * var.clamp(min=eps).rsqrt()
+
+
+# OpenRLHF 0.11.2's estimators that reshape the per-sample rewards against a baseline before the
+# returns are computed; "gae" and "reinforce" leave them as they are.
+GROUP_REWARD_ESTIMATORS = ("rloo", "reinforce_baseline", "dr_grpo", "group_norm", "flash_reinforce")
+_UNSHAPED_ESTIMATORS = ("gae", "reinforce")
+# OpenRLHF's group_norm divides by std + 1e-9.
+_GROUP_NORM_EPS = 1e-9
+
+
+def group_rewards(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
+    r"""The reward-shaping (baseline) step of OpenRLHF 0.11.2's
+    ``RemoteExperienceMaker.compute_advantages_and_returns``, computed with
+    ``pyppo.ops.group_advantages``.
+
+    OpenRLHF gathers the samples' rewards in prompt order, reshapes them to
+    ``[num_prompts, n_samples_per_prompt]`` (row ``k``: the ``n`` responses to prompt ``k``) and,
+    depending on ``args.algo.advantage.estimator``, replaces each reward ``r_i`` of a row with
+    mean ``m`` and unbiased std ``σ`` by:
+
+    * ``"rloo"``: ``r_i − (Σ_j r_j − r_i) / (n − 1) = n/(n−1) · (r_i − m)`` (leave-one-out
+      baseline; Kool et al. 2019, Ahmadian et al. 2024);
+    * ``"reinforce_baseline"``, ``"dr_grpo"``: ``r_i − m`` (REINFORCE++-baseline, Hu et al. 2025;
+      Dr. GRPO, Liu et al. 2025);
+    * ``"group_norm"``: ``(r_i − m) / (σ + 1e-9)`` (GRPO, Shao et al. 2024);
+    * ``"flash_reinforce"``: ``r_i`` minus the mean of the **whole batch** (one group);
+    * ``"gae"``, ``"reinforce"``: unchanged (``rewards`` itself is returned).
+
+    OpenRLHF then puts the shaped reward at each response's last action token
+    (``compute_reward``) and computes returns, advantages and whitening from it; this function is
+    only the step above, to replace OpenRLHF's ``if``/``elif`` chain::
+
+        rewards = rewards.reshape(-1, args.rollout.n_samples_per_prompt)
+        rewards = group_rewards(rewards, args.algo.advantage.estimator)   # the chain
+        rewards = rewards.reshape(-1)[indices].split(exp_len)
+
+    Args:
+        rewards: ``[num_prompts, n_samples_per_prompt]`` float (OpenRLHF has promoted it to at
+            least float32); one scalar reward per response, the responses to one prompt in one
+            row.
+        estimator: OpenRLHF's estimator name (above).
+
+    Returns:
+        ``rewards``' shape and dtype; computed in float64 and rounded once (OpenRLHF computes in
+        the rewards' dtype). Not differentiable (OpenRLHF runs it under ``no_grad``).
+
+    Edge cases: ``n = 1`` (one sample per prompt) gives 0 for ``reinforce_baseline`` and
+    ``dr_grpo`` (``r − r``, as OpenRLHF), and so does a one-sample batch for
+    ``flash_reinforce``. **Differences:** ``rloo`` and ``group_norm`` with ``n = 1`` raise
+    ``ValueError`` (OpenRLHF divides by ``n − 1 = 0``, or takes the std of one sample, and every
+    reward becomes NaN); a group whose rewards are all equal gets exactly 0 (OpenRLHF's float32
+    mean can be an ulp off the equal rewards and its std is then of the order of that ulp, so
+    ``group_norm`` gives rewards of order 1: eight rewards of 2.9 all become 0.93); a non-finite reward raises ``ValueError`` (OpenRLHF: NaN for its
+    group, or for the batch with ``flash_reinforce``); an unknown estimator raises
+    ``ValueError`` here (OpenRLHF leaves the rewards alone and raises later, when it computes the
+    returns).
+
+    Raises:
+        ValueError: see above; ``rewards`` not a 2-D float tensor.
+
+    Not patched into OpenRLHF: the step is inline in the method (no peer function to replace),
+    and replacing the whole method would mean copying OpenRLHF's length penalties, KL reward,
+    returns and whitening around it. ``docs/integrations.md`` shows where to call it.
+    """
+    if estimator in _UNSHAPED_ESTIMATORS:
+        return rewards
+    if estimator not in GROUP_REWARD_ESTIMATORS:
+        raise ValueError(
+            f"group_rewards: unknown estimator {estimator!r}; OpenRLHF 0.11.2 shapes the rewards for "
+            + ", ".join(repr(e) for e in GROUP_REWARD_ESTIMATORS)
+            + " and leaves them unchanged for "
+            + ", ".join(repr(e) for e in _UNSHAPED_ESTIMATORS)
+        )
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2 or not rewards.is_floating_point():
+        got = (f"shape {tuple(rewards.shape)}, dtype {rewards.dtype}" if isinstance(rewards, torch.Tensor)
+               else type(rewards).__name__)
+        raise ValueError(
+            f"group_rewards: rewards must be a 2-D float tensor [num_prompts, n_samples_per_prompt], got {got}"
+        )
+    if rewards.numel() == 0:
+        return rewards.clone()
+    group_size = rewards.numel() if estimator == "flash_reinforce" else rewards.shape[1]
+    if group_size == 1:
+        if estimator in ("rloo", "group_norm"):
+            raise ValueError(
+                f"group_rewards: {estimator!r} needs n_samples_per_prompt >= 2 (with 1, OpenRLHF's "
+                f"{'leave-one-out mean divides by n - 1 = 0' if estimator == 'rloo' else 'std of one sample is NaN'}"
+                " and every reward becomes NaN)"
+            )
+        return torch.zeros_like(rewards)  # r - mean(r) over one sample
+    scores = rewards.detach().reshape(-1)
+    # One valid position per sample: the op's [B, 1] advantages are the shaped rewards.
+    mask = torch.ones((), dtype=torch.bool, device=rewards.device).expand(scores.shape[0], 1)
+    with torch.no_grad():
+        shaped = group_advantages(
+            scores.to(torch.float64), mask, group_size=group_size,
+            estimator="rloo" if estimator == "rloo" else "grpo",
+            eps=_GROUP_NORM_EPS, std_normalize=estimator == "group_norm",
+        )
+    return shaped.reshape(rewards.shape).to(rewards.dtype)
 
 
 PEER = _patching.Peer(

@@ -408,6 +408,150 @@ def test_masked_mean_with_a_bool_mask_runs_the_op_and_ignores_masked_nans(peer):
 
 
 # ---------------------------------------------------------------------------------------------
+# group_rewards: the baseline step of RemoteExperienceMaker.compute_advantages_and_returns
+# ---------------------------------------------------------------------------------------------
+
+ESTIMATORS = ("rloo", "reinforce_baseline", "dr_grpo", "group_norm", "flash_reinforce", "reinforce", "gae")
+
+
+@pytest.fixture(scope="module")
+def advantage_step(peer):
+    """A class with OpenRLHF 0.11.2's own ``RemoteExperienceMaker.compute_advantages_and_returns``
+    (and the return methods it calls), compiled from its installed source: its module imports Ray actor
+    groups and torchdata, which a CPU test machine lacks, but the method itself needs only torch,
+    ``compute_reward`` and ``apply_length_penalties``."""
+    import ast
+    import importlib.util
+    import logging
+    from pathlib import Path
+    from typing import List, Tuple
+
+    length_penalty = import_peer("openrlhf.trainer.ppo_utils.length_penalty")
+    root = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0])
+    tree = ast.parse((root / "trainer/ppo_utils/experience_maker.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RemoteExperienceMaker")
+    wanted = {"compute_advantages_and_returns", "get_advantages_and_returns", "get_cumulative_returns"}
+    methods = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert {m.name for m in methods} == wanted
+    maker = ast.ClassDef(name="Maker", bases=[], keywords=[], body=methods, decorator_list=[])
+    namespace = {
+        "torch": torch, "itertools": __import__("itertools"), "List": List, "Tuple": Tuple, "Experience": object,
+        "compute_reward": peer.module.compute_reward, "apply_length_penalties": length_penalty.apply_length_penalties,
+        "logger": logging.getLogger("openrlhf-test"),
+    }
+    exec(compile(ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[])), "experience_maker", "exec"),
+         namespace)
+    return namespace["Maker"]
+
+
+def openrlhf_shaped_rewards(maker_class, rewards, n, estimator, seed, T=6):
+    """Run OpenRLHF's method on ``rewards`` (``[N]``, prompt order: ``n`` consecutive samples
+    per prompt) split over experiences of uneven sizes in a shuffled order, as its rollout hands
+    them over, with no KL and no clipping: each sample's return (``info["return"]``, the sum of
+    its token rewards) is then its shaped reward. Returned in prompt order."""
+    N = rewards.shape[0]
+    g = gen(seed)
+    order = torch.randperm(N, generator=g)
+    cuts = sorted(set(torch.randint(1, max(N, 2), (2,), generator=g).tolist()) - {N})
+    experiences = []
+    for chunk in torch.tensor_split(order, cuts):
+        b = len(chunk)
+        mask = torch.rand(b, T, generator=g) < 0.7
+        mask[:, 0] = True
+        experiences.append(SimpleNamespace(
+            rewards=rewards[chunk].clone(), index=chunk.tolist(), kl=torch.zeros(b, T, dtype=rewards.dtype),
+            action_mask=mask,
+            info={}, values=torch.zeros(b, T),
+        ))
+    args = SimpleNamespace(
+        algo=SimpleNamespace(advantage=SimpleNamespace(estimator=estimator, gamma=1.0, lambd=1.0, no_std_norm=False)),
+        rollout=SimpleNamespace(n_samples_per_prompt=n), reward=SimpleNamespace(clip_range=None),
+    )
+    maker = maker_class()
+    maker.strategy, maker.advantage_estimator = SimpleNamespace(args=args), estimator
+    maker.kl_ctl = SimpleNamespace(value=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.std of one sample (n = 1)
+        maker.compute_advantages_and_returns(experiences)
+    shaped = torch.empty_like(rewards)
+    for e in experiences:
+        shaped[torch.tensor(e.index, dtype=torch.long)] = e.info["return"]
+    return shaped
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+def test_group_rewards_match_openrlhf(peer, advantage_step, estimator, n, dtype):
+    g = gen(n * 10 + ESTIMATORS.index(estimator))
+    G = 5
+    rewards = (torch.randn(G, n, generator=g, dtype=F64) * 2).to(dtype)
+    rewards[1] = rewards[1, 0]  # a group of equal rewards
+    theirs = openrlhf_shaped_rewards(advantage_step, rewards.reshape(-1), n, estimator, n)
+    with pyppo_ops_called() as ops:
+        ours = O.group_rewards(rewards, estimator)
+    assert ours.shape == rewards.shape and ours.dtype == theirs.dtype == dtype
+    if estimator in ("gae", "reinforce"):
+        assert ours is rewards and ops == []
+        torch.testing.assert_close(theirs, rewards.reshape(-1), rtol=0, atol=0)
+        return
+    assert "pyppo::group_advantages" in ops
+    ours = ours.reshape(-1)
+    if estimator != "flash_reinforce":
+        assert torch.all(ours[n : 2 * n] == 0)  # equal rewards: exactly 0
+        keep = torch.ones(G * n, dtype=torch.bool)
+        keep[n : 2 * n] = False
+        ours, theirs = ours[keep], theirs[keep]
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == F64 else {"rtol": 2e-6, "atol": 2e-6}
+    torch.testing.assert_close(ours, theirs, **tol)
+    assert ours.abs().max() > 0.1
+
+
+def test_group_rewards_edge_cases(peer, advantage_step):
+    # One sample per prompt: OpenRLHF's r - mean(r) is 0; its leave-one-out and std are NaN.
+    r = torch.tensor([[1.5], [-2.0], [0.25]])
+    for est in ("reinforce_baseline", "dr_grpo"):
+        theirs = openrlhf_shaped_rewards(advantage_step, r.reshape(-1), 1, est, 0)
+        assert torch.equal(O.group_rewards(r, est).reshape(-1), theirs) and torch.all(theirs == 0)
+    for est in ("rloo", "group_norm"):
+        assert openrlhf_shaped_rewards(advantage_step, r.reshape(-1), 1, est, 0).isnan().all()
+        with pytest.raises(ValueError, match="n_samples_per_prompt >= 2"):
+            O.group_rewards(r, est)
+    # flash_reinforce: one group, the whole batch (a batch of one sample gives 0).
+    one = torch.tensor([[3.0]])
+    assert torch.equal(O.group_rewards(one, "flash_reinforce"), torch.zeros(1, 1))
+    assert torch.equal(openrlhf_shaped_rewards(advantage_step, one.reshape(-1), 1, "flash_reinforce", 0),
+                       torch.zeros(1))
+    torch.testing.assert_close(O.group_rewards(r, "flash_reinforce"), r - r.mean())
+    # Equal rewards: OpenRLHF's float32 mean is an ulp off, its std is of the order of that ulp,
+    # and group_norm divides one by the other (+ 1e-9): eight rewards of 2.9 all get 0.93.
+    same = torch.full((1, 8), 2.9)
+    assert torch.all(O.group_rewards(same, "group_norm") == 0)
+    assert openrlhf_shaped_rewards(advantage_step, same.reshape(-1), 8, "group_norm", 0).abs().min() > 0.5
+    # An empty batch, half precision (computed in float32 at least, returned in the input dtype).
+    assert O.group_rewards(torch.zeros(0, 4), "rloo").shape == (0, 4)
+    h = torch.randn(3, 4, generator=gen(2)).bfloat16()
+    out = O.group_rewards(h, "group_norm")
+    assert out.dtype == torch.bfloat16
+    exact = (h.double() - h.double().mean(-1, keepdim=True)) / (h.double().std(-1, keepdim=True) + 1e-9)
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=2**-8)
+
+
+def test_group_rewards_errors(peer):
+    r = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="unknown estimator 'grpo'"):
+        O.group_rewards(r, "grpo")
+    for bad in (r.reshape(-1), r.long(), r.tolist()):
+        with pytest.raises(ValueError, match="2-D float tensor"):
+            O.group_rewards(bad, "rloo")
+    nan = r.clone()
+    nan[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        O.group_rewards(nan, "dr_grpo")
+    assert O.group_rewards(r, "gae") is r  # unchanged, as OpenRLHF leaves them
+
+
+# ---------------------------------------------------------------------------------------------
 # patch() / unpatch()
 # ---------------------------------------------------------------------------------------------
 

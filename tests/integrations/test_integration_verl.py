@@ -18,6 +18,7 @@ import sys
 import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -37,8 +38,11 @@ ULP = {BF16: 2.0**-8, F16: 2.0**-11, torch.float32: 2.0**-24, F64: 2.0**-53}  # 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 CORE_NAMES = (
-    "compute_gae_advantage_return", "kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss",
-    "compute_policy_loss_vanilla", "compute_value_loss",
+    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_grpo_vectorized_outcome_advantage",
+    "compute_rloo_outcome_advantage", "compute_rloo_vectorized_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
+    "kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss",
+    "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_cispo", "compute_value_loss",
 )
 TF_NAMES = (
     "masked_mean", "masked_var", "masked_whiten", "logprobs_from_logits", "entropy_from_logits",
@@ -588,6 +592,111 @@ def test_compute_policy_loss_vanilla_matches(peer, mode, config, weights):
     assert_same(g_ours[0], g_theirs[0])
 
 
+OP_LOSSES = {"compute_policy_loss_gspo": "_gspo_policy_loss", "compute_policy_loss_cispo": "_cispo_policy_loss"}
+
+
+def op_loss_config(name, kind):
+    # GSPO's sequence ratio stays near 1 (a mean of token log-ratios): its clip range is narrow,
+    # as in the paper, so that some sequences are clipped.
+    clips = {"clip_ratio_low": 0.03, "clip_ratio_high": 0.04} if "gspo" in name else {"clip_ratio_low": 0.2,
+                                                                                       "clip_ratio_high": 0.28}
+    if kind == "global":
+        clips["global_batch_info"] = {"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 12,
+                                      "loss_scale_factor": 32}
+    return actor_config(**clips)
+
+
+@pytest.mark.parametrize("name", list(OP_LOSSES))
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("config", ["actor", "global"])
+@pytest.mark.parametrize("weights", [False, True])
+def test_gspo_and_cispo_match(peer, monkeypatch, name, mode, config, weights):
+    from pyppo.integrations.verl import core_algos
+
+    old, new, adv, m = policy_inputs(6, 29, AGG_MODES.index(mode) + 70, kind="empty_row", mask_dtype=torch.int64)
+    cfg = op_loss_config(name, config)
+    w = None
+    if weights:  # truncated IS weights, zeros included (IcePop rejects tokens with weight 0)
+        w = torch.rand(6, 29, generator=gen(5)) * 2
+        w[torch.rand(6, 29, generator=gen(6)) < 0.2] = 0
+    calls = []
+    op = getattr(core_algos, OP_LOSSES[name])
+    monkeypatch.setattr(core_algos, OP_LOSSES[name], lambda *a, **k: calls.append(k.get("loss_agg")) or op(*a, **k))
+    theirs = getattr(peer.ca, name)(old, new, adv, m, mode, cfg, w)
+    with pyppo_ops_called() as ops:
+        ours = getattr(pv, name)(old, new, adv, m, mode, cfg, w)
+    assert calls and "pyppo::masked_mean" in ops  # the loss from the op, ppo_kl from masked_mean
+    assert_same(ours, theirs)
+    if mode == "token-mean" and not weights:
+        assert ours[1]["actor/pg_clipfrac"] > 0.05  # not vacuous: some tokens are clipped
+    for i in (1, 2):  # gradients w.r.t. log_prob and advantages
+        def run(f, a):
+            inputs = [old, new, adv]
+            inputs[i] = a
+            return f(*inputs, m, mode, cfg, w)
+        assert_same(grads(lambda a: run(pv.__dict__[name], a), [(old, new, adv)[i]])[0],
+                    grads(lambda a: run(getattr(peer.ca, name), a), [(old, new, adv)[i]])[0])
+
+
+@pytest.mark.parametrize("name", list(OP_LOSSES))
+@pytest.mark.parametrize("dtypes", [(F64, F64, torch.bool), (BF16, BF16, torch.int64), (BF16, torch.float32, F64),
+                                    (torch.float32, torch.float32, F64), (F16, F16, torch.float32)], ids=str)
+def test_gspo_and_cispo_dtypes(peer, name, dtypes):
+    lp_dtype, adv_dtype, mask_dtype = dtypes
+    old, new, adv, m = policy_inputs(4, 16, 1, dtype=lp_dtype, mask_dtype=mask_dtype, spread=0.05)
+    adv = adv.to(adv_dtype)
+    w = torch.rand(4, 16, generator=gen(1)).to(adv_dtype)
+    cfg = op_loss_config(name, "actor")
+    for mode in AGG_MODES:
+        theirs = getattr(peer.ca, name)(old, new, adv, m, mode, cfg, w)
+        ours = getattr(pv, name)(old, new, adv, m, mode, cfg, w)
+        assert ours[0].dtype == theirs[0].dtype and ours[1].keys() == theirs[1].keys()
+        assert all(type(v) is float for v in ours[1].values())
+        if lp_dtype == F64 or ours[0].dtype == lp_dtype == torch.float32:
+            assert_same(ours, theirs)
+        elif ours[0].dtype == F64:
+            # float64 sums of veRL's per-token losses, which are rounded to the inputs' dtype
+            # (pyppo computes them in float64).
+            assert_same(ours, theirs, rtol=1e-6 if lp_dtype == torch.float32 else 2 * ULP[lp_dtype], atol=1e-7)
+        else:  # veRL computes in bf16/fp16: pyppo must be at least as close to float64
+            exact = getattr(peer.ca, name)(old.double(), new.double(), adv.double(), m, mode, cfg, w.double())
+            e_ours, e_theirs = abs(ours[0].double() - exact[0]), abs(theirs[0].double() - exact[0])
+            assert e_ours <= e_theirs + ULP[ours[0].dtype] * abs(exact[0]), (mode, e_ours, e_theirs)
+
+
+def test_gspo_and_cispo_edges(peer):
+    old, new, adv, m = policy_inputs(3, 7, 4, mask_dtype=torch.int64)
+    cfg = op_loss_config("cispo", "actor")
+    # CISPO clamps each log-ratio to ±20, as veRL does; GSPO's sequence mean is of clamped
+    # log-ratios in pyppo, of raw ones in veRL: a row with a token beyond ±20 differs.
+    far = old.clone()
+    far[0, 0], m[0, 0] = new[0, 0] - 40.0, 1
+    assert_same(pv.compute_policy_loss_cispo(far, new, adv, m, "token-mean", cfg),
+                peer.ca.compute_policy_loss_cispo(far, new, adv, m, "token-mean", cfg))
+    ours = pv.compute_policy_loss_gspo(far, new, adv, m, "token-mean", cfg)[0]
+    assert not torch.isclose(ours, peer.ca.compute_policy_loss_gspo(far, new, adv, m, "token-mean", cfg)[0])
+    # An all-masked batch: veRL's 0 / 0 (NaN loss, zero statistics).
+    z = torch.zeros_like(m)
+    for name in OP_LOSSES:
+        ours, theirs = getattr(pv, name)(old, new, adv, z, "token-mean", cfg), \
+            getattr(peer.ca, name)(old, new, adv, z, "token-mean", cfg)
+        assert ours[0].isnan() and theirs[0].isnan() and ours[1] == theirs[1]
+    # Errors: veRL's asserts, and what the ops refuse.
+    for name in OP_LOSSES:
+        for bad in (None, dict_config()):
+            for f in (getattr(pv, name), getattr(peer.ca, name)):
+                with pytest.raises(AssertionError):
+                    f(old, new, adv, m, "token-mean", bad)
+        with pytest.raises(ValueError, match="cliprange_low"):
+            getattr(pv, name)(old, new, adv, m, "token-mean", actor_config(clip_ratio_low=1.5))
+    neg = torch.ones_like(adv)
+    neg[1, 1] = -1.0
+    with pytest.raises(ValueError, match="rollout_is_weights must be >= 0"):
+        pv.compute_policy_loss_gspo(old, new, adv, m, "token-mean", cfg, neg)
+    assert_same(pv.compute_policy_loss_cispo(old, new, adv, m, "token-mean", cfg, neg),
+                peer.ca.compute_policy_loss_cispo(old, new, adv, m, "token-mean", cfg, neg))
+
+
 @pytest.mark.parametrize("dtypes", [(F64, F64, torch.bool), (BF16, BF16, torch.int64),
                                     (BF16, torch.float32, torch.bool), (F16, F16, torch.float32)], ids=str)
 def test_policy_and_value_loss_dtypes(peer, dtypes):
@@ -719,6 +828,264 @@ def test_policy_and_value_loss_errors(peer):
 
 
 # ------------------------------------------------------------------------------------------------
+# critic-free outcome advantages: GRPO, Dr. GRPO, RLOO, REINFORCE++(-baseline)
+
+GROUP_CASES = [  # (function, keyword arguments)
+    ("compute_grpo_outcome_advantage", {}),
+    ("compute_grpo_outcome_advantage", {"norm_adv_by_std_in_grpo": False}),  # Dr. GRPO
+    ("compute_grpo_outcome_advantage", {"epsilon": 1e-3}),
+    ("compute_grpo_vectorized_outcome_advantage", {}),
+    ("compute_grpo_vectorized_outcome_advantage", {"norm_adv_by_std_in_grpo": False, "epsilon": 0.0}),
+    ("compute_rloo_outcome_advantage", {}),
+    ("compute_rloo_vectorized_outcome_advantage", {}),
+    ("compute_reinforce_plus_plus_baseline_outcome_advantage", {}),
+]
+GROUP_IDS = ["grpo", "dr_grpo", "grpo_eps", "grpo_vec", "dr_grpo_vec", "rloo", "rloo_vec", "rfpp_baseline"]
+REGISTRY = {
+    "grpo": "compute_grpo_outcome_advantage",
+    "grpo_vectorized": "compute_grpo_vectorized_outcome_advantage",
+    "rloo": "compute_rloo_outcome_advantage",
+    "rloo_vectorized": "compute_rloo_vectorized_outcome_advantage",
+    "reinforce_plus_plus_baseline": "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "reinforce_plus_plus": "compute_reinforce_plus_plus_outcome_advantage",
+}
+SIZES = (4, 1, 3, 8, 1, 2, 5)  # group 0 gets all-equal scores; two singletons
+
+
+def group_batch(sizes, T, seed, dtype=torch.float32, mask_dtype=torch.int64, kind="empty_row"):
+    """A batch of groups of these sizes, labelled by uid strings (veRL's ``non_tensor_batch["uid"]``)
+    and laid out in a random row order (non-contiguous groups); rewards at every position (veRL
+    sums the row, masked positions included); the rows of the first group are copies of one row
+    (all-equal scores). Returns rewards, mask, index and the rows of that group."""
+    g = gen(seed)
+    labels = np.repeat(np.array([f"{seed}-{k}" for k in range(len(sizes))], dtype=object), sizes)
+    index = labels[torch.randperm(len(labels), generator=g).numpy()]
+    rewards = randn((len(labels), T), g, F64, 0.5)
+    equal = torch.from_numpy(index == labels[0])
+    rewards[equal] = rewards[equal][0]
+    return rewards.to(dtype), make_mask(len(labels), T, g, kind, mask_dtype), index, equal
+
+
+def group_tolerance(name, kwargs, dtype, mask_dtype):
+    if dtype != F64 or "grpo_vectorized" in name:  # veRL's vectorized GRPO has float32 statistics
+        return {"rtol": 1e-5, "atol": 1e-5}
+    if name == "compute_grpo_outcome_advantage" and kwargs.get("norm_adv_by_std_in_grpo", True):
+        # veRL divides a singleton by its float32 std + epsilon, float32(1 + 1e-6): 5e-8 relative.
+        return {"rtol": 1e-7, "atol": 1e-9}
+    if "plus_plus" in name:
+        # veRL's whitening: the Bessel factor n / (n - 1) is float32 unless the mask is float64;
+        # with a float64 mask, veRL's count + 1e-8 (a 1e-10 effect here) is reproduced.
+        return {"rtol": 2e-7, "atol": 1e-7} if mask_dtype != F64 else {"rtol": 1e-12, "atol": 1e-12}
+    return {"rtol": 1e-9, "atol": 1e-10}
+
+
+def assert_group_same(ours, theirs, equal, name, tol):
+    """veRL's types, dtypes and values; ``advantages is returns`` as in veRL; exactly 0 at masked
+    positions and, before any whitening, in the all-equal group (veRL leaves rounding noise
+    there, so its rows there are only compared after whitening)."""
+    assert isinstance(ours, tuple) and len(ours) == 2 and ours[0] is ours[1]
+    adv, ref = ours[0], theirs[0]
+    assert adv.dtype == ref.dtype and adv.shape == ref.shape and not adv.requires_grad, (adv.dtype, ref.dtype)
+    if "plus_plus" in name:
+        assert_same(adv, ref, **tol)
+        return
+    assert torch.all(adv[equal] == 0)
+    assert_same(adv[~equal], ref[~equal], **tol)
+
+
+@pytest.mark.parametrize("case", GROUP_CASES, ids=GROUP_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES, ids=str)
+def test_group_estimators_match(peer, case, dtype, mask_dtype):
+    name, kwargs = case
+    r, m, index, equal = group_batch(SIZES, 9, GROUP_CASES.index(case), dtype, mask_dtype)
+    theirs = getattr(peer, name)(r, m, index, **kwargs)
+    with pyppo_ops_called() as ops:
+        ours = getattr(pv, name)(r, m, index, **kwargs)
+    assert "pyppo::group_advantages" in ops
+    assert_group_same(ours, theirs, equal, name, group_tolerance(name, kwargs, dtype, mask_dtype))
+    mb = m.bool()
+    assert torch.all(ours[0][~mb] == 0)  # masked positions, the all-masked row 0 included
+    assert torch.any(ours[0][~equal].abs() > 1e-3)  # not vacuous
+    # veRL's trainer passes everything by keyword, and the estimators that take **kwargs get the
+    # reward baselines too.
+    extra = {"reward_baselines": r[:, 0]} if "rloo" in name or "plus_plus" in name else {}
+    again = getattr(pv, name)(token_level_rewards=r, response_mask=m, index=index, config=None, **kwargs, **extra)
+    assert torch.equal(again[0], ours[0])
+
+
+@HYP
+@given(
+    case=st.sampled_from(GROUP_CASES),
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=7),
+    T=st.sampled_from([1, 2, 7]),
+    seed=st.integers(0, 2**16),
+)
+def test_group_estimators_property(peer, case, sizes, T, seed):
+    name, kwargs = case
+    if "plus_plus" in name and len(sizes) == 1:
+        # The whitening needs 2 valid positions, and a batch that is one all-equal group would
+        # whiten veRL's rounding residue (pyppo: 0) into an O(1e-3) value.
+        sizes = sizes + [2]
+    r, m, index, equal = group_batch(sizes, T, seed, mask_dtype=torch.int64, kind="pad")
+    if sizes[0] == 1:
+        equal[:] = False  # a singleton is not an all-equal group
+    theirs = getattr(peer, name)(r, m, index, **kwargs)
+    assert_group_same(getattr(pv, name)(r, m, index, **kwargs), theirs, equal, name, {"rtol": 1e-5, "atol": 1e-5})
+
+
+def test_group_edge_cases(peer):
+    # A singleton (score 2), eight equal scores of 2.9, and a pair (1, -1) whose second row is
+    # all masked: its score still counts in the pair's statistics.
+    scores = torch.tensor([2.0] + [2.9] * 8 + [1.0, -1.0])
+    r = torch.zeros(11, 3)
+    r[:, 1] = scores
+    m = torch.ones(11, 3, dtype=torch.int64)
+    m[10] = 0
+    index = np.array(["solo"] + ["same"] * 8 + ["pair"] * 2, dtype=object)
+    expect = {  # row 0 (singleton), row 9 (the pair's valid row)
+        "compute_grpo_outcome_advantage": (2.0 / (1 + 1e-6), 1 / (2**0.5 + 1e-6)),
+        "compute_grpo_vectorized_outcome_advantage": (2.0 / (1 + 1e-6), 1 / (2**0.5 + 1e-6)),
+        "compute_rloo_outcome_advantage": (2.0, 2.0),
+        "compute_rloo_vectorized_outcome_advantage": (0.0, 2.0),
+    }
+    for name, (solo, pair) in expect.items():
+        ours, theirs = getattr(pv, name)(r, m, index), getattr(peer, name)(r, m, index)
+        for adv in (ours[0], theirs[0]):
+            torch.testing.assert_close(adv[0], torch.full((3,), solo), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(adv[9], torch.full((3,), pair), rtol=1e-6, atol=1e-6)
+            assert torch.all(adv[10] == 0)
+        assert torch.all(ours[0][1:9] == 0)  # equal scores: exactly 0
+    # veRL's float32 mean and std of the equal group leave noise that / (std + 1e-6) magnifies.
+    assert peer.compute_grpo_outcome_advantage(r, m, index)[0][1:9].abs().max() > 0.1
+    dr = pv.compute_grpo_outcome_advantage(r, m, index, norm_adv_by_std_in_grpo=False)[0]
+    assert dr[0, 0] == 2.0 and dr[9, 0] == 1.0
+    # An empty batch gives veRL's empty result.
+    for name in expect:
+        ours, theirs = getattr(pv, name)(r[:0], m[:0], index[:0]), getattr(peer, name)(r[:0], m[:0], index[:0])
+        assert ours[0].shape == theirs[0].shape == (0, 3) and ours[0].dtype == theirs[0].dtype
+
+
+def test_group_index_forms(peer):
+    r, m, index, _ = group_batch(SIZES, 5, 7)
+    codes = {u: k for k, u in enumerate(dict.fromkeys(index))}
+    ints = np.array([codes[u] * 7 + 2 for u in index])  # non-consecutive labels
+    mixed = np.array([None if codes[u] == 0 else (u if codes[u] % 2 else codes[u]) for u in index], dtype=object)
+    for name in dict(GROUP_CASES):
+        expected = getattr(pv, name)(r, m, index)[0]
+        for form in (list(index), ints, ints - 50, list(ints), mixed):  # mixed: np.unique cannot sort them
+            assert torch.equal(getattr(pv, name)(r, m, form)[0], expected), (name, type(form))
+        assert torch.equal(getattr(pv, name)(r, m, torch.from_numpy(ints))[0], expected)
+        if "vectorized" not in name:
+            # veRL's dict groups these labels the same way.
+            assert_same(getattr(peer, name)(r, m, mixed)[0], expected, rtol=1e-5, atol=1e-5)
+    # veRL's loop estimators key a dict by index[i]: a torch tensor's elements are new objects
+    # hashed by identity, so GRPO's lookups fail and RLOO finds no group (the scores come back
+    # unchanged); pyppo groups a tensor by value, as veRL's vectorized estimators do.
+    for name in ("compute_grpo_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage"):
+        with pytest.raises(KeyError):
+            getattr(peer, name)(r, m, torch.from_numpy(ints))
+    unchanged = peer.compute_rloo_outcome_advantage(r, m, torch.from_numpy(ints))[0]
+    assert torch.equal(unchanged, r.sum(-1, keepdim=True) * m)
+    assert_same(pv.compute_grpo_outcome_advantage(r, m, torch.from_numpy(ints))[0],
+                peer.compute_grpo_vectorized_outcome_advantage(r, m, torch.from_numpy(ints))[0], rtol=1e-5, atol=1e-5)
+
+
+def test_group_errors(peer):
+    r, m, index, _ = group_batch((2, 3), 4, 1)
+    for name, _ in GROUP_CASES:
+        fn = getattr(pv, name)
+        with pytest.raises(ValueError, match="index must hold one group label per row"):
+            fn(r, m, index[:-1])
+        with pytest.raises(ValueError, match="index must hold one group label per row"):
+            fn(r, m, np.stack([index, index], 1))
+        with pytest.raises(ValueError, match="response_mask must be bool or hold only 0 and 1"):
+            fn(r, m * 2, index)
+        with pytest.raises(ValueError, match="response_mask has shape"):
+            fn(r, m[:, :2], index)
+        with pytest.raises(ValueError, match=r"token_level_rewards must be \[B, T\]"):
+            fn(r[:, 0], m[:, 0], index)
+        with pytest.raises(ValueError, match="floating-point"):
+            fn(r.long(), m, index)
+        bad = r.clone()
+        bad[3, 0] = float("nan")  # veRL: NaN advantages for the whole group
+        with pytest.raises(ValueError, match="finite"):
+            fn(bad, m, index)
+        assert getattr(peer, name)(bad, m, index)[0].isnan().any()
+    with pytest.raises(ValueError, match="eps"):
+        pv.compute_grpo_outcome_advantage(r, m, index, epsilon=-1e-6)
+    with pytest.raises(IndexError):
+        peer.compute_grpo_outcome_advantage(r, m, index[:-1])
+    one = torch.zeros_like(m)
+    one[0, 0] = 1
+    name = "compute_reinforce_plus_plus_baseline_outcome_advantage"
+    with pytest.raises(ValueError):
+        getattr(peer, name)(r, one, index)
+    with pytest.raises(ValueError, match="selects 1 position"):
+        getattr(pv, name)(r, one, index)
+
+
+@pytest.mark.parametrize("case", GROUP_CASES + [("compute_reinforce_plus_plus_outcome_advantage", {})],
+                         ids=GROUP_IDS + ["rfpp"])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_group_estimators_half_precision_at_least_as_close(peer, case, dtype):
+    # veRL sums, centres and divides in the input dtype (its vectorized estimators round the row
+    # sums to it first); pyppo computes in float32 from the rewards as given.
+    name, kwargs = case
+    r, m, index, _ = group_batch((8, 8, 4, 1, 6, 5), 16, 11, torch.float32)
+    r = r.to(dtype)
+    args = (m, SimpleNamespace(gamma=0.95)) if "plus_plus_outcome" in name else (m, index)
+    theirs = getattr(peer, name)(r, *args, **kwargs)
+    ours = getattr(pv, name)(r, *args, **kwargs)
+    # The reference: veRL's (non-vectorized, for GRPO: float64 statistics) estimator in float64.
+    exact = getattr(peer, name.replace("grpo_vectorized", "grpo"))(r.double(), *args, **kwargs)
+    for o, t, e in zip(ours, theirs, exact):
+        assert o.dtype == t.dtype and o.shape == t.shape
+        assert_at_least_as_close(o, t, e, o.dtype if o.dtype in ULP else dtype)
+
+
+@pytest.mark.parametrize("kind", ["holes", "pad", "empty_row", "leading", "full"])
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.float32, F64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+def test_reinforce_plus_plus_matches(peer, kind, mask_dtype, dtype):
+    g = gen(len(kind))
+    B, T = 5, 23
+    r, m = randn((B, T), g, dtype), make_mask(B, T, g, kind, mask_dtype)
+    for gamma in (1.0, 0.9, 0.0):
+        cfg = SimpleNamespace(gamma=gamma)
+        theirs = peer.compute_reinforce_plus_plus_outcome_advantage(r, m, cfg)
+        with pyppo_ops_called() as ops:
+            ours = pv.compute_reinforce_plus_plus_outcome_advantage(r, m, cfg)
+        assert "pyppo::gae" in ops
+        tol = group_tolerance("compute_reinforce_plus_plus_outcome_advantage", {}, dtype, mask_dtype)
+        assert_same(ours, theirs, rtol=tol["rtol"] * 4, atol=tol["atol"] * 4)
+        mb = m.bool()
+        assert torch.all(ours[0][~mb] == 0) and torch.all(ours[1][~mb] == 0)
+    # A bool mask, on which veRL fails (1 - bool), gives the int mask's result.
+    cfg = SimpleNamespace(gamma=0.9)
+    with pytest.raises(RuntimeError):
+        peer.compute_reinforce_plus_plus_outcome_advantage(r, m.bool(), cfg)
+    expected = pv.compute_reinforce_plus_plus_outcome_advantage(r, m.long(), cfg)
+    assert_same(pv.compute_reinforce_plus_plus_outcome_advantage(r, m.bool(), cfg), expected, rtol=0, atol=0)
+
+
+def test_reinforce_plus_plus_errors(peer):
+    g = gen(0)
+    r, m = randn((3, 6), g), make_mask(3, 6, g, "holes")
+    for fn in (peer.compute_reinforce_plus_plus_outcome_advantage, pv.compute_reinforce_plus_plus_outcome_advantage):
+        with pytest.raises(AssertionError):
+            fn(r, m)
+        one = torch.zeros_like(m)
+        one[1, 2] = 1
+        with pytest.raises(ValueError):
+            fn(r, one, SimpleNamespace(gamma=1.0))
+    with pytest.raises(ValueError, match="gamma"):
+        pv.compute_reinforce_plus_plus_outcome_advantage(r, m, SimpleNamespace(gamma=1.5))
+    with pytest.raises(ValueError, match="selects 1 position"):
+        pv.compute_reinforce_plus_plus_outcome_advantage(r, one, SimpleNamespace(gamma=1.0))
+
+
+# ------------------------------------------------------------------------------------------------
 # log-probs and entropy
 
 
@@ -804,6 +1171,7 @@ def _call_sites(peer):
     mi = m.long()
     logits, labels = torch.randn(3, 6, 5), torch.randint(0, 5, (3, 6))
     algo = SimpleNamespace(gamma=1.0)
+    index = np.array(["a", "b", "a"], dtype=object)
     return [
         ("pyppo::gae", lambda: ca.compute_gae_advantage_return(adv, old, mi, 1.0, 0.95)),
         ("pyppo::gae", lambda: ca.get_adv_estimator_fn("gae")(adv, old, mi, 1.0, 0.95)),
@@ -815,9 +1183,17 @@ def _call_sites(peer):
         ("pyppo::masked_mean", lambda: losses.masked_mean(new, m)),
         ("pyppo::gather_logprobs", lambda: naive.logprobs_from_logits(logits, labels)),
         ("pyppo::gather_logprobs", lambda: tf.entropy_from_logits(logits)),
+        ("pyppo::gae", lambda: ca.get_adv_estimator_fn("reinforce_plus_plus")(adv, mi, algo)),
+        *[("pyppo::group_advantages", lambda name=name: ca.get_adv_estimator_fn(name)(adv, mi, index))
+          for name in REGISTRY if name != "reinforce_plus_plus"],
+        ("pyppo::group_advantages",
+         lambda: ca.compute_grpo_outcome_advantage(adv, mi, index, norm_adv_by_std_in_grpo=False)),
         # veRL functions that are not replaced but call replaced ones through their module
-        ("pyppo::masked_var", lambda: ca.compute_reinforce_plus_plus_outcome_advantage(adv, mi, algo)),
-        ("pyppo::masked_mean", lambda: ca.compute_policy_loss_gspo(old, new, adv, m, config=actor_config())),
+        ("pyppo::group_advantages", lambda: ca.compute_gdpo_outcome_advantage(adv, mi, index)),
+        ("pyppo::masked_var", lambda: ca.compute_gdpo_outcome_advantage(adv, mi, index)),
+        ("pyppo::masked_mean", lambda: ca.get_policy_loss_fn("gspo")(old, new, adv, m, config=actor_config())),
+        ("pyppo::masked_mean", lambda: ca.get_policy_loss_fn("cispo")(old, new, adv, m, config=actor_config())),
+        ("pyppo::masked_mean", lambda: ca.compute_policy_loss_gpg(old, new, adv, m, config=actor_config())),
     ]
 
 
@@ -834,7 +1210,12 @@ def test_patch_routes_verl_through_pyppo(peer):
         for name in TF_NAMES:
             assert getattr(peer.tf, name) is getattr(pv, name)
         assert "verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY['gae']" in wheres
+        for key, name in REGISTRY.items():
+            assert f"verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY[{key!r}]" in wheres
+            assert peer.ca.ADV_ESTIMATOR_REGISTRY[key] is getattr(pv, name) is peer.ca.get_adv_estimator_fn(key)
         assert "verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY['vanilla']" in wheres
+        for key in ("gspo", "cispo"):
+            assert peer.ca.POLICY_LOSS_REGISTRY[key] is getattr(pv, f"compute_policy_loss_{key}")
         assert "verl.workers.utils.losses.agg_loss" in wheres
         assert "verl.workers.rollout.naive.naive_rollout.logprobs_from_logits" in wheres
         gae_where = "verl.trainer.ppo.core_algos.compute_gae_advantage_return"
@@ -850,7 +1231,11 @@ def test_patch_routes_verl_through_pyppo(peer):
     for name in CORE_NAMES:
         assert getattr(peer.ca, name) is getattr(peer, name)
     assert peer.ca.ADV_ESTIMATOR_REGISTRY["gae"] is peer.compute_gae_advantage_return
+    for key, name in REGISTRY.items():
+        assert peer.ca.ADV_ESTIMATOR_REGISTRY[key] is getattr(peer, name)
     assert peer.ca.POLICY_LOSS_REGISTRY["vanilla"] is peer.compute_policy_loss_vanilla
+    for key in ("gspo", "cispo"):
+        assert peer.ca.POLICY_LOSS_REGISTRY[key] is getattr(peer, f"compute_policy_loss_{key}")
     for op, call in sites:
         with pyppo_ops_called() as ops:
             call()
@@ -934,8 +1319,6 @@ def test_seq_mean_token_mean_drops_an_empty_row_under_a_float16_mask(peer):
 
 
 def test_chunk_size_takes_any_integer_veRL_takes(peer):
-    import numpy as np
-
     logits = torch.randn(4, 9, generator=gen(1))
     for n in (2, np.int64(2), torch.tensor(2)):
         torch.testing.assert_close(pv.entropy_from_logits_with_chunking(logits, n),

@@ -3,10 +3,18 @@
 Covered, each with veRL's exact signature, return types, output dtypes and masking conventions:
 
 * ``verl.trainer.ppo.core_algos``: :func:`compute_gae_advantage_return` (also registered as
-  ``ADV_ESTIMATOR_REGISTRY["gae"]``), :func:`kl_penalty`, :func:`kl_penalty_forward`,
+  ``ADV_ESTIMATOR_REGISTRY["gae"]``); the critic-free outcome estimators
+  :func:`compute_grpo_outcome_advantage` (``"grpo"``, Dr. GRPO with
+  ``norm_adv_by_std_in_grpo=False``), :func:`compute_grpo_vectorized_outcome_advantage`
+  (``"grpo_vectorized"``), :func:`compute_rloo_outcome_advantage` (``"rloo"``),
+  :func:`compute_rloo_vectorized_outcome_advantage` (``"rloo_vectorized"``),
+  :func:`compute_reinforce_plus_plus_baseline_outcome_advantage`
+  (``"reinforce_plus_plus_baseline"``), :func:`compute_reinforce_plus_plus_outcome_advantage`
+  (``"reinforce_plus_plus"``); :func:`kl_penalty`, :func:`kl_penalty_forward`,
   :func:`agg_loss`, :func:`compute_policy_loss` (deprecated in veRL, warns the same way),
   :func:`compute_policy_loss_vanilla` (``POLICY_LOSS_REGISTRY["vanilla"]``),
-  :func:`compute_value_loss`;
+  :func:`compute_policy_loss_gspo` (``["gspo"]``), :func:`compute_policy_loss_cispo`
+  (``["cispo"]``), :func:`compute_value_loss`;
 * ``verl.utils.torch_functional``: :func:`masked_mean`, :func:`masked_var`,
   :func:`masked_whiten`, :func:`logprobs_from_logits`, :func:`entropy_from_logits`,
   :func:`entropy_from_logits_with_chunking`.
@@ -34,8 +42,16 @@ from . import core_algos, torch_functional
 from .core_algos import (
     agg_loss,
     compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
     compute_policy_loss,
+    compute_policy_loss_cispo,
+    compute_policy_loss_gspo,
     compute_policy_loss_vanilla,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
     compute_value_loss,
     kl_penalty,
     kl_penalty_forward,
@@ -51,11 +67,19 @@ from .torch_functional import (
 
 __all__ = [
     "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
     "kl_penalty",
     "kl_penalty_forward",
     "agg_loss",
     "compute_policy_loss",
     "compute_policy_loss_vanilla",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_cispo",
     "compute_value_loss",
     "masked_mean",
     "masked_var",
@@ -70,8 +94,10 @@ __all__ = [
 ]
 
 _CORE_ADAPTERS = (
-    compute_gae_advantage_return, kl_penalty, kl_penalty_forward, agg_loss, compute_policy_loss,
-    compute_policy_loss_vanilla, compute_value_loss,
+    compute_gae_advantage_return, compute_grpo_outcome_advantage, compute_grpo_vectorized_outcome_advantage,
+    compute_rloo_outcome_advantage, compute_rloo_vectorized_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage, kl_penalty, kl_penalty_forward, agg_loss, compute_policy_loss,
+    compute_policy_loss_vanilla, compute_policy_loss_gspo, compute_policy_loss_cispo, compute_value_loss,
 )
 _TF_ADAPTERS = (
     masked_mean, masked_var, masked_whiten, logprobs_from_logits, entropy_from_logits,
@@ -96,7 +122,8 @@ PEER = _patching.Peer(
 def patch(*, force: bool = False) -> Patch:
     """Replace veRL's functions listed in :data:`PEER` with this package's adapters, everywhere
     veRL's package refers to them (defining modules, modules that imported them by name,
-    ``ADV_ESTIMATOR_REGISTRY["gae"]``, ``POLICY_LOSS_REGISTRY["vanilla"]``).
+    ``ADV_ESTIMATOR_REGISTRY["gae"]``, ``["grpo"]``, ``["rloo"]``, ... ,
+    ``POLICY_LOSS_REGISTRY["vanilla"]``, ``["gspo"]``, ``["cispo"]``).
 
     Returns the :class:`~pyppo.integrations.Patch` (what was replaced; the active one if already
     patched). A veRL release other than 0.9.1 is warned about (``PeerVersionWarning``) and left

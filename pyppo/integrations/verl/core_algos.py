@@ -1,21 +1,31 @@
 """Replacements for veRL 0.9.1's ``verl.trainer.ppo.core_algos``:
-:func:`compute_gae_advantage_return`, :func:`kl_penalty`, :func:`kl_penalty_forward`,
-:func:`agg_loss`, :func:`compute_policy_loss`, :func:`compute_policy_loss_vanilla`,
-:func:`compute_value_loss`.
+:func:`compute_gae_advantage_return`, the critic-free outcome advantage estimators
+(:func:`compute_grpo_outcome_advantage`, :func:`compute_grpo_vectorized_outcome_advantage`,
+:func:`compute_rloo_outcome_advantage`, :func:`compute_rloo_vectorized_outcome_advantage`,
+:func:`compute_reinforce_plus_plus_baseline_outcome_advantage`,
+:func:`compute_reinforce_plus_plus_outcome_advantage`), :func:`kl_penalty`,
+:func:`kl_penalty_forward`, :func:`agg_loss`, :func:`compute_policy_loss`,
+:func:`compute_policy_loss_vanilla`, :func:`compute_policy_loss_gspo`,
+:func:`compute_policy_loss_cispo`, :func:`compute_value_loss`.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
+from pyppo.ops import cispo_policy_loss as _cispo_policy_loss
 from pyppo.ops import gae as _gae
+from pyppo.ops import group_advantages as _group_advantages
+from pyppo.ops import gspo_policy_loss as _gspo_policy_loss
 from pyppo.ops import kl_penalty as _kl_penalty
+from pyppo.ops import masked_whiten as _masked_whiten
 
 from ._checks import _acc, _bool_mask, _float_tensor, _mean_dtype, _promote, _tensor
-from .torch_functional import _mean_impl, _mean_var
+from .torch_functional import _mean_impl, _mean_var, _whiten_everywhere
 
 PEER_MODULE = "verl.trainer.ppo.core_algos"
 
@@ -116,6 +126,348 @@ def compute_gae_advantage_return(
     return whitened.to(out_dtype), returns
 
 
+# ----------------------------------------------------------------------------------------------
+# critic-free outcome advantages: GRPO, Dr. GRPO, RLOO, REINFORCE++(-baseline)
+
+
+def _group_ids(fn: str, index: Any, B: int, device: torch.device) -> torch.Tensor:
+    """veRL's groups as ``pyppo.ops.group_advantages``'s ``group_ids``: rows whose ``index``
+    entries are equal form a group, numbered ``0..G-1`` by ``np.unique(..., return_inverse=True)``
+    (``G ≤ B``, so every id is in the op's ``[0, B)``); a group's rows need not be contiguous.
+    Labels that cannot be sorted (mixed types) are numbered by a dict, which is how veRL's
+    ``defaultdict(list)`` groups them (equality and hash). A torch tensor is grouped by value,
+    with ``torch.unique`` on its device."""
+    if isinstance(index, torch.Tensor):
+        if index.dim() != 1 or index.shape[0] != B:
+            raise ValueError(f"{fn}: index must hold one group label per row ({B}), got shape {tuple(index.shape)}")
+        return torch.unique(index, return_inverse=True)[1].to(device=device, dtype=torch.int64)
+    arr = np.asarray(index)
+    if arr.ndim != 1 or arr.shape[0] != B:
+        raise ValueError(f"{fn}: index must hold one group label per row ({B}), got shape {arr.shape}")
+    try:
+        inv = np.unique(arr, return_inverse=True)[1]
+    except TypeError:
+        seen: dict[Any, int] = {}
+        inv = np.fromiter((seen.setdefault(u, len(seen)) for u in arr.tolist()), dtype=np.int64, count=B)
+    return torch.from_numpy(np.ascontiguousarray(inv, dtype=np.int64).reshape(-1)).to(device)
+
+
+def _outcome_mask(fn: str, token_level_rewards: Any, response_mask: Any) -> torch.Tensor:
+    """The checks every outcome estimator shares: ``[B, T]`` float rewards and a bool / 0-1 mask
+    of their shape, returned as bool."""
+    _float_tensor(fn, "token_level_rewards", token_level_rewards)
+    if token_level_rewards.dim() != 2:
+        raise ValueError(
+            f"{fn}: token_level_rewards must be [B, T], got shape {tuple(token_level_rewards.shape)}"
+        )
+    return _bool_mask(fn, "response_mask", response_mask, token_level_rewards)
+
+
+def _group_outcome(
+    fn: str, token_level_rewards, response_mask, index, estimator: str, epsilon: float = 1e-6,
+    std_normalize: bool = True, *, stats_dtype: Optional[torch.dtype] = None, singletons_zero: bool = False,
+    cast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pyppo.ops.group_advantages`` of veRL's scores (each row's reward summed over **every**
+    position, masked ones included, as veRL's ``token_level_rewards.sum(-1)``) grouped by
+    ``index``; and the checked bool mask.
+
+    The result is in veRL's dtype ``promote(token_level_rewards, stats_dtype, response_mask)``
+    (``stats_dtype``: the dtype of the statistics a vectorized estimator subtracts), or with
+    ``cast=False`` in the precision computed in (float32, float64 for a float64 result).
+    ``singletons_zero``: a group of one gets advantage 0 (its rows are masked out of the op's
+    output) instead of the op's baseline-0 convention."""
+    _tensor(fn, "response_mask", response_mask)
+    out_dtype = _promote(_float_tensor(fn, "token_level_rewards", token_level_rewards).dtype, response_mask.dtype)
+    if stats_dtype is not None:
+        out_dtype = _promote(out_dtype, stats_dtype)
+    m = _outcome_mask(fn, token_level_rewards, response_mask)
+    ids = _group_ids(fn, index, token_level_rewards.shape[0], token_level_rewards.device)
+    with torch.no_grad():
+        rows = m
+        if singletons_zero and ids.numel():
+            rows = m & (torch.bincount(ids)[ids] > 1).unsqueeze(-1)
+        scores = token_level_rewards.detach().sum(-1, dtype=_acc(out_dtype))
+        adv = _group_advantages(
+            scores, rows, group_ids=ids, estimator=estimator, eps=float(epsilon), std_normalize=bool(std_normalize)
+        )
+    return (adv.to(out_dtype) if cast else adv), m
+
+
+def _whiten_valid(fn: str, x: torch.Tensor, m: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:
+    """veRL's ``masked_whiten(x, mask) * mask``: the mean and unbiased variance over the mask,
+    ``(x − μ) · rsqrt(σ² + 1e-8)`` at valid positions and 0 at masked ones, in ``x``'s precision.
+    ``pyppo.ops.masked_whiten`` computes exactly that; a float64 mask, whose ``count + 1e-8``
+    veRL divides by in float64, takes veRL's scaled statistics (:func:`._whiten_everywhere`)."""
+    try:
+        if mask_dtype == torch.float64:
+            return torch.where(m, _whiten_everywhere(fn, x, m, mask_dtype), 0.0)
+        return _masked_whiten(x, m)
+    except ValueError:
+        n = int(m.sum())
+        if n >= 2:
+            raise
+        raise ValueError(
+            f"{fn}: response_mask selects {n} position(s) in the whole batch; whitening the "
+            "advantages needs at least 2 (veRL raises ValueError here too)"
+        ) from None
+
+
+_GROUP_ARGS = """Args:
+        token_level_rewards: ``[B, T]`` float; a row's score is its sum over all ``T``
+            positions (masked ones included), as in veRL.
+        response_mask: ``[B, T]`` bool or 0/1 (the shape of ``token_level_rewards``).
+        index: ``[B]`` group labels (veRL passes ``non_tensor_batch["uid"]``, a numpy array of
+            uid strings): rows with equal labels are the responses to one prompt, in any order
+            and any group sizes. A list or a torch tensor is grouped by value too."""
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Optional[Any] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""GRPO outcome advantages: each response's score against the other responses to its prompt.
+
+    For a group with scores ``s_i``, mean ``m`` and unbiased std ``σ``:
+    :math:`a_i = (s_i - m) / (\sigma + \epsilon)` (Shao et al. 2024, "DeepSeekMath", §4.1.2), or
+    with ``norm_adv_by_std_in_grpo=False`` :math:`a_i = s_i - m` (Dr. GRPO, Liu et al. 2025).
+    ``a_b`` is written at every valid position of row ``b`` (``a_b · response_mask``).
+
+    {args}
+        epsilon: added to the std; finite and ``≥ 0`` (veRL accepts any number).
+        norm_adv_by_std_in_grpo: divide by the group's std.
+        config: unused, as in veRL.
+
+    Returns:
+        ``(advantages, advantages)``: one ``[B, T]`` tensor twice, in veRL's dtype
+        ``promote(token_level_rewards, response_mask)``, 0 at masked positions; no gradient.
+
+    Edge cases, as veRL: a group of one has mean 0 and std 1 (``s / (1 + ε)``, or ``s``); a row
+    with no valid position is all 0 but its score counts in its group. **Differences:** a group
+    whose scores are all equal gets exactly 0 (veRL's float32 mean and std leave rounding noise
+    that ``/ (σ + 1e-6)`` magnifies, up to ``±0.19`` for eight scores of 2.9); a non-finite score
+    raises ``ValueError`` (veRL: NaN for its group).
+
+    Raises:
+        ValueError: ``index`` without one label per row, a bad mask, non-``[B, T]`` or non-float
+            rewards, a non-finite score, a negative or non-finite ``epsilon``.
+
+    Computed by ``pyppo.ops.group_advantages`` (one pass over the scores, float64 group
+    statistics, no Python loop over rows or groups; the labels are numbered with ``np.unique``).
+    Matches veRL 0.9.1 ``verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage``.
+    """
+    adv, _ = _group_outcome("compute_grpo_outcome_advantage", token_level_rewards, response_mask, index, "grpo",
+                            epsilon, norm_adv_by_std_in_grpo)
+    return adv, adv
+
+
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Optional[Any] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""GRPO / Dr. GRPO outcome advantages, veRL's vectorized variant: the same values as
+    :func:`compute_grpo_outcome_advantage`.
+
+    {args}
+        epsilon, norm_adv_by_std_in_grpo, config: as :func:`compute_grpo_outcome_advantage`.
+
+    Returns:
+        ``(advantages, advantages)``: one ``[B, T]`` tensor twice, in veRL's dtype for this
+        variant, ``promote(token_level_rewards, float32, response_mask)`` (its group statistics
+        are float32, so bf16 rewards give float32), 0 at masked positions; no gradient.
+
+    Edge cases and differences as :func:`compute_grpo_outcome_advantage` (singletons: mean 0,
+    std 1; equal scores: exactly 0). **Grouping difference:** veRL's ``as_torch_index`` also
+    merges labels that are equal as integers (the strings ``"1"`` and ``"01"``, floats within
+    ``1e-6`` of one integer); pyppo groups equal labels only, as the non-vectorized estimators
+    do. veRL's uid strings (``uuid4``) are grouped the same way by both.
+
+    Computed by ``pyppo.ops.group_advantages`` (deterministic: veRL's ``index_add_`` uses float32
+    atomics on CUDA). Matches veRL 0.9.1
+    ``verl.trainer.ppo.core_algos.compute_grpo_vectorized_outcome_advantage``.
+    """
+    adv, _ = _group_outcome("compute_grpo_vectorized_outcome_advantage", token_level_rewards, response_mask,
+                            index, "grpo", epsilon, norm_adv_by_std_in_grpo, stats_dtype=torch.float32)
+    return adv, adv
+
+
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Optional[Any] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""RLOO outcome advantages: each score minus the mean of the **other** scores of its group.
+
+    :math:`a_i = s_i - \frac{1}{n-1}\sum_{j \ne i} s_j = \frac{n}{n-1}(s_i - m)` (Kool et al. 2019;
+    Ahmadian et al. 2024, "Back to Basics"), written at every valid position of row ``i``.
+
+    {args}
+        epsilon, config, kwargs: unused, as in veRL (its trainer passes ``reward_baselines``).
+
+    Returns:
+        ``(advantages, advantages)``: one ``[B, T]`` tensor twice, in veRL's dtype
+        ``promote(token_level_rewards, response_mask)``, 0 at masked positions; no gradient.
+
+    Edge cases, as veRL: a group of one keeps its score (``a = s``); an all-masked row is 0 and
+    its score counts in its group. **Differences:** equal scores give exactly 0 (veRL's
+    ``s·n/(n−1) − m·n/(n−1)`` can leave a rounding residue); a non-finite score raises
+    ``ValueError``.
+
+    Raises:
+        ValueError: as :func:`compute_grpo_outcome_advantage`.
+
+    Computed by ``pyppo.ops.group_advantages(estimator="rloo")``. Matches veRL 0.9.1
+    ``verl.trainer.ppo.core_algos.compute_rloo_outcome_advantage``.
+    """
+    adv, _ = _group_outcome("compute_rloo_outcome_advantage", token_level_rewards, response_mask, index, "rloo")
+    return adv, adv
+
+
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Optional[Any] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""RLOO outcome advantages, veRL's vectorized variant: :func:`compute_rloo_outcome_advantage`'s
+    values, except that a group of one gets advantage **0** (veRL's ``· (count > 1)``), not its
+    score.
+
+    {args}
+        epsilon, config, kwargs: unused, as in veRL.
+
+    Returns:
+        ``(advantages, advantages)``: one ``[B, T]`` tensor twice, 0 at masked positions, no
+        gradient, in veRL's dtype for this variant: ``promote(token_level_rewards, w,
+        response_mask)`` with ``w`` the dtype of ``torch.bincount(..., weights=scores)``
+        (float32 for float32 rewards, **float64** for bf16, fp16 and float64 rewards).
+
+    Grouping as the non-vectorized estimators (veRL's ``np.unique`` too). **Differences:** as
+    :func:`compute_rloo_outcome_advantage` (equal scores: exactly 0; non-finite: ``ValueError``).
+
+    Computed by ``pyppo.ops.group_advantages(estimator="rloo")`` with the singleton rows masked
+    out of its output. Matches veRL 0.9.1
+    ``verl.trainer.ppo.core_algos.compute_rloo_vectorized_outcome_advantage``.
+    """
+    # veRL subtracts torch.bincount(weights=scores), which is float32 for float32 weights and
+    # float64 for every other dtype (ATen's bincount).
+    f32 = isinstance(token_level_rewards, torch.Tensor) and token_level_rewards.dtype == torch.float32
+    adv, _ = _group_outcome("compute_rloo_vectorized_outcome_advantage", token_level_rewards, response_mask, index,
+                            "rloo", stats_dtype=torch.float32 if f32 else torch.float64, singletons_zero=True)
+    return adv, adv
+
+
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: torch.Tensor,
+    epsilon: float = 1e-6,
+    config: Optional[Any] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""REINFORCE++-baseline outcome advantages: the score minus its group's mean, then whitened
+    over the batch's valid tokens (Hu et al. 2025, "REINFORCE++", arXiv:2501.03262).
+
+    ``c_b = s_b − m_g`` (a group of one: ``c_b = s_b``) at every valid position of row ``b``, then
+    ``(c − μ) · rsqrt(σ² + 1e-8)`` with ``μ``, ``σ²`` (unbiased) over all valid positions (a row
+    counts once per valid token), 0 at masked positions.
+
+    {args}
+        epsilon, config, kwargs: unused, as in veRL.
+
+    Returns:
+        ``(advantages, advantages)``: one ``[B, T]`` tensor twice, in veRL's dtype
+        ``promote(token_level_rewards, response_mask)``; no gradient.
+
+    Raises:
+        ValueError: fewer than 2 valid positions in the batch (veRL: ``ValueError`` from its
+            whitening); otherwise as :func:`compute_grpo_outcome_advantage`.
+
+    **Differences:** equal scores in a group give exactly 0 before the whitening; a non-finite
+    score raises ``ValueError``. Computed by ``pyppo.ops.group_advantages(estimator="grpo",
+    std_normalize=False)`` then ``pyppo.ops.masked_whiten`` (float64 statistics; a float64 mask
+    takes veRL's ``count + 1e-8`` scaling, with ``pyppo.ops.masked_mean`` / ``masked_var``).
+    Matches veRL 0.9.1
+    ``verl.trainer.ppo.core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage``.
+    """
+    fn = "compute_reinforce_plus_plus_baseline_outcome_advantage"
+    centered, m = _group_outcome(fn, token_level_rewards, response_mask, index, "grpo", std_normalize=False, cast=False)
+    with torch.no_grad():
+        adv = _whiten_valid(fn, centered, m, response_mask.dtype)
+    adv = adv.to(_promote(token_level_rewards.dtype, response_mask.dtype))
+    return adv, adv
+
+
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Optional[Any] = None, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""REINFORCE++ advantages: the discounted return of every valid token, whitened over the batch.
+
+    ``G_t = r_t + γ G_{t'}`` with ``t'`` the next valid position of the row: a masked position
+    (a multi-turn observation) is skipped, its reward dropped and the return carried past it, as
+    veRL does; ``G = 0`` at masked positions. The advantages are ``(G − μ) · rsqrt(σ² + 1e-8)``
+    over the valid positions, 0 at masked ones (Hu et al. 2025, "REINFORCE++").
+
+    Args:
+        token_level_rewards: ``[B, T]`` float.
+        response_mask: ``[B, T]`` 0/1 (int or float) or bool (veRL itself fails on bool with a
+            ``RuntimeError`` from ``1 - mask``; pyppo accepts it).
+        config: veRL's ``AlgoConfig`` (or anything with ``.gamma``); required.
+        kwargs: unused, as in veRL.
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]``: ``returns`` in ``token_level_rewards``' dtype,
+        ``advantages`` in ``promote(token_level_rewards, response_mask)`` (veRL's dtypes); no
+        gradient. Computed in float32 (float64 for a float64 result).
+
+    Raises:
+        AssertionError: ``config`` is None (veRL's assert). ValueError: ``config.gamma`` outside
+            ``[0, 1]`` (veRL accepts any value); fewer than 2 valid positions in the batch (veRL:
+            ``ValueError`` from its whitening); a bad mask; non-``[B, T]`` or non-float rewards.
+
+    ``pyppo.ops.gae`` with zero values and ``λ = 1`` is exactly this return (its ``δ_t = r_t``,
+    chained over valid positions only), one scan per row instead of veRL's Python loop over
+    ``T``; ``pyppo.ops.masked_whiten`` whitens it. Matches veRL 0.9.1
+    ``verl.trainer.ppo.core_algos.compute_reinforce_plus_plus_outcome_advantage``.
+    """
+    fn = "compute_reinforce_plus_plus_outcome_advantage"
+    if config is None:
+        raise AssertionError(f"{fn}: config is required (veRL asserts config is not None)")
+    gamma = config.gamma
+    m = _outcome_mask(fn, token_level_rewards, response_mask)
+    out_dtype = _promote(token_level_rewards.dtype, response_mask.dtype)
+    acc = _acc(out_dtype)
+    with torch.no_grad():
+        rewards = token_level_rewards.detach()
+        if acc == torch.float64:
+            rewards = rewards.to(acc)  # pyppo.gae computes in the rewards' precision
+        zero_values = torch.zeros((), dtype=rewards.dtype, device=rewards.device).expand(rewards.shape)
+        returns, _ = _gae(rewards, zero_values, m, gamma=float(gamma), lam=1.0)
+        adv = _whiten_valid(fn, returns, m, response_mask.dtype).to(out_dtype)
+    return adv, returns.to(token_level_rewards.dtype)
+
+
+for _fn in (
+    compute_grpo_outcome_advantage, compute_grpo_vectorized_outcome_advantage, compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage, compute_reinforce_plus_plus_baseline_outcome_advantage,
+):
+    _fn.__doc__ = _fn.__doc__.replace("{args}", _GROUP_ARGS)
+del _fn
+
+
 def kl_penalty_forward(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_penalty) -> torch.FloatTensor:
     """Per-token KL(π ‖ π_ref) estimate from the sampled tokens' log-probs, ``d = logprob − ref``.
 
@@ -212,17 +564,25 @@ def kl_penalty(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_pe
 
 def _agg_impl(loss_mat: torch.Tensor, loss_dtype: torch.dtype, m: torch.Tensor, mask_dtype: torch.dtype,
               loss_agg_mode: str, dp_size: int = 1, batch_num_tokens: Optional[int] = None,
-              global_batch_size: Optional[int] = None, loss_scale_factor: Optional[int] = None) -> torch.Tensor:
+              global_batch_size: Optional[int] = None, loss_scale_factor: Optional[int] = None,
+              *, sums: Optional[Callable[[str], torch.Tensor]] = None) -> torch.Tensor:
     """agg_loss on a validated bool mask ``m``. ``loss_dtype`` is the dtype veRL's loss matrix
     would have (the losses compute theirs in float32), ``mask_dtype`` the caller's mask dtype:
-    both take part in veRL's type promotion."""
+    both take part in veRL's type promotion.
+
+    ``sums``, when given, supplies the totals instead of ``loss_mat`` (then only its shape is
+    read): ``sums("token")`` is ``Σ L`` over the valid tokens, ``sums("row")`` is
+    ``Σ_b Σ_t L_bt / n_b`` over the rows with a valid token (what a pyppo policy-loss op returns
+    with ``normalizer=1``); veRL's normalisers are applied to them here."""
     if loss_agg_mode not in _LOSS_AGG_MODES:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
     # veRL's per-token product loss_mat * loss_mask: its dtype is that of every sum below.
     s_dtype = _promote(loss_dtype, mask_dtype)
     shape = loss_mat.shape
-    # The op reads half precision as it is; a float64 result needs float64 terms.
-    lm = loss_mat.to(torch.float64) if s_dtype == torch.float64 else loss_mat
+    lm = loss_mat
+    if sums is None:
+        # The op reads half precision as it is; a float64 result needs float64 terms.
+        lm = loss_mat.to(torch.float64) if s_dtype == torch.float64 else loss_mat
     if lm.dim() != 2:
         lm, m = lm.reshape(-1, shape[-1]), m.reshape(-1, shape[-1])
 
@@ -230,7 +590,7 @@ def _agg_impl(loss_mat: torch.Tensor, loss_dtype: torch.dtype, m: torch.Tensor, 
         n = _count(m)
         # Σ L over the mask = masked mean · count; pyppo's mean sums in float64, and an empty
         # mask gives 0 (so 0 / 0 = NaN below for token-mean, as in veRL).
-        total = _mean_impl(lm, m, None) * n
+        total = sums("token") if sums is not None else _mean_impl(lm, m, None) * n
         if loss_agg_mode == "token-sum":
             return (total * dp_size).to(_scalar_result_dtype(s_dtype, dp_size))
         if batch_num_tokens is None:
@@ -246,11 +606,16 @@ def _agg_impl(loss_mat: torch.Tensor, loss_dtype: torch.dtype, m: torch.Tensor, 
             raise ValueError("global_batch_size is required when dp_size > 1")
         # veRL counts the sequences with a valid token as a float32 tensor.
         global_batch_size = (tokens_per_row > 0).sum(dtype=torch.float32)
-    if loss_agg_mode == "seq-mean-token-mean":
+    den_dtype = mask_dtype if mask_dtype.is_floating_point else torch.get_default_dtype()
+    if loss_agg_mode == "seq-mean-token-mean" and sums is not None:
+        # The op divides each row by its count, without veRL's + 1e-8 (a 1e-8 / n_b relative
+        # difference, below float32's resolution).
+        total = sums("row")
+        sum_dtype = _promote(s_dtype, den_dtype, torch.float32)
+    elif loss_agg_mode == "seq-mean-token-mean":
         # veRL's formula, each row's sum over (its count + 1e-8) in the count's float dtype (the
         # epsilon keeps an empty row at 0 and vanishes below float64), with where() for veRL's
         # multiply by the mask and sums accumulated in float32 at least.
-        den_dtype = mask_dtype if mask_dtype.is_floating_point else torch.get_default_dtype()
         row_sum = torch.where(m, lm, 0.0).sum(dim=-1, dtype=_acc(s_dtype))
         # An empty row is dropped with where(), as veRL's masked_sum over the sequences does: in
         # float16 the epsilon underflows and its 0 / 0 would be NaN.
@@ -259,7 +624,7 @@ def _agg_impl(loss_mat: torch.Tensor, loss_dtype: torch.dtype, m: torch.Tensor, 
         sum_dtype = _promote(s_dtype, den_dtype, torch.float32)
     else:
         # Σ over the sequences of their token sums: the token sum of the whole batch.
-        total = _mean_impl(lm, m, None) * tokens_per_row.sum()
+        total = sums("token") if sums is not None else _mean_impl(lm, m, None) * tokens_per_row.sum()
         sum_dtype = _promote(s_dtype, torch.float32)
     loss = total / global_batch_size * dp_size
     out_dtype = _scalar_result_dtype(sum_dtype, global_batch_size, dp_size)
@@ -440,6 +805,25 @@ class _ClippedValueTokenLoss(torch.autograd.Function):
         return (*grads, None, None)
 
 
+def _policy_inputs(fn, old_log_prob, log_prob, advantages, response_mask) -> torch.Tensor:
+    """The policy losses' checks: three float tensors of ``log_prob``'s shape and a bool / 0-1
+    mask of it, returned as bool."""
+    for name, t in (("old_log_prob", old_log_prob), ("log_prob", log_prob), ("advantages", advantages)):
+        _float_tensor(fn, name, t)
+        if t.shape != log_prob.shape:
+            raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but log_prob has shape {tuple(log_prob.shape)}")
+    return _bool_mask(fn, "response_mask", response_mask, log_prob)
+
+
+def _clip_ratios(config: Any) -> tuple[float, float]:
+    """veRL's ``(clip_ratio_low, clip_ratio_high)`` from an actor config, each defaulting to
+    ``clip_ratio``."""
+    clip_ratio = config.clip_ratio
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio
+    return low, high
+
+
 def _policy_terms(fn, old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high, clip_ratio_c):
     """veRL's dual-clip PPO per-token loss and its three statistics, in float32 (float64)."""
     if not clip_ratio_c > 1.0:
@@ -449,11 +833,7 @@ def _policy_terms(fn, old_log_prob, log_prob, advantages, response_mask, clipran
         )
     if cliprange_low is None or cliprange_high is None:
         raise TypeError(f"{fn}: the clip range is None; give cliprange (or cliprange_low and cliprange_high)")
-    for name, t in (("old_log_prob", old_log_prob), ("log_prob", log_prob), ("advantages", advantages)):
-        _float_tensor(fn, name, t)
-        if t.shape != log_prob.shape:
-            raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but log_prob has shape {tuple(log_prob.shape)}")
-    m = _bool_mask(fn, "response_mask", response_mask, log_prob)
+    m = _policy_inputs(fn, old_log_prob, log_prob, advantages, response_mask)
     loss_dtype = _promote(old_log_prob.dtype, log_prob.dtype, advantages.dtype)
     acc = _acc(loss_dtype)
 
@@ -576,9 +956,7 @@ def compute_policy_loss_vanilla(
         raise AssertionError(f"{fn}: config is required (veRL asserts config is not None)")
     if type(config).__name__ == "AlgoConfig":
         raise AssertionError(f"{fn}: config must be the actor config, not an AlgoConfig")
-    clip_ratio = config.clip_ratio
-    clip_ratio_low = config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio
-    clip_ratio_high = config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio
+    clip_ratio_low, clip_ratio_high = _clip_ratios(config)
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
     pg_losses, loss_dtype, m, stats, _, _ = _policy_terms(
         fn, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
@@ -590,6 +968,152 @@ def compute_policy_loss_vanilla(
     pg_loss = _agg_impl(pg_losses, loss_dtype, m, response_mask.dtype, loss_agg_mode, **config.global_batch_info)
     clipfrac, clipfrac_lower, ppo_kl = stats.tolist()
     return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
+
+
+def _op_policy_loss(
+    fn: str, op: Callable[..., Any], old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str,
+    config: Any, rollout_is_weights: Optional[torch.Tensor], kl_clamp: Optional[float], weights_fold_sign: bool,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A veRL policy loss computed by a pyppo policy-loss op (``gspo_policy_loss``,
+    ``cispo_policy_loss``): the op gives the differentiable token sum (or row-mean sum) with
+    ``normalizer=1``, :func:`_agg_impl` applies veRL's mode and ``config.global_batch_info``.
+
+    ``rollout_is_weights`` multiplies veRL's per-token loss; both losses are linear in the
+    advantage per token (GSPO's ``max(−A·r, −A·clip(r))`` for weights ``≥ 0``:
+    ``weights_fold_sign``), so the op takes ``A·w`` as its advantages. veRL's statistics ignore
+    the weights: where a weight zeroes a token's ``A·w``, the clip fraction comes from a second,
+    gradient-free op call on the unweighted advantages. ``kl_clamp``: veRL's clamp of the
+    log-ratio in its ``ppo_kl``."""
+    if config is None:
+        raise AssertionError(f"{fn}: config is required (veRL asserts config is not None)")
+    if not any(c.__name__ == "ActorConfig" for c in type(config).__mro__):
+        raise AssertionError(
+            f"{fn}: config must be a veRL ActorConfig (veRL asserts isinstance(config, ActorConfig)), "
+            f"got {type(config).__name__}"
+        )
+    low, high = _clip_ratios(config)
+    m = _policy_inputs(fn, old_log_prob, log_prob, advantages, response_mask)
+    # veRL's per-token loss dtype (a float mask joins in its sums, in _agg_impl).
+    loss_dtype = _promote(old_log_prob.dtype, log_prob.dtype, advantages.dtype)
+    adv = advantages
+    if rollout_is_weights is not None:
+        w = _tensor(fn, "rollout_is_weights", rollout_is_weights)
+        loss_dtype = torch.promote_types(loss_dtype, w.dtype)
+        if weights_fold_sign and bool((w < 0).any()):
+            raise ValueError(f"{fn}: rollout_is_weights must be >= 0 (importance weights); got a negative weight")
+        adv = advantages.to(_acc(loss_dtype)) * w.to(_acc(loss_dtype))
+    if _acc(_promote(loss_dtype, response_mask.dtype)) == torch.float64:
+        # veRL's sums are float64 (a float64 mask or loss); the op computes in its inputs' precision.
+        adv = adv.to(torch.float64)
+    kwargs = {"cliprange_low": float(low), "cliprange_high": float(high), "normalizer": 1.0}
+    stats: list = []
+
+    def sums(kind: str) -> torch.Tensor:
+        loss, st = op(log_prob, old_log_prob, adv, m, loss_agg="token-mean" if kind == "token" else
+                      "seq-mean-token-mean", **kwargs)
+        stats.append(st)
+        return loss
+
+    pg_loss = _agg_impl(log_prob, loss_dtype, m, response_mask.dtype, loss_agg_mode, sums=sums,
+                        **config.global_batch_info)
+    clipfrac = stats[0]["clipfrac"]
+    with torch.no_grad():
+        if rollout_is_weights is not None and weights_fold_sign and bool((m & (adv == 0) & (advantages != 0)).any()):
+            clipfrac = op(log_prob, old_log_prob, advantages.to(adv.dtype), m, **kwargs)[1]["clipfrac"]
+        acc = _acc(_promote(log_prob.dtype, old_log_prob.dtype))
+        neg_kl = old_log_prob.to(acc) - log_prob.to(acc)
+        if kl_clamp is not None:
+            neg_kl = neg_kl.clamp(-kl_clamp, kl_clamp)
+        ppo_kl = _mean_impl(neg_kl, m, None, response_mask.dtype)
+        clipfrac, ppo_kl = torch.stack([clipfrac.to(acc), ppo_kl.to(acc)]).tolist()
+    return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": 0.0}
+
+
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    r"""GSPO's clipped surrogate with a sequence-level ratio (Zheng et al. 2025, "Group Sequence
+    Policy Optimization", GSPO-token, eq. 13-14).
+
+    Per row ``i``, ``s_i = exp(min(mean_t (log_prob − old_log_prob), 10))`` over its valid tokens;
+    per token the ratio has ``s_i``'s value and ``s_i · ∇ log_prob``'s gradient, and
+    ``L = max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high))``, times ``rollout_is_weights``, reduced
+    with :func:`agg_loss` (default ``"seq-mean-token-mean"``, the paper's, as veRL).
+
+    Args:
+        old_log_prob, log_prob, advantages: ``[B, T]`` float; differentiable w.r.t. ``log_prob``
+            and ``advantages`` (veRL's autograd; ties of the ``max`` split evenly).
+        response_mask: ``[B, T]`` bool or 0/1.
+        loss_agg_mode: see :func:`agg_loss`.
+        config: veRL's ``ActorConfig`` (veRL asserts its type; ``clip_ratio``,
+            ``clip_ratio_low``, ``clip_ratio_high``, ``global_batch_info``).
+        rollout_is_weights: optional ``≥ 0`` weights broadcastable to ``[B, T]`` multiplying the
+            per-token loss; the statistics ignore them, as in veRL.
+
+    Returns:
+        ``(pg_loss, metrics)``: ``pg_loss`` 0-d in veRL's dtype; ``metrics``
+        ``{"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}`` of Python floats
+        (``ppo_kl`` the mean of ``old − new``, unclamped, as veRL; ``pg_clipfrac_lower`` 0.0).
+
+    Raises:
+        AssertionError: ``config`` None or not an ``ActorConfig`` (veRL's asserts).
+        ValueError: a clip range the op refuses (``ε_low`` outside ``[0, 1)``, ``ε_high`` not
+            positive and finite; veRL takes any), a negative rollout weight (veRL would turn the
+            ``max`` into a ``min`` there), shape mismatch, a bad mask, unknown mode, a missing
+            global count with ``dp_size > 1``.
+
+    **Difference:** the op clamps each token's log-ratio to ±20 before the sequence mean (veRL
+    averages them unclamped), so a row with a token beyond ±20 gets a different ``s_i``. Computed
+    by ``pyppo.ops.gspo_policy_loss`` (loss and gradient, ``normalizer=1``), veRL's normalisers
+    as :func:`agg_loss`, ``ppo_kl`` by ``pyppo.ops.masked_mean``. Matches veRL 0.9.1
+    ``verl.trainer.ppo.core_algos.compute_policy_loss_gspo``.
+    """
+    return _op_policy_loss("compute_policy_loss_gspo", _gspo_policy_loss, old_log_prob, log_prob, advantages,
+                           response_mask, loss_agg_mode, config, rollout_is_weights, None, True)
+
+
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    r"""CISPO: REINFORCE with a clipped, detached importance weight (MiniMax 2025, "MiniMax-M1",
+    eq. 4-5). Per token, ``r = exp(clamp(log_prob − old_log_prob, ±20))`` and
+    ``L = −sg(clip(r, 1 − ε_low, 1 + ε_high)) · A · log_prob``, times ``rollout_is_weights``,
+    reduced with :func:`agg_loss`.
+
+    Args:
+        old_log_prob, log_prob, advantages: ``[B, T]`` float; differentiable w.r.t. ``log_prob``
+            and ``advantages``.
+        response_mask, loss_agg_mode, config, rollout_is_weights: as
+            :func:`compute_policy_loss_gspo` (the weights may have any sign here).
+
+    Returns:
+        ``(pg_loss, metrics)`` as :func:`compute_policy_loss_gspo`; ``pg_clipfrac`` is the
+        fraction of tokens whose weight was clipped (``r ≠ clip(r)``), ``ppo_kl`` the mean of the
+        clamped ``old − new``, as veRL.
+
+    Raises:
+        AssertionError, ValueError: as :func:`compute_policy_loss_gspo` (no sign condition on
+            the weights).
+
+    Computed by ``pyppo.ops.cispo_policy_loss`` (loss and gradient, ``normalizer=1``), veRL's
+    normalisers as :func:`agg_loss`, ``ppo_kl`` by ``pyppo.ops.masked_mean``. The log-prob at a
+    masked position is never read (veRL's ``agg_loss`` multiplies it by 0, so a ``−inf`` there is
+    NaN in veRL). Matches veRL 0.9.1 ``verl.trainer.ppo.core_algos.compute_policy_loss_cispo``.
+    """
+    return _op_policy_loss("compute_policy_loss_cispo", _cispo_policy_loss, old_log_prob, log_prob, advantages,
+                           response_mask, loss_agg_mode, config, rollout_is_weights, 20.0, False)
 
 
 def compute_value_loss(
