@@ -26,6 +26,8 @@ vLLM is an optional dependency: importing this module does not import it; buildi
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import shutil
 import tempfile
@@ -34,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..run.stopping import removed_at_exit
 from .engine import Rollout
 from .tokens import encode_prompts, response_mask_from_eos
 
@@ -178,42 +181,56 @@ class VLLMEngine:
         self.last_sync_s = 0.0
         _remove_orphaned_checkpoints()
         self._dir = tempfile.mkdtemp(prefix=f"{_CHECKPOINT_PREFIX}{os.getpid()}-")
+        dist_files = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
         try:
-            self._save(model)
-            kwargs: Dict[str, Any] = dict(
-                model=self._dir, tokenizer=self._dir, dtype=_dtype_name(dtype), enforce_eager=True, seed=int(seed),
-                logprobs_mode=LOGPROBS_MODE,
-                generation_config="vllm",  # the checkpoint's generation_config.json sets no defaults
-                skip_tokenizer_init=False,
-            )
-            if max_model_len is not None:
-                kwargs["max_model_len"] = int(max_model_len)
-            if self.device.type == "cpu":
-                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)
-            else:
-                kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
-            kwargs.update(llm_kwargs or {})
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                # Under torchrun each rank builds an engine of its own (tensor-parallel size 1)
-                # inside the trainer's process group: vLLM's launcher for that reads the rank's
-                # device from LOCAL_RANK; its teardown must leave the trainer's group alone.
-                if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
-                    kwargs.setdefault("distributed_executor_backend", "external_launcher")
-                _keep_process_group_at_teardown()
-            # vLLM's CPU worker replaces torch.set_num_threads with a no-op that warns; the
-            # trainer's own threads are kept as they were.
-            set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-            try:
-                self.llm = LLM(**kwargs)
-            except ValueError as e:
-                raise _memory_error(e, self.device, kv_cache_gib, gpu_memory_utilization) from None
-            finally:
-                torch.set_num_threads = set_threads
-                torch.set_num_threads(threads)
+            with removed_at_exit(self._dir):
+                self._build(model, LLM, seed, dtype, kv_cache_gib, gpu_memory_utilization, max_model_len, llm_kwargs,
+                            dist_files)
         finally:
             # vLLM has read the checkpoint (weights and tokenizer); nothing reads it again.
             shutil.rmtree(self._dir, ignore_errors=True)
         self.sync = self._resolve_sync(sync)
+
+    def _build(self, model, LLM, seed, dtype, kv_cache_gib, gpu_memory_utilization, max_model_len, llm_kwargs,
+               dist_files) -> None:
+        """Write the policy into the scratch directory and start vLLM on it (``self.llm``)."""
+        self._save(model)
+        kwargs: Dict[str, Any] = dict(
+            model=self._dir, tokenizer=self._dir, dtype=_dtype_name(dtype), enforce_eager=True, seed=int(seed),
+            logprobs_mode=LOGPROBS_MODE,
+            generation_config="vllm",  # the checkpoint's generation_config.json sets no defaults
+            skip_tokenizer_init=False,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = int(max_model_len)
+        if self.device.type == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * _GIB)
+        else:
+            kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        kwargs.update(llm_kwargs or {})
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Under torchrun each rank builds an engine of its own (tensor-parallel size 1)
+            # inside the trainer's process group: vLLM's launcher for that reads the rank's
+            # device from LOCAL_RANK; its teardown must leave the trainer's group alone.
+            if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+                kwargs.setdefault("distributed_executor_backend", "external_launcher")
+            _keep_process_group_at_teardown()
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op that warns; the
+        # trainer's own threads are kept as they were.
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            self.llm = LLM(**kwargs)
+        except BaseException as e:
+            # A failed start leaves vLLM's rendezvous file (file:// init of its process group).
+            for path in set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*"))) - dist_files:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            if isinstance(e, ValueError):
+                raise _memory_error(e, self.device, kv_cache_gib, gpu_memory_utilization) from None
+            raise
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
 
     # ------------------------------------------------------------------------------ weights
     def _save(self, model: nn.Module) -> None:
@@ -342,13 +359,15 @@ def _memory_error(error: ValueError, device: torch.device, kv_cache_gib: float,
     """vLLM's "no memory for the KV cache" error in pyppo's terms: on a CPU it names
     ``gpu_memory_utilization``, which pyppo does not set there."""
     text = str(error)
-    if "cache blocks" not in text and "KV cache" not in text:
+    if "cache blocks" not in text and "kv cache" not in text.lower():
         return error
     if device.type == "cpu":
         knob = f"vllm_kv_cache_gib = {kv_cache_gib:g} (--vllm-kv-cache-gib)"
     else:
         knob = f"vllm_gpu_memory_utilization = {gpu_memory_utilization:g} (--vllm-gpu-memory-utilization)"
-    said = text.split(". ")[0]  # the rest of vLLM's advice names its own knob
+    said = text.split(". ")[0]  # the rest of vLLM's advice names its own knobs
+    if "less than requested" in text:  # more than the machine has
+        return ValueError(f"{knob} asks for more memory than this machine has free ({said}); lower it")
     return ValueError(f"{knob} leaves vLLM too little memory for its KV cache ({said}); raise it")
 
 

@@ -31,10 +31,34 @@ import os
 import signal
 from typing import Callable, Iterator, List, Optional
 
-__all__ = ["GracefulStop", "StepAbandoned", "STOP_SIGNALS"]
+__all__ = ["GracefulStop", "StepAbandoned", "STOP_SIGNALS", "removed_at_exit"]
 
 #: The signals handled (SIGINT and SIGTERM; SIGKILL cannot be caught).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+# Scratch paths that an immediate exit deletes (os._exit runs no finally and no atexit).
+_SCRATCH: set = set()
+
+
+@contextlib.contextmanager
+def removed_at_exit(path: str) -> Iterator[str]:
+    """Within the block, an immediate exit on a signal (:class:`GracefulStop`) deletes ``path``
+    first: a scratch directory (the vLLM engine's copy of the weights, hundreds of MB) must not
+    outlive a Ctrl-C while the models load. The caller still deletes it on the normal path."""
+    _SCRATCH.add(path)
+    try:
+        yield path
+    finally:
+        _SCRATCH.discard(path)
+
+
+def _exit_now(status: int) -> None:
+    import shutil
+
+    for path in list(_SCRATCH):
+        shutil.rmtree(path, ignore_errors=True)
+    os._exit(status)
 
 
 class StepAbandoned(BaseException):
@@ -163,7 +187,7 @@ class GracefulStop:
         if self.phase != "training":
             what = "while loading" if self.phase == "loading" else "while finishing"
             self._write(f"pyppo: {name} {what}; exiting")
-            os._exit(128 + signum)
+            _exit_now(128 + signum)
         if self.count == 1:
             self.signum = signum
             self._write(f"pyppo: {name}: stopping after the current step, then saving a checkpoint "
@@ -181,4 +205,4 @@ class GracefulStop:
             return
         self._write(f"pyppo: {name}: exiting at once; a checkpoint already complete is kept (with none, "
                     "the same command starts the run over)")
-        os._exit(128 + signum)
+        _exit_now(128 + signum)

@@ -267,3 +267,21 @@ def test_random_signals_never_lose_work(tiny_dir, prompts_file, stop_straight_ro
         assert [untimed(r) for r in rows] == stop_straight_rows, f"seed {seed}"
     assert total >= 21
     print(f"seed {seed}: {total} signals in {rounds} rounds over {runs} runs")
+
+
+def test_a_signal_while_loading_deletes_the_registered_scratch_directory(tmp_path):
+    """The immediate exit while the models load (os._exit: no finally runs) still deletes what
+    was registered with removed_at_exit (the vLLM engine's copy of the weights), and nothing else."""
+    scratch, kept = tmp_path / "scratch", tmp_path / "kept"
+    code = f"""
+import os, pathlib, signal, time
+from pyppo.run.stopping import GracefulStop, removed_at_exit
+for d in ({str(scratch)!r}, {str(kept)!r}):
+    pathlib.Path(d, "weights").mkdir(parents=True)
+with GracefulStop(say=False).installed(), removed_at_exit({str(scratch)!r}):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert not scratch.exists() and kept.exists()

@@ -6,11 +6,13 @@ stops on a signal and resumes to the uninterrupted run's numbers. Skipped withou
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -73,9 +75,28 @@ def test_the_engine_s_checkpoint_is_gone_once_vllm_has_read_it(model_and_engine)
     assert not os.path.exists(engine._dir) and engine.generate(PROMPTS[:1]).response_ids.numel() > 0
 
 
-def test_a_kv_cache_too_small_names_pyppo_s_knob():
+def _scratch():
+    tmp = tempfile.gettempdir()
+    return set(glob.glob(os.path.join(tmp, "vllm_dist_*"))) | set(glob.glob(os.path.join(tmp, "pyppo-vllm-*")))
+
+
+def test_a_kv_cache_too_small_names_pyppo_s_knob_and_leaves_no_file_behind():
+    before = _scratch()
     with pytest.raises(ValueError, match=r"vllm_kv_cache_gib = 1e-05 \(--vllm-kv-cache-gib\) leaves vLLM too little"):
         VLLMEngine(vllm_llama(), tokenizer(), max_new_tokens=4, kv_cache_gib=1e-5)
+    assert _scratch() <= before  # neither vLLM's rendezvous file nor pyppo's copy of the weights
+
+
+def test_a_kv_cache_larger_than_the_machine_names_pyppo_s_knob():
+    from pyppo.rollout.vllm_engine import _memory_error
+
+    vllm_says = ("Available memory on node 0 (20.83/23.54 GiB) on kv cache allocation is less than requested memory "
+                 "for kv (64.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE")
+    err = str(_memory_error(ValueError(vllm_says), torch.device("cpu"), 64.0, 0.3))
+    assert err.startswith("vllm_kv_cache_gib = 64 (--vllm-kv-cache-gib) asks for more memory than this machine")
+    assert err.endswith("lower it") and "VLLM_CPU_KVCACHE_SPACE" not in err and "--kv-cache-memory-bytes" not in err
+    other = ValueError("something else")
+    assert _memory_error(other, torch.device("cpu"), 1.0, 0.3) is other
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
