@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import numpy as np
 import torch
+
+if TYPE_CHECKING:  # veRL passes numpy labels; pyppo's wheel itself runs without numpy
+    import numpy as np
 
 from pyppo.ops import cispo_policy_loss as _cispo_policy_loss
 from pyppo.ops import gae as _gae
@@ -141,6 +143,8 @@ def _group_ids(fn: str, index: Any, B: int, device: torch.device) -> torch.Tenso
         if index.dim() != 1 or index.shape[0] != B:
             raise ValueError(f"{fn}: index must hold one group label per row ({B}), got shape {tuple(index.shape)}")
         return torch.unique(index, return_inverse=True)[1].to(device=device, dtype=torch.int64)
+    import numpy as np
+
     arr = np.asarray(index)
     if arr.ndim != 1 or arr.shape[0] != B:
         raise ValueError(f"{fn}: index must hold one group label per row ({B}), got shape {arr.shape}")
