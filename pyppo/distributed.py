@@ -24,7 +24,8 @@ from .config import resolve_device
 from .ops import masked_whiten
 
 __all__ = ["World", "local_device", "join", "wrap", "unwrap", "is_sharded", "gradient_sync", "full_state_dict",
-           "all_sum", "reduce_metrics", "whiten", "explained_variance", "barrier", "leave", "gather_objects"]
+           "all_sum", "reduce_metrics", "whiten", "explained_variance", "barrier", "leave", "gather_objects",
+           "on_every_rank", "raised_on_every_rank", "mark_on_every_rank", "lost_a_peer"]
 
 
 @dataclass(frozen=True)
@@ -274,3 +275,75 @@ def gather_objects(obj: Any, world: World) -> List[Any]:
     out: List[Any] = [None] * world.size
     dist.all_gather_object(out, obj)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+# Set on an exception that every rank raised at the same point of the run, so that the ranks can
+# still act together (checkpoint the last finished step) and rank 0 alone need report it.
+_EVERY_RANK = "_pyppo_on_every_rank"
+
+
+def mark_on_every_rank(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised by every rank at the same point (see :func:`raised_on_every_rank`);
+    returns it."""
+    setattr(exc, _EVERY_RANK, True)
+    return exc
+
+
+def raised_on_every_rank(exc: BaseException) -> bool:
+    """Whether every rank raised ``exc`` (or its copy) at the same point, as :func:`on_every_rank`
+    marks its errors. (In a single process every error is, trivially; this tells only the marked.)"""
+    return bool(getattr(exc, _EVERY_RANK, False))
+
+
+def on_every_rank(fn, world: World, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on this rank, raising on every rank when it raises on any: a
+    collective (one ``all_gather_object`` of ``None`` or the error's class and message), so every
+    rank must call it at the same point. With one process it is ``fn(...)``.
+
+    A rank where ``fn`` raised re-raises its own exception; the others raise one of the same class
+    (``RuntimeError`` when that class cannot be built from a message) whose message is the failing
+    rank's, followed by ``(on process R of N)``; the lowest failing rank's error is the one raised.
+    Every one is marked (:func:`raised_on_every_rank`).
+
+    Returns:
+        what ``fn`` returned.
+    """
+    if not world.active:
+        return fn(*args, **kwargs)
+    error, out = None, None
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as exc:
+        error = exc
+    failures = gather_objects(None if error is None else (type(error), str(error)), world)
+    failed = [(rank, f) for rank, f in enumerate(failures) if f is not None]
+    if not failed:
+        return out
+    rank, (cls, message) = failed[0]
+    if error is not None and rank == world.rank:
+        raise mark_on_every_rank(error)
+    message = f"{message} (on process {rank} of {world.size})"
+    try:
+        copy = cls(message)
+    except Exception:  # a class that is not built from one message
+        copy = RuntimeError(message)
+    raise mark_on_every_rank(copy) from error
+
+
+# What gloo, NCCL and the TCP store say when another process of the group went away.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker",
+              "NCCL communicator was aborted", "Socket Timeout")
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure because another process of the group stopped
+    (gloo's "Connection closed by peer", a ``torch.distributed.DistNetworkError``), not an error of
+    this process's own."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)

@@ -1,14 +1,20 @@
 """The mixed-precision context every forward of a run shares: the rollout's sampling, its
 log-prob forwards and the training passes all run under the same autocast, so that they compute
-the same numbers (the first PPO ratio is exactly 1 in bfloat16 too)."""
+the same numbers (the first PPO ratio is exactly 1 in bfloat16 too).
+
+``dtype = "auto"`` (:func:`resolve_dtype`) picks bfloat16 where the hardware multiplies it
+natively, a CUDA GPU with bf16 support or a CPU with AVX512_BF16 or AMX, and float32 elsewhere:
+on a CPU with AVX2 only, oneDNN emulates bf16 and the step is slower than in float32
+(docs/performance.md has the measurements).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["autocast", "autocast_dtype"]
+__all__ = ["autocast", "autocast_dtype", "native_bf16", "resolve_dtype"]
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -22,3 +28,55 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
+
+
+def _cpu_flag(name: str) -> bool:
+    # torch.cpu's ISA probes (cpuinfo, as oneDNN's dispatch sees the CPU) are underscored: a torch
+    # without one reads as "no", which only costs the bf16 speed-up.
+    probe = getattr(torch.cpu, name, None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
+def native_bf16(device: torch.device) -> Tuple[bool, str]:
+    """Whether ``device`` multiplies bfloat16 natively, and what says so (for the run's log).
+
+    CUDA: ``torch.cuda.is_bf16_supported()`` (compute capability 8.0 or later). CPU: the
+    AVX512_BF16 or AMX-BF16 instructions oneDNN's bf16 GEMMs use; AVX2 and plain AVX-512 CPUs
+    convert to float32 for every multiply and so run bf16 slower than float32.
+    """
+    if device.type == "cuda":
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "CUDA"
+        return ok, f"{name} {'supports' if ok else 'lacks'} bf16"
+    if device.type == "cpu":
+        isas = [n for n, flag in (("AMX", "_is_amx_tile_supported"), ("AVX512_BF16", "_is_avx512_bf16_supported"))
+                if _cpu_flag(flag)]
+        if isas:
+            return True, f"this CPU has {' and '.join(isas)}"
+        return False, f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 matmul"
+    return False, f"{device.type} is not known to pyppo to compute bf16 natively"
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> Tuple[str, str]:
+    """The compute dtype a config's ``dtype`` means on ``device``, and why.
+
+    Args:
+        dtype: ``"auto"``, ``"float32"`` or ``"bfloat16"`` (``PPOConfig.dtype``).
+        device: where the models run.
+
+    Returns:
+        ``(name, reason)``: ``name`` is ``"float32"`` or ``"bfloat16"``; ``reason`` says how
+        ``auto`` chose it (empty for an explicit dtype).
+
+    Raises:
+        ValueError: ``dtype`` is none of the three.
+    """
+    if dtype in ("float32", "bfloat16"):
+        return dtype, ""
+    if dtype != "auto":
+        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+    ok, why = native_bf16(device)
+    return ("bfloat16" if ok else "float32"), why

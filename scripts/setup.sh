@@ -33,4 +33,15 @@ fi
 if [ "${PYPPO_SKIP_VLLM:-0}" != "1" ]; then
     PYTHON=$PY TRANSFORMERS="$TRANSFORMERS_SPEC" bash scripts/install_vllm.sh
 fi
+# tcmalloc, which `pyppo train` preloads when it is installed (pyppo.run.allocator; it gives back
+# the memory glibc's heap keeps, and the step is faster: docs/performance.md "Memory allocator"),
+# and jemalloc to compare.
+# Only where apt-get can install as root; elsewhere pyppo runs on the C library's malloc.
+# PYPPO_SKIP_ALLOCATORS=1 skips it.
+if [ "${PYPPO_SKIP_ALLOCATORS:-0}" != "1" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    if ! ldconfig -p | grep 'libjemalloc.so.2 ' >/dev/null || ! ldconfig -p | grep 'libtcmalloc_minimal.so.4 ' >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2 libtcmalloc-minimal4) \
+            >/dev/null 2>&1 || echo "setup.sh: could not install jemalloc/tcmalloc with apt-get; pyppo runs on glibc's malloc"
+    fi
+fi
 $PY -c "import pyppo, pyppo._C as C; print(f'pyppo {pyppo.__version__} ready: torch {C.torch_version}, CPU kernels {C.cpu_capability()}')"

@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = _sizes(args)
     # Before any timing: a bad path would otherwise only fail once the results exist.
-    if args.output is not None:
-        check_output_dir(Path(args.output).expanduser())
+    if args.output is not None or not args.json:  # without either, the files go to the current directory
+        check_output_dir(Path(args.output or ".").expanduser())
     if args.json:
         check_output_dir(Path(args.json).expanduser().parent, "--json")
     if args.peer is not None and args.suite is not None:

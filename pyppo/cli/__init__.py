@@ -1,7 +1,8 @@
 """The ``pyppo`` command line (``pyppo ...`` or ``python -m pyppo ...``): :mod:`.main` (the parser
-and the entry point), one module per command (:mod:`.train`, :mod:`.info`, :mod:`.profile`;
-``pyppo bench`` is :mod:`pyppo.bench`), the shared flags (:mod:`.flags`) and how a run's trainer
-is built from its sources (:mod:`.build`)."""
+and the entry point), one module per command (:mod:`.train`, :mod:`.info`, :mod:`.profile`,
+:mod:`.export`; ``pyppo bench`` is :mod:`pyppo.bench`), ``pyppo train --nproc``'s launcher
+(:mod:`.nproc`), the shared flags (:mod:`.flags`) and how a run's trainer is built from its
+sources (:mod:`.build`)."""
 
 from .main import build_parser, main
 from .train import TRAIN_DEFAULTS, resolve_train_config, write_resolved_config

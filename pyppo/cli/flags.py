@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-__all__ = ["CLIError", "PROG", "add_config_flags", "add_source_flags", "config_flag_values", "field_defaults",
+__all__ = ["CLIError", "PROG", "USER_ERRORS", "add_config_flags", "add_source_flags", "config_flag_values", "field_defaults",
            "flag_name", "make_config"]
 
 PROG = "pyppo"
@@ -15,6 +15,12 @@ PROG = "pyppo"
 
 class CLIError(Exception):
     """A user error: printed as one line, no traceback."""
+
+
+# Exceptions that mean "the user asked for something that cannot be done" rather than a bug:
+# missing files (OSError), bad values (ValueError), missing packages (ImportError). The command
+# line prints them as one line and exits 2.
+USER_ERRORS = (CLIError, OSError, ValueError, ImportError)
 
 
 def flag_name(name: str) -> str:

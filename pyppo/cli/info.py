@@ -33,7 +33,37 @@ def collect_info() -> dict:
         "platform": platform.platform(),
         "integrations": _integrations(),
         "vllm": _vllm_distribution(),
+        "allocator": _allocator(),
+        "dtype_auto": _dtype_auto(),
     }
+
+
+def _allocator() -> dict:
+    """The malloc of this process, the one ``pyppo train`` and ``pyppo profile`` run on (what
+    ``PYPPO_ALLOCATOR`` asks for, if installed; :mod:`pyppo.run.allocator`), and the installed ones."""
+    import os
+
+    from pyppo.run.allocator import ALLOCATORS, ENV, active_allocator, find_allocator, wanted_allocator
+
+    installed = {name: find_allocator(name) for name in ALLOCATORS}
+    try:
+        wanted = wanted_allocator()
+    except ValueError as exc:
+        return {"active": active_allocator(), "train": f"invalid ({exc})", "setting": os.environ.get(ENV, "auto"),
+                "installed": installed}
+    train = wanted if wanted and installed.get(wanted) else "unchanged" if wanted is None else "glibc"
+    return {"active": active_allocator(), "train": train, "setting": os.environ.get(ENV, "auto"),
+            "installed": installed}
+
+
+def _dtype_auto() -> dict:
+    """What ``dtype = "auto"`` resolves to on each device here, and why."""
+    import torch
+
+    from pyppo.precision import resolve_dtype
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return {d: dict(zip(("dtype", "reason"), resolve_dtype("auto", torch.device(d)))) for d in devices}
 
 
 def _vllm_distribution():
@@ -92,6 +122,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     rows.append(("rollout engines", "transformers, " + (
         f"vllm ({vllm['package']} {vllm['version']})" if vllm else
         "vllm not installed (pip install 'pyppo[vllm]', or scripts/install_vllm.sh)")))
+    alloc = info["allocator"]
+    installed = ", ".join(n for n, path in alloc["installed"].items() if path) or "neither jemalloc nor tcmalloc"
+    rows.append(("allocator", f"{alloc['active']} here; pyppo train/profile run on {alloc['train']} "
+                              f"(PYPPO_ALLOCATOR={alloc['setting']}; installed: {installed})"))
+    for device, auto in info["dtype_auto"].items():
+        rows.append((f"dtype auto ({device})", f"{auto['dtype']} ({auto['reason']})"))
     for peer, st in info["integrations"].items():
         written = ", ".join(st["written_for"])
         if st["installed"] is None:

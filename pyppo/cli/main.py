@@ -10,6 +10,7 @@ Subcommands:
 * ``pyppo info``: versions and build flags of the installed pyppo.
 * ``pyppo bench``: pyppo's ops against the peers' eager code (:mod:`pyppo.bench`);
 * ``pyppo profile``: where one PPO step's time and FLOPs go (:mod:`pyppo.cli.profile`).
+* ``pyppo export DIR``: a run's ``policy/`` written again from its checkpoint (:mod:`pyppo.cli.export`).
 
 User errors (a bad flag, a missing file, a bad config key, a reward that raises or returns NaN) end
 with one line ``pyppo: error: ...`` and exit status 2; a run stopped by ``max_consecutive_skips``
@@ -18,7 +19,12 @@ non-finite updates ends the same way with status 1 (its last good checkpoint kep
 reported before any model is loaded.
 
 SIGINT and SIGTERM stop a run without losing work (:mod:`pyppo.run.stopping`): exit status 130 / 143
-after a checkpoint of the last finished step, with one line saying how to continue.
+after a checkpoint of the last finished step, with one line saying how to continue; an error in a
+step (a reward that raises) checkpoints the last finished step too, and says how to continue. Under
+torchrun an error every process raised is said once, by rank 0 (the others exit 0); another is said
+by the process that raised it, naming it (``process R of N``). Output into a
+pipe whose reader has gone (``pyppo info | head``) ends the command quietly with status 141, as
+SIGPIPE ends a C tool.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ import sys
 from pathlib import Path
 
 from .. import bench
-from . import profile
-from .flags import PROG, CLIError
+from . import export, profile
+from .flags import PROG, USER_ERRORS
 from .info import cmd_info
 from .train import add_train_arguments, cmd_train
 
@@ -78,12 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(sub, "bench", bench)
     _add_command(sub, "profile", profile)
+    _add_command(sub, "export", export)
     return parser
 
 
-# Exceptions that mean "the user asked for something that cannot be done" rather than a bug:
-# missing files (OSError), bad values (ValueError), missing packages (ImportError).
-_USER_ERRORS = (CLIError, OSError, ValueError, ImportError)
+# Printed as one line, exit status 2 (flags.USER_ERRORS says which and why).
+_USER_ERRORS = USER_ERRORS
+
+# The commands that run PPO steps, and so run them on the allocator pyppo.run.allocator picks.
+_PRELOADED = ("train", "profile")
 
 
 @contextlib.contextmanager
@@ -109,24 +118,116 @@ def _plain_warnings():
             warnings.formatwarning = formatted
 
 
+#: The exit status when the reader of pyppo's output went away (``pyppo info | head``): what a
+#: shell reports for a process that SIGPIPE ended, which is how C tools such as ``yes`` end.
+CLOSED_OUTPUT_STATUS = 128 + 13  # SIGPIPE
+
+_output_gone = False
+
+
+def _reader_gone(fd: int) -> bool:
+    """Whether ``fd`` is the write end of a pipe that no one reads any more (poll's POLLERR);
+    a file or a terminal never is."""
+    import select
+
+    if not hasattr(select, "poll"):
+        return True  # no poll (Windows): the BrokenPipeError was this stream's
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(event & select.POLLERR for _, event in poller.poll(0))
+
+
+def _output_closed() -> bool:
+    """Whether stdout or stderr is a pipe whose reader has gone; if so, that stream is pointed at
+    /dev/null, so that nothing, not even the interpreter's last flush, tries it again."""
+    global _output_gone
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+            if not _reader_gone(fd):
+                continue
+        except (OSError, ValueError, AttributeError):
+            continue  # closed or replaced by the caller (no file descriptor): not ours to judge
+        _output_gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return _output_gone
+
+
+def _quiet_when_output_closes(entry):
+    """``entry`` ending quietly with :data:`CLOSED_OUTPUT_STATUS` when its output's reader has
+    gone, also while argparse prints ``--help`` or when the buffered output is flushed at the end
+    (Python would print ``[Errno 32] Broken pipe`` or an ``Exception ignored`` traceback)."""
+    import functools
+
+    @functools.wraps(entry)
+    def run(argv: list[str] | None = None) -> int:
+        try:
+            try:
+                return entry(argv)
+            finally:
+                if not _output_gone:
+                    sys.stdout.flush()
+        except BrokenPipeError:
+            if not _output_closed():
+                raise
+            return CLOSED_OUTPUT_STATUS
+    return run
+
+
+@_quiet_when_output_closes
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``pyppo`` and ``python -m pyppo``; returns the exit status."""
+    """Entry point of ``pyppo`` and ``python -m pyppo``; returns the exit status
+    (:data:`CLOSED_OUTPUT_STATUS` when the reader of its output went away)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = argv is None  # this process is the command: it exits when main returns
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # as given (pyppo train --nproc passes it on)
     try:
+        if argv is None and args.command in _PRELOADED:
+            from ..run.allocator import reexec_with_allocator
+
+            reexec_with_allocator()  # returns unless it restarts this command with another malloc
         with _plain_warnings():
             status = args.func(args)
     except _USER_ERRORS as exc:
+        if isinstance(exc, BrokenPipeError) and _output_closed():
+            return CLOSED_OUTPUT_STATUS
         if os.environ.get("PYPPO_DEBUG"):
             raise
-        message = str(exc) or type(exc).__name__
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank fails alike: say it once
-            print(f"{PROG}: error: {message}", file=sys.stderr)
-        status = 2
+        status = _report(str(exc) or type(exc).__name__, exc, 2)
+    except Exception as exc:
+        from ..distributed import lost_a_peer
+
+        if os.environ.get("PYPPO_DEBUG") or int(os.environ.get("WORLD_SIZE", "1")) < 2 or not lost_a_peer(exc):
+            raise
+        # gloo's "Connection closed by peer" says nothing that the other process's own error does not.
+        status = _report("another process stopped, so this one cannot go on (that process's own error says why; "
+                         "PYPPO_DEBUG=1 shows this one's traceback)", exc, 1)
     if argv is None:  # the command line: a signal while the process exits ends it quietly
         _exit_on_signals(int(status or 0))
     return int(status or 0)
+
+
+def _report(message: str, exc: BaseException, status: int) -> int:
+    """Print the error line (under torchrun, naming the process unless it is rank 0) and return
+    the exit status.
+
+    An error that every process raised at the same point (``distributed.raised_on_every_rank``: a
+    reward that failed on any of them, a bad setting) is said once, by rank 0, whose status is the
+    run's; the other ranks exit 0, so that torchrun does not stop rank 0 before it has said it.
+    """
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return status
+    from ..distributed import raised_on_every_rank  # torch: only under torchrun
+
+    if raised_on_every_rank(exc):
+        return 0
+    print(f"{PROG}: error: process {rank} of {world}: {message}", file=sys.stderr)
+    return status
 
 
 def _exit_on_signals(status: int) -> None:

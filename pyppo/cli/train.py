@@ -9,17 +9,19 @@ own directory. SIGINT and SIGTERM stop a run without losing work (:mod:`pyppo.ru
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from ..run.rundir import OUTPUT_FILES, RunDir, check_output_dir
-from .flags import PROG, CLIError, add_config_flags, add_source_flags, config_flag_values, field_defaults, flag_name, make_config
+from .flags import (PROG, USER_ERRORS, CLIError, add_config_flags, add_source_flags, config_flag_values, field_defaults,
+                    flag_name, make_config)
 
-__all__ = ["TRAIN_DEFAULTS", "RUN_KEYS", "add_train_arguments", "cmd_train", "resolve_train_config", "TrainPlan", "write_resolved_config"]
+__all__ = ["TRAIN_DEFAULTS", "RUN_KEYS", "add_train_arguments", "cmd_train", "resolve_train_config", "TrainPlan",
+           "write_resolved_config", "resume_command"]
 
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
 RUN_KEYS = ("model", "reward", "prompts", "eval_prompts")
@@ -110,12 +112,19 @@ class TrainPlan(NamedTuple):
     resume_step: Optional[int]
 
 
-def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
+def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = None) -> TrainPlan:
     """Merge, in increasing priority: the field defaults, :data:`TRAIN_DEFAULTS`, ``--resume``'s
-    config.toml, ``--config`` and the flags; then find the checkpoint to resume from.
+    config.toml, ``--config`` and the flags; then find the checkpoint to resume from. Reads
+    nothing larger than the config files and the checkpoint's small ``trainer_state.pt``.
+
+    Args:
+        world_size: the number of processes the run will have (default: torchrun's
+            ``WORLD_SIZE``, 1 without torchrun).
 
     Raises:
-        CLIError: unknown key, missing file, invalid value (PPOConfig's validation message).
+        CLIError: unknown key, missing file, invalid value (PPOConfig's validation message), a
+            size that ``world_size`` processes cannot share, or a checkpoint to resume that was
+            written by another number of processes.
     """
     from pyppo.models import DEFAULT_MODEL
     from pyppo.prompts import BUILTIN_PROMPT_SETS
@@ -133,6 +142,7 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
         resumed_config = RunDir(resume_dir).config
         resumed = _check_keys(_read_toml(resumed_config, "--resume config"), str(resumed_config))
         merged.update(resumed)
+        _check_python_run_sources(args, resumed_config, resumed)
     if args.config is not None:
         path = Path(args.config).expanduser()
         merged.update(_check_keys(_read_toml(path, "--config"), str(path)))
@@ -180,10 +190,17 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
     ppo_config = make_config(merged)
     if not ppo_config.lora_rank:
         useless = [flag_name(k) for k in ("lora_alpha", "lora_target_modules") if k in flags]
+        if "merge_lora" in flags:  # a boolean flag: named as it was given
+            useless.append("--merge-lora" if flags["merge_lora"] else "--no-merge-lora")
         if useless:
             verb = "applies" if len(useless) == 1 else "apply"
             raise CLIError(f"{' and '.join(useless)} only {verb} with --lora-rank N > 0 (LoRA is off)")
-    if ppo_config.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    try:
+        ppo_config.check_world_size(world)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if ppo_config.fsdp and world == 1:
         import warnings
 
         warnings.warn("fsdp has no effect in a single process (it shards over torchrun's processes: "
@@ -207,7 +224,54 @@ def resolve_train_config(args: argparse.Namespace) -> TrainPlan:
             f"continue it with --resume {str(output)!r} or choose another --output"
         )
     resume_step = output_step if in_place else RunDir(resume_dir).checkpoint_step() if resume_dir is not None else None
+    if resume_step is not None:
+        _check_resumed_world_size(resume_dir, world)
     return TrainPlan(run, ppo_config, output, resume_dir, resume_step)
+
+
+def _check_resumed_world_size(resume_dir: Path, world: int) -> None:
+    """A checkpoint resumes exactly only with the number of processes that wrote it (every rank's
+    RNG state is in it): said here, before anything loads.
+
+    Raises:
+        CLIError: another number, naming both and the command that resumes it.
+    """
+    from ..run.checkpoint import saved_world_size
+
+    saved = saved_world_size(RunDir(resume_dir).find_checkpoint())
+    if saved != world:
+        raise CLIError(f"--resume {str(resume_dir)!r}: its checkpoint was written by {saved} process(es), this run "
+                       f"has {world}; resume it with: {resume_command(resume_dir, saved)}")
+
+
+def resume_command(directory: Path, world_size: int) -> str:
+    """The command that continues the run in ``directory`` with ``world_size`` processes: ``pyppo
+    train --resume DIR``, with ``--nproc N`` for several processes on this machine; torchrun's own
+    launch when they span machines (``LOCAL_WORLD_SIZE`` < ``WORLD_SIZE``)."""
+    command = f"pyppo train --resume {shlex.quote(str(directory))}"
+    if world_size == 1:
+        return command
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size:
+        return f"torchrun <the same launch options> -m {command}"
+    return f"{command} --nproc {world_size}"
+
+
+def _check_python_run_sources(args: argparse.Namespace, config_path: Path, resumed: dict) -> None:
+    """A run started from Python names in its config.toml only the sources it could
+    (:func:`pyppo.run.config_file.record_python_run`): the others must be given, not defaulted.
+
+    Raises:
+        CLIError: the model, reward or prompts are neither in it nor given, naming the flags.
+    """
+    from ..run.config_file import written_from_python
+
+    if not written_from_python(config_path):
+        return
+    missing = [key for key in ("model", "reward", "prompts") if key not in resumed and getattr(args, key) is None]
+    if missing:
+        flags = " ".join(f"{flag_name(key)} ..." for key in missing)
+        raise CLIError(f"--resume {args.resume!r}: the run was started from Python, and its config.toml does not "
+                       f"name its {', '.join(missing)}; pass {flags} (what it started with)")
 
 
 #: What a checkpoint's trained weights depend on: a resumed run cannot change them.
@@ -236,20 +300,18 @@ def _check_resume_flags(flags: dict, resumed: dict | None) -> None:
 
 def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
     """Write the settings a run actually used as flat TOML; a None setting is written ``"none"``
-    (TOML has no null), which ``--config`` and ``--resume`` read back as None."""
-    import tomli_w
+    (TOML has no null), which ``--config`` and ``--resume`` read back as None
+    (:func:`pyppo.run.config_file.write_config`)."""
+    from ..run.config_file import write_config
 
-    table = {k: v for k, v in run.items() if v is not None}
-    table.update({k: "none" if v is None else v for k, v in dataclasses.asdict(ppo_config).items()})
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text("# Resolved pyppo configuration; `pyppo train --config` or `--resume` reads it back.\n"
-                   + tomli_w.dumps(table))
-    os.replace(tmp, path)
+    write_config(path, run, ppo_config)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
-        return _relaunch_with_torchrun(args.nproc)
+        from .nproc import launch
+
+        return launch(args)
     from ..run.stopping import GracefulStop
 
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
@@ -264,16 +326,22 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     from .. import distributed
     from ..run.nonfinite import NonFiniteUpdateError
     from ..run.plotting import plot_metrics
+    from ..run.export import is_export
     from .build import build_trainer
 
     say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
-    run, config, output, resume_dir, done = resolve_train_config(args)
+    try:
+        run, config, output, resume_dir, done = resolve_train_config(args)
+    except USER_ERRORS as exc:  # the settings are the same on every rank, and so is their error
+        raise distributed.mark_on_every_rank(exc)
     # resolve_train_config refused an output with a checkpoint that is not resumed.
     run_dir = RunDir(output)
     restart = done is None and run_dir.holds_a_run()
     if done is not None and done >= config.steps:
+        missing = ("" if is_export(RunDir(resume_dir).policy) else
+                   f"; its policy/ is missing: write it with: pyppo export {shlex.quote(str(resume_dir))}")
         say(f"{PROG}: {str(resume_dir)!r} is at step {done} (its checkpoint), steps = {config.steps}: nothing "
-            f"left to run; pass --steps N with N > {done} to train further")
+            f"left to run; pass --steps N with N > {done} to train further{missing}")
         return 0
     if resume_dir is not None:
         say(f"{PROG}: resuming {str(resume_dir)!r} from step {done} of {config.steps}" if done is not None else
@@ -281,8 +349,16 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
             "with its config.toml")
     elif restart:
         say(f"{PROG}: {str(output)!r} holds a run stopped before its first checkpoint: starting it over in place")
+    def before_loading():  # once the sources are checked: a refused input stays a one-line error
+        if config.dtype == "auto":
+            from ..config import resolve_device
+            from ..precision import resolve_dtype
+
+            say("{}: dtype auto -> {} ({})".format(PROG, *resolve_dtype("auto", resolve_device(config.device))))
+        say(f"pyppo: loading {run['model']} ...")
+
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
-    trainer = build_trainer(config, **run, before_loading=lambda: say(f"pyppo: loading {run['model']} ..."))
+    trainer = build_trainer(config, **run, before_loading=before_loading)
     # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
     if done is not None:
         trainer.load_checkpoint(RunDir(resume_dir).checkpoint)
@@ -291,7 +367,7 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     created = not output.exists()
     if main_rank:
         output.mkdir(parents=True, exist_ok=True)
-        write_resolved_config(run_dir.config, run, config)
+        write_resolved_config(run_dir.config, run, trainer.config)  # with `auto` resolved
     stop.training()
     try:
         trainer.train(output, stop=stop)
@@ -304,6 +380,12 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
         if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
             say(f"{PROG}: error: {exc}")
             return 1
+        hint = _kept_after(exc, run_dir, config.steps, trainer.world.size) if main_rank else None
+        if hint is None:
+            raise
+        if isinstance(exc, USER_ERRORS) and not os.environ.get("PYPPO_DEBUG"):
+            raise CLIError(f"{exc}; {hint}") from exc
+        say(f"{PROG}: {hint}")  # above the traceback that follows
         raise
     stop.finishing()
     finished = trainer.step_count >= config.steps
@@ -313,15 +395,18 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     gc.collect()
     distributed.leave(world)
     if not main_rank:
-        return stop.exit_status if not finished else 0
+        # Rank 0 reports the stop and its status is the run's; exiting first with 130 would make
+        # torchrun stop rank 0 before it has drawn the curves and said how to continue.
+        return 0
     if run_dir.metrics.is_file():
         plot_metrics(run_dir.metrics, run_dir.curves)
     if not finished:
         if step == 0:
             hint = (f"no step finished, so there is nothing to keep: the same command, or "
-                    f"pyppo train --resume {output}, starts it over in place")
+                    f"{resume_command(output, world.size)}, starts it over in place")
         else:
-            hint = f"its checkpoint is at step {step} of {config.steps}; continue with: pyppo train --resume {output}"
+            hint = (f"its checkpoint is at step {step} of {config.steps}; continue with: "
+                    f"{resume_command(output, world.size)}")
         say(f"{PROG}: stopped by {stop.signal_name}; {hint}")
         return stop.exit_status
     print(f"pyppo: run written to {output}")
@@ -330,42 +415,18 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
     return 0
 
 
-def _relaunch_with_torchrun(nproc: int) -> int:
-    """``pyppo train --nproc N ...`` is ``torchrun --nproc-per-node N -m pyppo train ...``: the same
-    words without ``--nproc``, run by torchrun (which stays in charge of the processes)."""
-    import subprocess
-
-    if nproc < 1:
-        raise CLIError(f"--nproc must be >= 1, got {nproc}")
-    if "RANK" in os.environ:
-        raise CLIError("--nproc inside torchrun: launch either with torchrun or with --nproc, not both")
-    words, skip = [], False
-    for word in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif word == "--nproc":
-            skip = True
-        elif not word.startswith("--nproc="):
-            words.append(word)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pyppo", *words]
-    print(f"pyppo: running {' '.join(command[2:])}", file=sys.stderr)
-    # torchrun runs in a session of its own, so that a Ctrl-C reaches it once, from here, and this
-    # process stays until it has stopped its workers (each signal forwarded; see pyppo.run.stopping).
-    import signal
-
-    child = subprocess.Popen(command, start_new_session=True)
-
-    def forward(signum, _frame):
-        if child.poll() is None:
-            child.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        status = child.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 128 - status if status < 0 else status
+def _kept_after(exc: BaseException, run_dir: RunDir, steps: int, world_size: int) -> Optional[str]:
+    """What a failed run kept, and the command that goes on from there (``None``: no checkpoint, so
+    nothing to go on from; the same command starts the run over and says so)."""
+    if not isinstance(exc, Exception):
+        return None  # KeyboardInterrupt, SystemExit: not a failure of the run
+    kept = run_dir.checkpoint_step()
+    if kept is None:
+        return None
+    if kept >= steps:
+        return (f"every step is done and checkpointed (step {kept}); (re)write policy/ from it with: "
+                f"pyppo export {shlex.quote(str(run_dir.path))}")
+    return f"its checkpoint is at step {kept} of {steps}; continue with: {resume_command(run_dir.path, world_size)}"
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -375,5 +436,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--output", metavar="DIR", help="run directory (default: runs/<timestamp>, or the --resume dir)")
     io.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint/ and config.toml")
     io.add_argument("--nproc", metavar="N", type=int,
-                    help="run N processes: shorthand for torchrun --nproc-per-node N -m pyppo train ...")
+                    help="run N processes on this machine (torchrun --nproc-per-node N -m pyppo train ..., with the "
+                         "settings checked first and each Ctrl-C forwarded to every process)")
     add_config_flags(p, field_defaults(TRAIN_DEFAULTS))

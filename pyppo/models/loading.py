@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "cache_root", "load_model_and_tokenizer", "resolve_model_source"]
+__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "cache_root", "load_model_and_tokenizer", "local_model_dir",
+           "resolve_model_source"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -335,6 +336,32 @@ def resolve_model_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         f"model {source!r} is a file but not a .gguf file; pass a .gguf file or a Hugging "
         "Face model directory"
     )
+
+
+def local_model_dir(name_or_path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The local Hugging Face model directory (``config.json``, weights, tokenizer) that holds
+    a model source as :func:`load_model_and_tokenizer` loads it, absolute: what
+    ``AutoModelForCausalLM.from_pretrained`` and peft can be pointed at, offline.
+
+    Returns:
+        the directory itself for a Hugging Face directory; the converted copy in the cache
+        (:func:`cache_root`, converted now if it is not there) for ``"smollm2-135m-instruct"`` or
+        a ``.gguf`` file; ``None`` for a LoRA adapter directory (its base with the adapter merged
+        in exists only in memory).
+
+    Raises:
+        FileNotFoundError, ModuleNotFoundError, ValueError, OSError: as
+        :func:`load_model_and_tokenizer`.
+    """
+    source = os.fspath(name_or_path)
+    kind, path = resolve_model_source(source)
+    if kind == "embedded":
+        path = _cached_gguf_dir(path, source, cache_dir)
+    elif kind == "gguf":
+        path = _cached_gguf_dir(path, _gguf_cache_name(path), cache_dir)
+    elif kind == "adapter":
+        return None
+    return path.resolve()
 
 
 def load_model_and_tokenizer(

@@ -36,6 +36,10 @@ def kl_penalty(
     - ``k3 = exp(−d) + d − 1`` (unbiased, always ≥ 0; the "low-variance KL")
     - ``abs = |d|``
 
+    ``k3`` and its gradient are within 3 float32 ulps of their exact values on the given inputs
+    for every ``d``, however small the value (a series for ``|d| ≤ 1``, float64 beyond; the
+    formula as written rounds at the scale of ``exp(−d) ≈ 1``): see docs/ops.md#kl_penalty.
+
     Args:
         logprobs: ``[*]`` (usually ``[B, T]``) float tensor, log π of the sampled tokens (nats).
         ref_logprobs: same shape, log π_ref of the same tokens.

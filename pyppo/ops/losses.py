@@ -39,6 +39,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .kl import kl_penalty
+
 __all__ = [
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
@@ -370,7 +372,8 @@ def ppo_policy_loss(
           ``−A·c < L_clip``); 0 without dual clip;
         * ``approx_kl``: mean of ``k3 = r − 1 − δ``, the unbiased, non-negative estimator of
           KL(π_old ‖ π_θ) for tokens sampled from π_old (Schulman 2020, "Approximating KL
-          divergence"), from the clamped ``δ`` (so at most ``e^20 − 21`` per token);
+          divergence"), from the clamped ``δ`` (so at most ``e^20 − 21`` per token), evaluated
+          by ``kl_penalty``'s ``k3`` (accurate however small ``δ`` is);
         * ``ratio_mean``, ``ratio_max``: mean and max of ``r`` (clamped: ``r ≤ e^20``);
         * ``logratio_clampfrac``: fraction where ``|logprobs − old_logprobs| > 20``, i.e. where
           the clamp changed ``δ``.
@@ -439,7 +442,10 @@ def policy_stats(m: torch.Tensor, raw_log_ratio: torch.Tensor, log_ratio: torch.
         zero = torch.zeros((), dtype=dt, device=log_ratio.device)
         n = m.sum()
         r = ratio.detach()
-        k3 = torch.exp(log_ratio.detach()) - 1.0 - log_ratio.detach()
+        # k3 = exp(δ) − 1 − δ by pyppo's kl_penalty (its x = δ − 0, exactly): the formula as written
+        # rounds at the scale of 1, which is all of k3 for the small δ of a PPO step in float32.
+        lr = log_ratio.detach()
+        k3 = kl_penalty(torch.zeros_like(lr), lr, estimator="k3").to(dt)
         return {
             "clipfrac": _masked_stat_mean(clipped.to(dt), m, n),
             "clipfrac_lower": _masked_stat_mean(lower_active.to(dt), m, n),

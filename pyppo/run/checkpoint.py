@@ -30,8 +30,9 @@ import torch
 
 from .. import distributed
 
-__all__ = ["CHECKPOINT_FILES", "save", "swap_in", "find", "load", "saved_step", "capture_rng", "restore_rng",
-           "training_state", "restore_training_state", "save_trainer", "load_trainer"]
+__all__ = ["CHECKPOINT_FILES", "save", "swap_in", "find", "load", "saved_step", "saved_world_size", "capture_rng",
+           "restore_rng", "training_state", "restore_training_state", "save_trainer", "load_trainer",
+           "load_trained_policy"]
 
 CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
 
@@ -160,6 +161,13 @@ def saved_step(directory: str | os.PathLike) -> int:
     return int(torch.load(Path(directory) / "trainer_state.pt", map_location="cpu", weights_only=True)["step"])
 
 
+def saved_world_size(directory: str | os.PathLike) -> int:
+    """The number of processes that wrote a checkpoint directory (1 for one written before that
+    was recorded)."""
+    state = torch.load(Path(directory) / "trainer_state.pt", map_location="cpu", weights_only=True)
+    return int(state.get("world_size", 1))
+
+
 def capture_rng() -> Dict[str, Any]:
     """torch (CPU and every CUDA device), numpy and python RNG states, as ``weights_only`` values."""
     np_state = np.random.get_state()
@@ -211,10 +219,10 @@ def training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     return {n[len(prefix):]: params[n].detach() for n in names}, optimizer.state_dict()
 
 
-def restore_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict,
-                           optimizer_state: dict, *, prefix: str = "", what: str = "model") -> None:
+def restore_training_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], weights: dict,
+                           optimizer_state: Optional[dict], *, prefix: str = "", what: str = "model") -> None:
     """Undo :func:`training_state` (a checkpoint of the previous format, with every weight, loads
-    too). Both are checked before anything is changed.
+    too). Both are checked before anything is changed. ``optimizer=None``: the weights only.
 
     Raises:
         ValueError: ``weights`` lacks a trained weight or has one ``module`` does not know (a LoRA
@@ -238,10 +246,12 @@ def restore_training_state(module: torch.nn.Module, optimizer: torch.optim.Optim
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         set_model_state_dict(inner, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-        set_optimizer_state_dict(inner, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+        if optimizer is not None:
+            set_optimizer_state_dict(inner, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
         return
     inner.load_state_dict(weights, strict=False)
-    optimizer.load_state_dict(optimizer_state)
+    if optimizer is not None:
+        optimizer.load_state_dict(optimizer_state)
 
 
 def save_trainer(trainer: Any, directory: str | os.PathLike) -> Optional[Path]:
@@ -301,4 +311,28 @@ def load_trainer(trainer: Any, directory: str | os.PathLike) -> Path:
     trainer.load_state_dict(st)
     restore_rng(st["rank_rng"][trainer.world.rank] if "rank_rng" in st else st)
     trainer.resumed_step = trainer.step_count
+    return d
+
+
+def load_trained_policy(trainer: Any, directory: str | os.PathLike) -> Path:
+    """Put the policy's trained weights of a checkpoint (:func:`find` picks it) into ``trainer``,
+    and nothing else (no optimizer, RNG or step): what writing a run's ``policy/`` from its
+    checkpoint needs. The full weights are in the checkpoint whatever number of processes wrote
+    it, so any number may read them.
+
+    Returns:
+        the directory read.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint.
+        ValueError: ``policy.pt`` cannot be read, or its weights are not this policy's trained ones.
+    """
+    d = find(directory)
+    if d is None:
+        raise FileNotFoundError(f"no complete checkpoint at {str(directory)!r}")
+    try:
+        weights = torch.load(d / "policy.pt", map_location=trainer.device, weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"checkpoint file {str(d / 'policy.pt')!r} cannot be read: {exc}") from exc
+    restore_training_state(trainer.policy_module, None, weights, None, prefix="model.", what="policy")
     return d

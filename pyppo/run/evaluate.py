@@ -12,6 +12,7 @@ from ..ops import kl_penalty
 from ..precision import autocast
 from ..prompts import prompt_columns
 from ..rewards import score_responses
+from .checkpoint import capture_rng, restore_rng
 
 __all__ = ["evaluate_prompts"]
 
@@ -21,6 +22,13 @@ def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[Any]] = None) -> T
     """Sample one response to each held-out prompt (``trainer.eval_prompts`` by default: strings,
     or records whose fields the reward receives) as a rollout does, score it with the training
     reward and measure its KL to the reference.
+
+    The sampling draws from the torch (CPU and CUDA), numpy and Python generators as they are and
+    then puts them back (also when it fails): an evaluation does not move the training's random
+    streams, so the steps after it sample what they would have sampled without it, and a run
+    extended from a checkpoint written after an evaluation (``--steps 2``, then ``--resume
+    --steps 4``, which evaluates at step 2 where the 4-step run does not) takes the 4-step run's
+    steps.
 
     Returns:
         ``(metrics, rows)``: ``eval/score_mean`` (raw scores), ``eval/kl_mean`` (the
@@ -34,6 +42,14 @@ def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[Any]] = None) -> T
     prompts = list(trainer.eval_prompts if prompts is None else prompts)
     if not prompts:
         raise ValueError("evaluate_prompts: no prompts (pass eval_prompts to the trainer)")
+    training_rng = capture_rng()
+    try:
+        return _evaluate(trainer, prompts)
+    finally:
+        restore_rng(training_rng)
+
+
+def _evaluate(trainer: Any, prompts: List[Any]) -> Tuple[Dict[str, float], List[dict]]:
     n, b = trainer.world.size, trainer.local_batch_size
     # Every rank runs the same number of batches (FSDP's collectives need it): its share is
     # padded with its last prompt, and the padding's results are dropped.
@@ -45,8 +61,10 @@ def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[Any]] = None) -> T
     for start in range(0, per_rank, b):
         chunk, fields = prompt_columns(padded[start:start + b])
         batch = trainer.rollout(chunk)
-        scores = score_responses(trainer.reward_fn, batch.prompts, batch.responses,
-                                 where=f"evaluation after step {trainer.step_count}", fields=fields)
+        # A reward that fails on one rank fails on all, so rank 0 reports it (as in a step).
+        scores = distributed.on_every_rank(score_responses, trainer.world, trainer.reward_fn, batch.prompts,
+                                           batch.responses, where=f"evaluation after step {trainer.step_count}",
+                                           fields=fields)
         logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
         for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(trainer.device)

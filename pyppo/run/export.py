@@ -26,7 +26,7 @@ import torch
 from .. import distributed
 from .checkpoint import _fsync_dir, swap_in
 
-__all__ = ["save_policy", "export_trainer_policy"]
+__all__ = ["save_policy", "check_exportable", "is_export", "export_trainer_policy"]
 
 
 def save_policy(model, tokenizer, directory: str | os.PathLike, *, merge_lora: bool = True,
@@ -44,11 +44,10 @@ def save_policy(model, tokenizer, directory: str | os.PathLike, *, merge_lora: b
             needed; a previous export there is replaced.
         merge_lora: for a ``PeftModel``: ``True`` writes a plain model with the LoRA delta merged
             into the weights, ``False`` the adapter only. Ignored for a plain model.
-        base_model: for ``merge_lora=False``: the base model spec written as
-            ``base_model_name_or_path`` in ``adapter_config.json`` (an embedded name such as
-            ``"smollm2-135m-instruct"``, or a path, stored absolute), so that
-            :func:`pyppo.models.load_model_and_tokenizer` can load the adapter directory. ``None``
-            keeps what peft writes (the base model's ``name_or_path``). Ignored otherwise.
+        base_model: for ``merge_lora=False``: the model source the adapter was trained on (any
+            :func:`pyppo.models.load_model_and_tokenizer` accepts: ``"smollm2-135m-instruct"``, a
+            Hugging Face directory, a ``.gguf`` file, a LoRA adapter directory); ``None`` = the
+            base model's ``name_or_path`` (what peft would record). Ignored otherwise.
 
     What is written:
         * a plain model, or a ``PeftModel`` with ``merge_lora=True``: a Hugging Face model
@@ -57,7 +56,16 @@ def save_policy(model, tokenizer, directory: str | os.PathLike, *, merge_lora: b
           peft entries and tied weights (``tie_word_embeddings``) are stored once, as
           ``save_pretrained`` stores them;
         * a ``PeftModel`` with ``merge_lora=False``: peft's adapter directory
-          (``adapter_config.json``, ``adapter_model.safetensors``) and the tokenizer files.
+          (``adapter_config.json``, ``adapter_model.safetensors``) and the tokenizer files, whose
+          ``base_model_name_or_path`` is the absolute path of a local Hugging Face directory that
+          ``AutoModelForCausalLM.from_pretrained`` loads, so that ``PeftModel.from_pretrained``
+          and ``AutoPeftModelForCausalLM.from_pretrained`` load the export offline: the
+          ``base_model`` directory itself; for ``"smollm2-135m-instruct"`` or a ``.gguf`` file,
+          the converted copy in pyppo's cache (:func:`pyppo.models.cache_root`; loading that
+          source again rebuilds it if it was deleted); otherwise (a base that is itself an
+          adapter directory, a name that is no local model, a model built in memory) the base
+          model's weights without the adapter, written inside the export as ``base/`` (a full
+          model directory, as large as the model), which the record then names.
 
         The files are written into a sibling ``.<name>.tmp-*`` directory and fsync'ed; then
         ``<name>`` is renamed to ``<name>.old``, the temporary directory to ``<name>``, and
@@ -72,8 +80,8 @@ def save_policy(model, tokenizer, directory: str | os.PathLike, *, merge_lora: b
             a form that cannot be exported (transformers' own adapter integration, several active
             adapters, DoRA, LoRA biases, ``target_parameters``, trainable tokens, LoRA on a weight
             tied to another one, or with ``merge_lora=False`` an adapter not named ``"default"``),
-            or the merged weights' names differ from a plain model's; ``tokenizer`` has no
-            ``save_pretrained``.
+            or the merged weights' names (or, for a base written beside an adapter, the base
+            weights') differ from a plain model's; ``tokenizer`` has no ``save_pretrained``.
         OSError: writing failed; the previous export is left in place.
     """
     peft_model = _as_peft_model(model)
@@ -98,23 +106,50 @@ def save_policy(model, tokenizer, directory: str | os.PathLike, *, merge_lora: b
                 base.save_pretrained(tmp, state_dict=merged, safe_serialization=True)
                 tokenizer.save_pretrained(tmp)
         else:
-            spec = _absolute_spec(base_model) if base_model is not None else None
+            spec = base_model if base_model is not None else peft_model.peft_config[adapter].base_model_name_or_path
+            base_dir = _local_base_dir(spec)
+            # Recorded absolute: peft and transformers read a relative path from the current
+            # directory, not from the adapter's.
+            beside = Path(os.path.abspath(directory)) / BASE_DIR
 
             def write(tmp: Path) -> None:
                 # save_embedding_layers=False: peft's "auto" looks the base model up on the Hub to
                 # see whether the vocabulary was resized; pyppo never resizes it nor goes online.
                 peft_model.save_pretrained(tmp, selected_adapters=[adapter], safe_serialization=True,
                                            save_embedding_layers=False)
-                if spec is not None:
-                    config_path = tmp / "adapter_config.json"
-                    config = json.loads(config_path.read_text())
-                    config["base_model_name_or_path"] = spec
-                    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+                if base_dir is None:
+                    base.save_pretrained(tmp / BASE_DIR, state_dict=_base_state_dict(peft_model),
+                                         safe_serialization=True)
+                    tokenizer.save_pretrained(tmp / BASE_DIR)
+                config_path = tmp / "adapter_config.json"
+                config = json.loads(config_path.read_text())
+                config["base_model_name_or_path"] = str(base_dir if base_dir is not None else beside)
+                config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
                 tokenizer.save_pretrained(tmp)
     return _write_atomically(Path(directory), write)
 
 
 # ------------------------------------------------------------------------------ checks
+
+
+def check_exportable(model, *, merge_lora: bool = True) -> None:
+    """Raise the ``ValueError`` that :func:`save_policy` would raise for ``model``'s structure
+    (adapter kind, LoRA on a tied weight with ``merge_lora``, merged names), computing no merged
+    weight and writing nothing: the trainer calls it when it is built, so that a run cannot train
+    every step and then fail to write its ``policy/``.
+
+    Raises:
+        ValueError: as :func:`save_policy`, for everything but the tokenizer and the writing.
+    """
+    peft_model = _as_peft_model(model)
+    base = peft_model.get_base_model() if peft_model is not None else model
+    _check_causal_lm(base, "model" if peft_model is None else "model (the PeftModel's base model)")
+    if peft_model is None:
+        _check_no_adapters(model)
+        return
+    adapter = _lora_adapter(peft_model, merge_lora)
+    if merge_lora:
+        _merged_state_dict(peft_model, adapter, deltas=False)
 
 
 def _as_peft_model(model):
@@ -175,23 +210,66 @@ def _lora_adapter(peft_model, merge_lora: bool) -> str:
     return adapter
 
 
-def _absolute_spec(base_model) -> str:
-    """An embedded model name as is; an existing path made absolute (the export may be loaded from
-    another directory)."""
-    from ..models import EMBEDDED_MODELS
+#: The subdirectory of an adapter-only export that holds its base model, when no other local
+#: directory does.
+BASE_DIR = "base"
 
-    spec = os.fspath(base_model)
-    if spec in EMBEDDED_MODELS:
-        return spec
-    path = Path(spec).expanduser()
-    return str(path.resolve()) if path.exists() else spec
+
+def _local_base_dir(spec) -> Optional[Path]:
+    """The local Hugging Face directory of the model source ``spec``
+    (:func:`pyppo.models.loading.local_model_dir`), or ``None`` when there is none: ``spec`` is
+    empty, names nothing local, or is a LoRA adapter directory (the base to record is then its
+    base with its adapter merged in, which exists nowhere but in memory)."""
+    from ..models.loading import local_model_dir
+
+    if not spec:
+        return None
+    try:
+        return local_model_dir(spec)
+    except (OSError, ValueError, ImportError):
+        return None
+
+
+def _base_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """The base model's own weights under a plain model's names: peft's ``<module>.base_layer.``
+    becomes ``<module>.``, a ``modules_to_save`` wrapper gives its original module, and the
+    adapter's parameters (``lora_*``, the trained copies) are left out. The tensors are the
+    model's (nothing is copied); checked against a fresh model's names."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    base = peft_model.get_base_model()
+    wrappers = [(name, isinstance(module, LoraLayer)) for name, module in base.named_modules()
+                if isinstance(module, (LoraLayer, ModulesToSaveWrapper))]
+    wrappers.sort(key=lambda wrapper: wrapper[0].count("."), reverse=True)  # the deepest first
+
+    def plain_key(key: str) -> Optional[str]:
+        for name, lora in wrappers:
+            prefix = f"{name}." if name else ""
+            if key.startswith(prefix):
+                head, _, tail = key[len(prefix):].partition(".")
+                if head != ("base_layer" if lora else "original_module"):
+                    return None
+                key = prefix + tail
+        return key
+
+    state = {new: tensor for new, tensor in ((plain_key(k), t) for k, t in base.state_dict().items())
+             if new is not None}
+    expected = set(_fresh_state_dict_keys(base))
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(f"model: the base weights' names differ from a plain {type(base).__name__}'s "
+                         f"(missing {missing[:5]}, unexpected {extra[:5]}); pass base_model, a local "
+                         "model directory of the base")
+    return state
 
 
 # ------------------------------------------------------------------------------ the merge
 
 
-def _merged_state_dict(peft_model, adapter: str) -> dict[str, torch.Tensor]:
-    """The plain causal LM's state dict with ``adapter`` merged in, computed out of place.
+def _merged_state_dict(peft_model, adapter: str, *, deltas: bool = True) -> dict[str, torch.Tensor]:
+    """The plain causal LM's state dict with ``adapter`` merged in, computed out of place
+    (``deltas=False``: every check, but the base weights left as they are).
 
     Keys are those of the unwrapped model (peft's ``<module>.base_layer.`` becomes ``<module>.``, a
     ``modules_to_save`` copy replaces its original, the ``lora_*`` parameters are dropped), checked
@@ -255,6 +333,8 @@ def _merged_state_dict(peft_model, adapter: str) -> dict[str, torch.Tensor]:
                 raise ValueError(f"model: LoRA layer {name!r} adapts {key!r}, which is tied to "
                                  f"{sorted(tied - {key})}; a merged export would untie them; use "
                                  "merge_lora=False")
+            if not deltas:
+                continue
             weight = merged[key]
             delta = layer.get_delta_weight(adapter)
             merged[key] = (weight + delta.to(weight.device)).to(weight.dtype)
@@ -304,6 +384,11 @@ def _fresh_state_dict_keys(base) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ the swap
+
+
+def is_export(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a finished export (a model, or an adapter, with its weights)."""
+    return _is_export(Path(directory))
 
 
 def _is_export(d: Path) -> bool:

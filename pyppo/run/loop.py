@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Dict, List, Optional
 
 from .. import distributed
 from . import checkpoint
-from .nonfinite import NonFiniteUpdateError
+from .nonfinite import NonFiniteRolloutError, NonFiniteUpdateError, check_weights_finite
+from .config_file import record_python_run
+from .quiet import quiet_libraries
 from .rundir import RunDir
 from .stopping import GracefulStop, StepAbandoned
 
@@ -40,12 +43,23 @@ def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
     finished step is written if none is; then this returns (``trainer.step_count`` tells where
     it stopped).
 
+    An error in a step (a reward that raises, say) is treated like that second signal: when none
+    of the step's optimizer steps ran, the state of the last finished step is put back and
+    checkpointed (if no checkpoint holds it yet) before the error propagates, so that
+    ``--resume`` loses nothing. Under several processes only errors that every rank raises at the
+    same point (:func:`pyppo.distributed.on_every_rank`: the reward's) can be checkpointed so. An
+    error in the held-out evaluation comes after its step finished: that step is logged (without
+    ``eval/*``) and checkpointed first.
+
     Returns:
         the metrics of the steps run now.
 
     Raises:
-        NonFiniteUpdateError: as ``trainer.step``; the step is neither logged nor checkpointed,
-            and the message names the last good checkpoint.
+        NonFiniteUpdateError: as ``trainer.step``, or a checkpoint due while a trained weight is
+            NaN/inf (it is not written, so that it cannot replace a good one); the step is not
+            checkpointed, and the message names the last good checkpoint (the last one whose
+            weights are finite and did not give the non-finite rollout), or says that none is.
+        Exception: whatever a step raised, after the checkpoint above.
     """
     from tqdm.auto import tqdm
 
@@ -53,17 +67,21 @@ def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
     if main:
         run.path.mkdir(parents=True, exist_ok=True)
         run.truncate_logs(trainer.step_count)
+        record_python_run(trainer, run)  # config.toml, unless `pyppo train` wrote it
     history: List[Dict[str, float]] = []
     # The step the newest checkpoint holds, when it is the current state (0: nothing to save).
     saved_step = trainer.step_count if trainer.step_count in (0, trainer.resumed_step) else None
     stopped = False
+    saving = stop.save if stop is not None else contextlib.nullcontext
+    updates = _UpdateWatch(trainer)
     with tqdm(total=c.steps, initial=trainer.step_count, desc="ppo", disable=not (progress and main),
-              dynamic_ncols=True) as bar, _signal_hooks(trainer, stop):
+              dynamic_ncols=True) as bar, _signal_hooks(trainer, stop), updates, quiet_libraries():
         while trainer.step_count < c.steps:
             if stop is not None and stop.should_stop(lambda v: distributed.all_sum(v, trainer.world)):
                 stopped = True
                 break
-            start_state = _step_start_state(trainer) if stop is not None else None
+            start_state = _step_start_state(trainer)
+            updates.reset()
             try:
                 with stop.step() if stop is not None else contextlib.nullcontext():
                     result = trainer.step()
@@ -72,28 +90,103 @@ def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
                 stopped = True
                 break
             except NonFiniteUpdateError as exc:
-                last = run.find_checkpoint()
-                where = ("no checkpoint was written" if last is None else
-                         f"the last good checkpoint is {str(last)!r} (step {checkpoint.saved_step(last)})")
-                raise NonFiniteUpdateError(f"{exc}; {where}") from exc
+                raise _naming_last_good(exc, run, saved_step == trainer.step_count) from exc
+            except Exception as exc:
+                if not updates.applied and _together(exc, trainer):
+                    # Nothing of the step reached the weights: keep the last finished step, as a
+                    # second signal would.
+                    _restore_step_start(trainer, start_state)
+                    if saved_step != trainer.step_count:
+                        try:
+                            with saving():
+                                trainer.save_checkpoint(run.checkpoint)
+                        except Exception as save_error:  # the step's own error is the one to report
+                            warnings.warn(f"the checkpoint of step {trainer.step_count} could not be written: "
+                                          f"{save_error}", RuntimeWarning, stacklevel=2)
+                raise
             last_step = trainer.step_count == c.steps
             eval_rows: List[dict] = []
+            eval_error: Optional[Exception] = None
             if trainer.eval_prompts and (last_step or (c.eval_every and trainer.step_count % c.eval_every == 0)):
-                eval_metrics, eval_rows = trainer.evaluate_prompts()
-                result.metrics.update(eval_metrics)
+                try:
+                    eval_metrics, eval_rows = trainer.evaluate_prompts()
+                    result.metrics.update(eval_metrics)
+                except Exception as exc:
+                    if not _together(exc, trainer):
+                        raise
+                    eval_error = exc  # raised once the finished step is logged and checkpointed
             history.append(result.metrics)
             _log(trainer, run, result, eval_rows)
             bar.update(1)
             bar.set_postfix(score=f"{result.metrics['score_mean']:.3f}", kl=f"{result.metrics['kl_mean']:.3f}")
-            if last_step or (c.save_every and trainer.step_count % c.save_every == 0):
-                with stop.save() if stop is not None else contextlib.nullcontext():
+            due = last_step or (c.save_every and trainer.step_count % c.save_every == 0)
+            if due or eval_error is not None:
+                try:  # a checkpoint of non-finite weights would replace the last good one
+                    check_weights_finite(trainer, f"step {trainer.step_count}")
+                except NonFiniteUpdateError as exc:
+                    raise _naming_last_good(exc, run, False) from exc
+                with saving():
                     trainer.save_checkpoint(run.checkpoint)
-                    trainer.export_policy(run.policy)
+                    if due:
+                        trainer.export_policy(run.policy)
                 saved_step = trainer.step_count
+            if eval_error is not None:
+                raise eval_error
         if stopped and saved_step != trainer.step_count:
+            try:
+                check_weights_finite(trainer, f"step {trainer.step_count}")
+            except NonFiniteUpdateError as exc:
+                raise _naming_last_good(exc, run, False) from exc
             with stop.save():  # the last finished step, so that --resume loses nothing
                 trainer.save_checkpoint(run.checkpoint)
     return history
+
+
+def _together(exc: BaseException, trainer: Any) -> bool:
+    """Whether every rank raised ``exc`` at the same point, so that they can checkpoint together
+    (always, with one process)."""
+    return not trainer.world.active or distributed.raised_on_every_rank(exc)
+
+
+def _naming_last_good(exc: NonFiniteUpdateError, run: RunDir, holds_current: bool) -> NonFiniteUpdateError:
+    """``exc`` (same class) with the checkpoint to go back to appended. ``holds_current``: the
+    newest checkpoint holds the current weights, which gave a non-finite rollout if ``exc`` is a
+    :class:`NonFiniteRolloutError`: that checkpoint is not good either (``--lr 1e30`` reaches
+    finite but useless weights in one step)."""
+    last = run.find_checkpoint()
+    if last is None:
+        where = "no checkpoint was written"
+    elif holds_current and isinstance(exc, NonFiniteRolloutError):
+        where = (f"no checkpoint is good to resume from: {str(last)!r} (step {checkpoint.saved_step(last)}) holds "
+                 "the weights that gave this rollout; start the run over")
+    else:
+        where = f"the last good checkpoint is {str(last)!r} (step {checkpoint.saved_step(last)})"
+    return type(exc)(f"{exc}; {where}")
+
+
+class _UpdateWatch:
+    """Whether an optimizer step ran since :meth:`reset`: until one does, the weights are still
+    those of the last finished step (a pre-hook of each optimizer's ``step`` tells)."""
+
+    def __init__(self, trainer: Any):
+        self.optimizers = [o for o in (trainer.policy_optimizer, trainer.value_optimizer) if o is not None]
+        self.applied = False
+        self._handles: list = []
+
+    def reset(self) -> None:
+        self.applied = False
+
+    def _seen(self, *_args) -> None:
+        self.applied = True
+
+    def __enter__(self) -> "_UpdateWatch":
+        self._handles = [o.register_step_pre_hook(self._seen) for o in self.optimizers]
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ import torch
 
 from .. import distributed
 
-__all__ = ["NonFiniteUpdateError", "NonFiniteRolloutError", "check_rollout", "check_rollout_finite", "SkipPolicy"]
+__all__ = ["NonFiniteUpdateError", "NonFiniteRolloutError", "check_rollout", "check_rollout_finite",
+           "check_weights_finite", "SkipPolicy"]
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -44,6 +45,27 @@ def check_rollout(batch: Any, world: distributed.World, where: str) -> None:
     counts = [int((~torch.isfinite(getattr(batch, name)) & m).sum()) for name in names] + [int(m.sum())]
     counts = distributed.all_sum(counts, world)
     check_rollout_finite(dict(zip(names, counts[:-1])), counts[-1], where)
+
+
+def check_weights_finite(trainer: Any, where: str) -> None:
+    """Raise :class:`NonFiniteUpdateError` when a trained weight (``requires_grad``) of
+    ``trainer.policy`` or ``trainer.value_model`` is NaN/inf on any rank (each rank counts its
+    FSDP2 shard; a collective). Called before a checkpoint is written: one of non-finite weights
+    would replace the last good one. An optimizer step with finite gradients can still overflow
+    a weight (a huge ``lr``), which the skip rule does not see."""
+    counts = []
+    for model in (trainer.policy, getattr(trainer, "value_model", None)):
+        if model is None:
+            continue
+        for p in model.parameters():
+            if p.requires_grad:
+                local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 DTensor's shard
+                counts.append(torch.count_nonzero(~torch.isfinite(local.detach())))
+    bad = int(torch.stack(counts).sum()) if counts else 0
+    bad = int(distributed.all_sum([bad], trainer.world)[0])
+    if bad:
+        raise NonFiniteUpdateError(f"{where}: {bad} trained weights are NaN/inf: the model diverged (try a lower lr, "
+                                   "a max_grad_norm, or lr_warmup_steps); they are not checkpointed")
 
 
 class SkipPolicy:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Iterable, List, Optional
+
+from ..jsonl import json_line
 
 __all__ = ["OUTPUT_FILES", "LOG_FILES", "RunDir", "check_output_dir", "truncate_log"]
 
@@ -26,6 +29,8 @@ OUTPUT_FILES = {
     "eval_samples.jsonl": "held-out prompts' responses, scores and KL (with --eval-prompts)",
     "policy": "the trained policy as a Hugging Face model directory (from_pretrained, --model)",
     "checkpoint": "trained weights, optimizer, RNG and KL controller state (for --resume)",
+    "prompts.jsonl": "the prompts of a run started from Python (its config.toml names them)",
+    "eval_prompts.jsonl": "the held-out prompts of a run started from Python",
 }
 
 #: The JSON-lines logs, each row with its ``step``.
@@ -83,30 +88,41 @@ class RunDir:
             truncate_log(self.path / name, last_step)
 
     def append(self, name: str, rows: Iterable[dict]) -> None:
-        """Append ``rows`` to the log ``name`` (one of :data:`LOG_FILES`), one JSON object a line."""
+        """Append ``rows`` to the log ``name`` (one of :data:`LOG_FILES`), one strict JSON object a
+        line: a NaN or infinite value (e.g. the losses of a step whose updates were all skipped) is
+        written ``null`` (:func:`pyppo.jsonl.json_line`)."""
         rows = list(rows)
         if rows:
             with open(self.path / name, "a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+                f.writelines(json_line(row) for row in rows)
 
 
 def check_output_dir(output: Path, flag: str = "--output") -> None:
-    """``output`` must be a directory or creatable as one.
+    """``output`` must be a directory or creatable as one, and writable.
+
+    Writability is tried, not inferred from the mode bits: a directory is created in, and removed
+    from, ``output`` (or the nearest existing parent it will be created under), because
+    ``os.access`` says yes to root on a directory of mode 0555 and to anyone on a directory that
+    refuses writes for another reason (``/proc``, an NFS export mapping root to nobody).
 
     Raises:
-        ValueError: it, or a parent of it, is an existing file; or it cannot be written (the
-            message names ``flag``).
+        ValueError: it, or a parent of it, is an existing file; or nothing can be created in it
+            (or in that parent); the message names ``flag`` and the reason (``Permission
+            denied``, ``Read-only file system``).
     """
     if output.exists() and not output.is_dir():
         raise ValueError(f"{flag} {str(output)!r} is an existing file, not a directory")
-    for parent in output.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag} {str(output)!r}: {str(parent)!r} is a file, not a directory")
-            if not os.access(output if output.exists() else parent, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {str(output)!r}: no permission to write in "
-                                 f"{str(output if output.exists() else parent)!r}")
-            break
+    # `Path(".").parents` is empty: the current directory is checked as `output` itself.
+    existing = next((d for d in (output, *output.parents) if d.exists()), None)
+    if existing is None:
+        return  # not even the current directory exists: the write will say why
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {str(output)!r}: {str(existing)!r} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".pyppo-write-check-", dir=existing))
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(output)!r}: cannot write in {str(existing.resolve())!r} "
+                         f"({exc.strerror or exc})") from None
 
 
 def truncate_log(path: Path, last_step: int) -> None:

@@ -19,8 +19,9 @@ While the models load (until :meth:`GracefulStop.training`) there is nothing to 
 signal exits at once. Messages are written with ``os.write``: a handler calling ``print`` while the
 main code writes to the same stream (tqdm's bar) would raise a reentrant-call error.
 
-Under several processes every rank receives the signal (torchrun forwards it); the ranks agree at
-each step boundary (:meth:`GracefulStop.should_stop`), and a step is never abandoned on one rank
+Under several processes every rank receives the signal (``pyppo train --nproc``'s launcher sends
+each one to every worker, :mod:`pyppo.cli.nproc`; plain torchrun forwards its own); the ranks agree
+at each step boundary (:meth:`GracefulStop.should_stop`), and a step is never abandoned on one rank
 alone: the second signal waits for the step's end there.
 """
 

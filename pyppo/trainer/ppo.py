@@ -41,6 +41,7 @@ The run around the steps (logs, cadences, signals, evaluation, checkpoints, expo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -56,7 +57,7 @@ from .. import distributed
 from ..config import PPOConfig
 from ..ops import shape_rewards
 from ..ops.losses import loss_normalizer
-from ..precision import autocast
+from ..precision import autocast, resolve_dtype
 from ..prompts import PromptSampler, prompt_columns, prompt_fields
 from ..rewards import check_reward_fields, score_responses
 from ..rollout import EngineSync, RolloutEngine, make_engine
@@ -104,8 +105,10 @@ class PPOTrainer:
             (:func:`pyppo.prompts.load_prompt_records`) whose fields the reward receives.
         eval_prompts: held-out prompts (strings or records) for :meth:`evaluate_prompts`; :meth:`train` evaluates them
             every ``eval_every`` steps and after the last.
-        base_model_source: what an adapter-only export names as its base (``pyppo train`` passes
-            its ``--model``); ``None`` = peft's record of the base's path.
+        base_model_source: the model source ``policy`` was loaded from (``pyppo train`` passes
+            its ``--model``), for an adapter-only export's record of its base
+            (:func:`pyppo.run.export.save_policy`'s ``base_model``); ``None`` = the policy's
+            ``name_or_path``.
 
     With ``lora_rank > 0`` the policy is wrapped in ``peft`` LoRA adapters here (``policy`` then
     holds the ``PeftModel``) and ``ref_policy`` must be ``None``. Under ``torchrun`` every rank
@@ -130,10 +133,12 @@ class PPOTrainer:
                  value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[Any],
                  *, eval_prompts: Optional[Sequence[Any]] = None, base_model_source: Optional[str] = None):
         check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts)
-        self.config = c = config
-        self.world = distributed.join(c.device)
-        c.check_world_size(self.world.size)
-        self.device, self.dtype = self.world.device, c.torch_dtype
+        self.world = distributed.join(config.device)
+        config.check_world_size(self.world.size)
+        # `auto` is resolved once, here, and the config keeps the answer: its checkpoint and the
+        # run's config.toml then name the dtype the run trained in, which a resume keeps.
+        self.config = c = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.world.device)[0])
+        self.device, self.dtype = self.world.device, getattr(torch, c.dtype)
         # Every rank seeds alike, so the models are built identically everywhere; sampling is
         # reseeded per rank below.
         random.seed(c.seed)
@@ -143,6 +148,12 @@ class PPOTrainer:
         self.estimate_advantages = get_estimator(c.advantage_estimator)
         self.policy, self.ref_policy, self.value_model = prepare_models(c, policy, ref_policy, value_model,
                                                                         self.device)
+        if c.lora_rank:  # refused now, not at the export after the last step
+            try:
+                export.check_exportable(self.policy, merge_lora=c.merge_lora)
+            except ValueError as exc:
+                raise ValueError(f"lora_target_modules = {c.lora_target_modules!r}: the trained policy could not be "
+                                 f"exported: {exc}{' (--no-merge-lora)' if c.merge_lora else ''}") from None
         self.shared_weight_bytes = share_reward_weights(self.ref_policy, reward_fn)
         modules = logprob_modules(c, self.policy, self.ref_policy, self.value_model, self.world, self.dtype)
         self.policy_logprobs, self.policy_module = modules["policy_logprobs"], modules["policy_module"]
@@ -256,10 +267,14 @@ class PPOTrainer:
         """``(raw_scores [B], scores [B])``: the reward's scores (given the prompts' ``fields``, a
         column each, :func:`pyppo.rewards.score_responses`), then clipped to ``score_clip``,
         lowered by ``missing_eos_penalty`` where the response has no EOS and by DAPO's overlong
-        penalty over the last ``overlong_buffer`` tokens (point 3)."""
+        penalty over the last ``overlong_buffer`` tokens (point 3). Under ``torchrun`` a reward
+        that fails on one rank raises its error on every rank
+        (:func:`~pyppo.distributed.on_every_rank`), so that rank 0 reports it and the ranks stop
+        together."""
         c = self.config
-        raw = torch.tensor(score_responses(self.reward_fn, batch.prompts, batch.responses,
-                                           where=f"step {self.step_count + 1}", fields=fields),
+        raw = torch.tensor(distributed.on_every_rank(score_responses, self.world, self.reward_fn, batch.prompts,
+                                                     batch.responses, where=f"step {self.step_count + 1}",
+                                                     fields=fields),
                            dtype=torch.float32, device=self.device)
         scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
         if c.missing_eos_penalty is not None:

@@ -88,9 +88,26 @@ def test_python_dash_m_pyppo():
     assert "torch_running" in json.loads(res.stdout)
 
 
+@pytest.mark.parametrize("argv", [["info"], ["info", "--json"]], ids=["table", "json"])
+def test_output_into_a_closed_pipe_ends_quietly(argv):
+    """`pyppo info | head`: the reader is gone before pyppo writes (its end of the pipe is closed
+    first, so the write fails every time, not only when head wins the race)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([sys.executable, "-m", "pyppo", *argv], stdout=write, stderr=subprocess.PIPE, text=True,
+                             timeout=120)
+    finally:
+        os.close(write)
+    assert res.stderr == ""  # no "[Errno 32] Broken pipe", no "Exception ignored" traceback
+    assert res.returncode == 141  # as a process that SIGPIPE ended: 128 + 13
+
+
 def test_every_command_is_registered():
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"train", "info", "bench", "profile"}
+    assert set(sub.choices) == {"train", "info", "bench", "profile", "export"}
 
 
 # ---------------------------------------------------------------- config resolution and errors
@@ -252,6 +269,87 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
     assert untimed(rows3[2]) == untimed(rows[2])
 
 
+def _python_run(tiny_dir, output, steps, reward):
+    """README's Python snippet on the tiny model: PPOConfig, PPOTrainer, trainer.train(dir)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pyppo.config import PPOConfig
+    from pyppo.trainer import PPOTrainer
+
+    config = PPOConfig(steps=steps, batch_size=2, mini_batch_size=1, ppo_epochs=1, max_new_tokens=4, seed=3)
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    trainer = PPOTrainer(config, policy, None, None, tokenizer, reward, ["Say hi.", "Describe rain.", "Why?"])
+    trainer.train(output, progress=False)
+    return trainer
+
+
+def test_a_run_started_from_python_is_continued_by_pyppo_train_resume(tiny_dir, tmp_path, capsys):
+    import tomllib
+
+    from support.trainer_fixture import count_e
+
+    _python_run(tiny_dir, tmp_path / "run", 2, count_e)
+    resolved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert resolved["model"] == str(tiny_dir.resolve()) and resolved["reward"] == "support.trainer_fixture:count_e"
+    assert resolved["prompts"] == str((tmp_path / "run" / "prompts.jsonl").resolve()) and resolved["steps"] == 2
+    assert cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "3"]) == 0
+    capsys.readouterr()
+    # ... taking the step the uninterrupted Python run takes.
+    _python_run(tiny_dir, tmp_path / "straight", 3, count_e)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    untimed = lambda r: {k: v for k, v in r.items() if "time" not in k and "seconds" not in k}  # noqa: E731
+    assert [r["step"] for r in rows] == [1, 2, 3] and untimed(rows[2]) == untimed(straight[2])
+
+
+def test_a_python_run_whose_sources_have_no_name_asks_for_them(tiny_dir, tmp_path, capsys):
+    """A reward written as a lambda, a model built in memory: the CLI cannot load them by name, so
+    --resume asks for the flags rather than training another model on another reward."""
+    from support.tiny_models import tiny_causal_lm, tiny_tokenizer
+    from pyppo.config import PPOConfig
+    from pyppo.trainer import PPOTrainer
+
+    trainer = PPOTrainer(PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4),
+                         tiny_causal_lm(seed=0), None, None, tiny_tokenizer(),
+                         lambda prompts, responses: [0.0] * len(responses), ["Say hi."])
+    trainer.train(tmp_path / "run", progress=False)
+    assert cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "2"]) == 2
+    assert ("the run was started from Python, and its config.toml does not name its model, reward; pass --model ... "
+            "--reward ... (what it started with)") in _error_line(capsys)
+    model = save_tiny_causal_lm(tmp_path / "model", seed=0)  # the same weights, now in a directory
+    assert cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "2", "--model", str(model),
+                     "--reward", "support.trainer_fixture:count_e"]) == 0
+    capsys.readouterr()
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_dtype_auto_is_resolved_into_config_toml_and_kept_by_resume(tiny_dir, tmp_path, capsys, monkeypatch):
+    import tomllib
+
+    import pyppo.precision
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Say hi.", "Why?"]))
+    out = tmp_path / "run"
+    monkeypatch.setattr(pyppo.precision, "native_bf16", lambda device: (True, "a CPU with AMX"))
+    argv = lambda output: ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output",  # noqa: E731
+                           str(output), *TINY_FLAGS, "--steps", "1"]
+    assert cli.main(argv(out)) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "pyppo: dtype auto -> bfloat16 (a CPU with AMX)", err
+    assert tomllib.loads((out / "config.toml").read_text())["dtype"] == "bfloat16"
+    # Resumed where auto would choose float32: the run goes on in the dtype it started in.
+    monkeypatch.setattr(pyppo.precision, "native_bf16", lambda device: (False, "AVX2 only"))
+    assert cli.main(["train", "--resume", str(out), "--steps", "2"]) == 0
+    assert "dtype auto" not in capsys.readouterr().err
+    assert tomllib.loads((out / "config.toml").read_text())["dtype"] == "bfloat16"
+    # A new run on that machine resolves to float32.
+    other = tmp_path / "other"
+    assert cli.main(argv(other)) == 0
+    assert "dtype auto -> float32 (AVX2 only)" in capsys.readouterr().err
+    assert tomllib.loads((other / "config.toml").read_text())["dtype"] == "float32"
+
+
 # ---------------------------------------------------------------- inputs checked before loading
 
 
@@ -291,6 +389,45 @@ def test_profile_and_bench_check_output_before_any_work(tmp_path, capsys, no_loa
     assert f"--json {str(afile)!r} is an existing file, not a directory" in _error_line(capsys)
 
 
+def _unwritable_dir(tmp_path) -> Path:
+    """A directory this process cannot create anything in: one of mode 0555, or, for root (whom
+    the mode does not stop, while os.access says yes), /proc."""
+    for candidate in (tmp_path / "read-only", Path("/proc")):
+        if candidate.parent == tmp_path:
+            candidate.mkdir()
+            candidate.chmod(0o555)
+        try:
+            (candidate / "probe").mkdir()
+        except OSError:
+            return candidate
+        (candidate / "probe").rmdir()
+    pytest.skip("no directory here refuses writes")
+
+
+@pytest.mark.parametrize("where", ["--output", "current directory"])
+def test_profile_and_bench_refuse_an_unwritable_output_before_any_work(where, tmp_path, capsys, no_loading,
+                                                                       monkeypatch):
+    import pyppo.bench.harness
+
+    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("the benchmark ran before its output directory was checked")
+
+    monkeypatch.setattr(pyppo.bench.harness, "run_suites", refuse)
+    read_only = _unwritable_dir(tmp_path)
+    try:
+        if where == "--output":
+            output = ["--output", str(read_only)]
+        else:
+            monkeypatch.chdir(read_only)
+            output = []
+        for argv in (["bench", "--sizes", "tiny", "--ops", "gae", *output], ["profile", *output]):
+            assert cli.main(argv) == 2, argv
+            assert f"cannot write in {str(read_only.resolve())!r}" in _error_line(capsys)
+    finally:
+        if read_only.parent == tmp_path:
+            read_only.chmod(0o755)
+
+
 def test_every_config_source_is_validated(tmp_path, capsys, no_loading):
     cfg = tmp_path / "c.toml"
     cfg.write_text('lr = "fast"\n')
@@ -302,9 +439,12 @@ def test_every_config_source_is_validated(tmp_path, capsys, no_loading):
 
 def test_lora_and_fsdp_flags_that_do_nothing(tmp_path, capsys, no_loading):
     out = str(tmp_path / "o")
-    for flags in (["--lora-alpha", "8"], ["--lora-target-modules", "q_proj"]):
+    for flags in (["--lora-alpha", "8"], ["--lora-target-modules", "q_proj"], ["--no-merge-lora"], ["--merge-lora"]):
         assert cli.main(["train", *flags, "--output", out]) == 2
         assert f"{flags[0]} only applies with --lora-rank N > 0" in _error_line(capsys)
+    assert cli.main(["train", "--lora-alpha", "8", "--no-merge-lora", "--output", out]) == 2
+    assert "--lora-alpha and --no-merge-lora only apply with --lora-rank N > 0" in _error_line(capsys)
+    assert _resolve(["--lora-rank", "4", "--no-merge-lora", "--output", out]).config.merge_lora is False
     with pytest.warns(UserWarning, match="fsdp has no effect in a single process"):
         _resolve(["--fsdp", "--output", out])
     run = tmp_path / "run"
@@ -372,53 +512,147 @@ def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
     assert "prompt 1 (" in errors[0] and "shorten it, lower max_new_tokens, or set truncate_prompts = true" in errors[0]
 
 
-def test_nproc_launcher_forwards_each_signal_and_waits(tmp_path, monkeypatch):
+def test_other_libraries_print_nothing_inside_the_progress_bar(tiny_dir, tmp_path):
+    """Where DeepSpeed is installed, the first policy/ export imports it (transformers'
+    save_pretrained -> accelerate), and on a machine without CUDA it warns "Setting accelerator to
+    CPU" in the middle of the bar; each save_pretrained draws a "Writing model shards" bar too."""
+    import importlib.util
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n")
+    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o"), *TINY_FLAGS]
+    res = subprocess.run([sys.executable, "-m", "pyppo", *argv], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    output = res.stdout + res.stderr  # DeepSpeed's logger prints to stdout
+    assert "ppo: 100%" in res.stderr  # the bar was drawn
+    assert "Writing model shards" not in output
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert "Setting accelerator to CPU" not in output
+        # ... and DeepSpeed's other messages, and its warning outside the loop, are left alone.
+        probe = ("import logging, pyppo.run.quiet as q\n"
+                 "with q.quiet_libraries():\n"
+                 "    import deepspeed\n"
+                 "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU, after the loop')\n"
+                 "logging.getLogger('DeepSpeed').warning('another DeepSpeed warning')\n")
+        res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        output = res.stdout + res.stderr
+        assert "unable to detect it" not in output
+        assert "after the loop" in output and "another DeepSpeed warning" in output
+
+
+def test_nproc_launcher_forwards_each_signal_to_the_workers_not_torchrun(tmp_path, monkeypatch):
     import os
     import signal
     import subprocess as sp
     import threading
 
-    # Stands in for torchrun: counts the signals it gets, exits after the second (as a worker would).
-    child = tmp_path / "child.py"
-    log = tmp_path / "signals.txt"
-    child.write_text(
+    # Stand-ins for torchrun (the agent: its workers' exit status is its own) and its two workers,
+    # each logging the signals it gets; a worker exits after the second, as pyppo's would.
+    log = tmp_path / "signals"
+    worker, agent = tmp_path / "worker.py", tmp_path / "agent.py"
+    worker.write_text(
         "import signal, sys, time\n"
-        "got = []\n"
+        "log, status, got = sys.argv[1], int(sys.argv[2]), []\n"
         "def handler(signum, frame):\n"
-        f"    got.append(signum); open({str(log)!r}, 'a').write(f'{{signum}}\\n')\n"
-        "    if len(got) == 2: sys.exit(130)\n"
+        "    got.append(signum); open(log, 'a').write(f'{signum}\\n')\n"
+        "    if len(got) == 2: sys.exit(status)\n"
         "signal.signal(signal.SIGINT, handler); signal.signal(signal.SIGTERM, handler)\n"
-        f"open({str(log)!r}, 'w').close()\n"
+        "open(log, 'w').close()\n"
         "while True: time.sleep(0.05)\n")
+    agent.write_text(
+        "import signal, subprocess, sys\n"
+        "for s in (signal.SIGINT, signal.SIGTERM):\n"
+        f"    signal.signal(s, lambda n, f: open({str(log)!r} + '.agent', 'a').write(f'{{n}}\\n'))\n"
+        f"ranks = [subprocess.Popen([sys.executable, {str(worker)!r}, {str(log)!r} + f'.{{r}}', str(s)])\n"
+        "         for r, s in ((0, 130), (1, 0))]\n"
+        "sys.exit([p.wait() for p in ranks][0])\n")
     real_popen, started = sp.Popen, []
 
     def popen(command, **kwargs):
-        assert command[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"] and kwargs["start_new_session"]
-        proc = real_popen([sys.executable, str(child)], **kwargs)
-        started.append(proc)
-        return proc
+        started.append(command)
+        assert kwargs["start_new_session"]  # so that a Ctrl-C in the terminal reaches only the launcher
+        return real_popen([sys.executable, str(agent)], **kwargs)
 
     monkeypatch.setattr(sp, "Popen", popen)
-    monkeypatch.setattr(sys, "argv", ["pyppo", "train", "--nproc", "2", "--steps", "1"])
 
     def interrupt():
-        while not log.exists():
+        while not all(Path(f"{log}.{r}").exists() for r in (0, 1)):
             threading.Event().wait(0.05)
         for signum in (signal.SIGINT, signal.SIGTERM):
             os.kill(os.getpid(), signum)
             threading.Event().wait(0.3)
 
     threading.Thread(target=interrupt, daemon=True).start()
-    assert cli.main(["train", "--nproc", "2", "--steps", "1"]) == 130
-    assert started[0].poll() == 130  # waited for: nothing left running
-    assert log.read_text().split() == [str(int(signal.SIGINT)), str(int(signal.SIGTERM))]
+    out = tmp_path / "run"
+    assert cli.main(["train", "--nproc", "2", "--steps", "1", "--output", str(out)]) == 130
+    (command,) = started
+    assert command[1:3] == ["-m", "pyppo.cli.nproc"] and command[3:6] == ["--standalone", "--nproc-per-node", "2"]
+    assert command[6:] == ["-m", "pyppo", "train", "--steps", "1", "--output", str(out)]
+    for rank in (0, 1):  # each worker got each signal once, torchrun none
+        assert Path(f"{log}.{rank}").read_text().split() == [str(int(signal.SIGINT)), str(int(signal.SIGTERM))]
+    assert not Path(f"{log}.agent").exists()
+
+
+def test_nproc_fixes_the_output_and_drops_its_own_flag():
+    from pyppo.cli.nproc import worker_words
+
+    argv = ["train", "--nproc", "2", "--steps", "3", "--npro=2", "--lr", "1e-3"]
+    assert worker_words(argv, "runs/20260101-000000") == ["train", "--steps", "3", "--lr", "1e-3", "--output",
+                                                         "runs/20260101-000000"]
+    assert worker_words(["train", "--nproc=4", "--output", "o"], None) == ["train", "--output", "o"]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    import subprocess as sp
+
+    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("torchrun was started before the settings were checked")
+
+    monkeypatch.setattr(sp, "Popen", refuse)
+
+
+def test_nproc_refuses_a_batch_it_cannot_share_before_anything_starts(tmp_path, capsys, no_launch, no_loading):
+    assert cli.main(["train", "--nproc", "2", "--batch-size", "3", "--output", str(tmp_path / "o")]) == 2
+    assert _error_line(capsys) == ("pyppo: error: batch_size (3) must be divisible by the number of processes (2); "
+                                   "each process takes batch_size / 2 sequences")
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_with_another_number_of_processes_is_refused_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
+    import torch
+
+    out = tmp_path / "run"  # sizes that 2 processes can share: only the checkpoint stands in the way
+    assert cli.main(["train", "--model", str(tiny_dir), "--output", str(out), *TINY_FLAGS, "--mini-batch-size", "2"]) == 0
+    capsys.readouterr()
+    import subprocess as sp
+
+    import pyppo.models
+
+    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("something started before the process count was checked")
+
+    monkeypatch.setattr(sp, "Popen", refuse)
+    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
+    # A 1-process checkpoint, and the 2-process launcher.
+    assert cli.main(["train", "--resume", str(out), "--steps", "3", "--nproc", "2"]) == 2
+    assert _error_line(capsys) == (f"pyppo: error: --resume {str(out)!r}: its checkpoint was written by 1 process(es), "
+                                   f"this run has 2; resume it with: pyppo train --resume {out}")
+    # A 2-process checkpoint, resumed by one process: the command it prints is the one that works.
+    state_file = out / "checkpoint" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, "world_size": 2}, state_file)
+    assert cli.main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert _error_line(capsys) == (f"pyppo: error: --resume {str(out)!r}: its checkpoint was written by 2 process(es), "
+                                   f"this run has 1; resume it with: pyppo train --resume {out} --nproc 2")
 
 
 def test_config_errors_under_torchrun_are_said_once(tmp_path, capsys, monkeypatch):
     cfg = tmp_path / "bad.toml"
     cfg.write_text("steps = \n")
-    monkeypatch.setenv("RANK", "1")  # any rank but 0 fails alike, silently
-    assert cli.main(["train", "--config", str(cfg)]) == 2
+    monkeypatch.setenv("RANK", "1")  # any rank but 0 fails alike, silently: rank 0's status is the run's
+    assert cli.main(["train", "--config", str(cfg)]) == 0
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     assert cli.main(["train", "--config", str(cfg)]) == 2

@@ -345,7 +345,12 @@ def test_profile_reports_flops_mfu_and_tokens(profiled):
     info = result["flops"]
     peak = info["peak"]
     assert peak["flops_per_s"] > 0 and peak["threads"] == result["env"]["torch_threads"]
-    assert peak["flops_per_s"] == max(peak["before_step"]["float32"], peak["after_step"]["float32"])
+    # The peak of the dtype the step ran in: `auto` is bf16 on a CPU with native bf16, else float32.
+    from pyppo.precision import native_bf16
+
+    dtype = "bfloat16" if native_bf16(torch.device("cpu"))[0] else "float32"
+    assert peak["dtype"] == dtype
+    assert peak["flops_per_s"] == max(peak["before_step"][dtype], peak["after_step"][dtype])
     assert len(peak["model_shapes"]) == 3 and all(s["flops_per_s"] > 0 for s in peak["model_shapes"])
     assert not info["notes"]
     rows = {r["phase"]: r for r in result["phases"]}

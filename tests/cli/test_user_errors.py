@@ -190,3 +190,21 @@ def test_a_user_reward_that_needs_a_field_is_named(tiny_dir, prompts_file, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"pyppo: error: reward '{tmp_path / 'graded.py'}:score' needs the prompt field 'reference', "
                    f"missing from --prompts {str(prompts_file)!r}, whose fields besides \"prompt\" are: none"]
+
+
+@pytest.mark.parametrize("flag", ["--prompts", "--eval-prompts"])
+def test_a_prompts_file_that_is_not_utf8_names_its_line(flag, tiny_dir, tmp_path, capsys, monkeypatch):
+    _no_loading(monkeypatch)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "Say hi."}\n{"prompt": "Describe a café."}\n'.encode("latin-1"))
+    argv = ["train", "--model", str(tiny_dir), flag, str(latin1), "--output", str(tmp_path / "o")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"pyppo: error: {latin1}:2: not UTF-8 (byte 0xe9 at byte 27 of the line); save the file as UTF-8"
+    assert not any("Traceback" in line for line in err)
+    # A byte-order mark (what some editors put first in a UTF-8 file) is not a prompt error.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode() + '{"prompt": "Describe a café."}\n'.encode())
+    from pyppo.prompts import load_prompts
+
+    assert load_prompts(bom) == ["Describe a café."]

@@ -1005,8 +1005,9 @@ def test_group_errors(peer):
             fn(r, m[:, :2], index)
         with pytest.raises(ValueError, match=r"token_level_rewards must be \[B, T\]"):
             fn(r[:, 0], m[:, 0], index)
-        with pytest.raises(ValueError, match="floating-point"):
-            fn(r.long(), m, index)
+        if "vectorized" not in name:  # integer rewards: see test_integer_rewards_are_promoted_as_verl_does
+            with pytest.raises(ValueError, match="floating-point"):
+                fn(r.long(), m, index)
         bad = r.clone()
         bad[3, 0] = float("nan")  # veRL: NaN advantages for the whole group
         with pytest.raises(ValueError, match="finite"):
@@ -1083,6 +1084,39 @@ def test_reinforce_plus_plus_errors(peer):
         pv.compute_reinforce_plus_plus_outcome_advantage(r, m, SimpleNamespace(gamma=1.5))
     with pytest.raises(ValueError, match="selects 1 position"):
         pv.compute_reinforce_plus_plus_outcome_advantage(r, one, SimpleNamespace(gamma=1.0))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.float32, torch.bool], ids=str)
+@pytest.mark.parametrize("reward_dtype", [torch.int64, torch.int32, torch.bool], ids=str)
+def test_integer_rewards_are_promoted_as_verl_does(peer, mask_dtype, reward_dtype):
+    # A user's rule-based reward returns integer scores (0/1, or -1/+1): veRL's GAE and its
+    # vectorized group estimators promote them and compute; so do the adapters, to veRL's values
+    # and dtypes. Where veRL itself fails (its non-vectorized estimators' torch.mean of integers)
+    # or truncates (REINFORCE++ keeps the returns in the rewards' dtype), a ValueError says so.
+    g = gen(7)
+    B, T = 9, 6
+    m = make_mask(B, T, g, "holes", mask_dtype)
+    m[:, 0] = True if mask_dtype == torch.bool else 1
+    r = torch.randint(-2, 3, (B, T), generator=g).to(reward_dtype)
+    index = np.array(["a"] * 3 + ["b"] * 4 + ["c"] * 2, dtype=object)
+    cases = [("compute_grpo_vectorized_outcome_advantage", (m, index)),
+             ("compute_rloo_vectorized_outcome_advantage", (m, index))]
+    if mask_dtype != torch.bool:  # veRL's GAE fails on a bool mask (1 - mask)
+        cases.append(("compute_gae_advantage_return", (randn((B, T), g), m, 0.99, 0.95)))
+    for name, args in cases:
+        theirs = getattr(peer, name)(r, *args)
+        with pyppo_ops_called() as ops:
+            ours = getattr(pv, name)(r, *args)
+        assert ops, name
+        assert_same(ours, theirs, rtol=1e-5, atol=1e-6)
+    for name in ("compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
+                 "compute_reinforce_plus_plus_baseline_outcome_advantage"):
+        with pytest.raises(RuntimeError, match="mean"):
+            getattr(peer, name)(r, m, index)
+        with pytest.raises(ValueError, match="token_level_rewards must be a floating-point tensor"):
+            getattr(pv, name)(r, m, index)
+    with pytest.raises(ValueError, match="truncating"):
+        pv.compute_reinforce_plus_plus_outcome_advantage(r, m, SimpleNamespace(gamma=0.9))
 
 
 # ------------------------------------------------------------------------------------------------

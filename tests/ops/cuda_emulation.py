@@ -16,6 +16,12 @@ per operation, vectorised over rows and threads.
 * :func:`group_advantages` replays ``group_advantages_kernel`` (group_advantages_kernel.cu) bit
   for bit: the tiles of ids, the ballots of 32 lanes and the order in which a warp visits its
   group's rows, with the kernel's float64 operations (Python floats are IEEE float64).
+* :func:`kl_k3` replays the float ``k3`` of ``kl_fwd_kernel`` / ``kl_bwd_kernel`` (kl_kernel.cu,
+  the arithmetic in csrc/kl_estimators.h): bit for bit where ``|ref - lp| <= 1`` (the series
+  and the TwoSum correction are explicit ``__fmul_rn`` / ``__fadd_rn`` and subtractions, no FMA);
+  elsewhere with numpy's float64 ``expm1`` for CUDA's, both within an ulp of float64 and then
+  rounded to float32, so the results differ only where that double lies within about 1e-16 of a
+  float32 rounding boundary.
 """
 
 from __future__ import annotations
@@ -291,3 +297,33 @@ def group_advantages(scores: np.ndarray, ids: np.ndarray, mask: np.ndarray, *, e
             a = (s[b] - mean) / (math.sqrt(sq / (n - 1)) + eps)
         adv[b] = a
     return np.where(mask, adv[:, None], out_dtype(0)).astype(out_dtype)
+
+
+K3_SERIES_LAST = 9  # K3Series<float>::kLast in csrc/kl_estimators.h
+
+
+def kl_k3(lp: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(k3, exp(x) - 1) float32 at x = ref - lp, as ``k3_value<float>`` computes them: k3 is the
+    ``kl_penalty`` estimate, ``-(exp(x) - 1)`` its derivative in ``lp``."""
+    lp = np.asarray(lp, F32)
+    ref = np.asarray(ref, F32)
+    with np.errstate(all="ignore"):
+        x = ref - lp
+        z = x - ref
+        x_lo = (ref - (x - z)) + ((F32(0) - lp) - z)
+        p = np.full_like(x, F32(1.0 / math.factorial(K3_SERIES_LAST + 2)))
+        for k in range(K3_SERIES_LAST - 1, -1, -1):
+            p = p * x + F32(1.0 / math.factorial(k + 2))
+        f = (x * x) * p
+        e = x + f
+        em1_series = e + (e + F32(1)) * x_lo
+        v_series = f + e * x_lo
+        xd = ref.astype(np.float64) - lp.astype(np.float64)
+        ed = np.expm1(xd)
+        vd = np.where(ed == np.inf, ed, ed - xd)
+        series = (x >= -1) & (x <= 1)
+        same = lp == ref
+        v = np.where(same, F32(0), np.where(series, v_series, vd.astype(F32)))
+        em1 = np.where(same, F32(0), np.where(series, em1_series, ed.astype(F32)))
+    return v.astype(F32), em1.astype(F32)
+

@@ -4,8 +4,8 @@ and, where a GPU is present, the kernels against those replays.
 The replays perform the kernels' operations in the kernels' order, so what they guarantee here
 the kernels guarantee on the device: log-probs never positive and exactly 0 for one-hot rows and
 V = 1 (whatever the last bits of ex2.approx), huge finite logits finite, GAE bits that do not
-change when other rows make the padded batch longer, and group advantages that are the CPU's bits
-and depend only on their group.
+change when other rows make the padded batch longer, group advantages that are the CPU's bits
+and depend only on their group, and k3 values and gradients that are the CPU kernel's bits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cuda_emulation as emu
-from support.reference import F64, bits_equal, ref_gae
+from support.reference import F64, bits_equal, ref_gae, ref_kl_penalty
 
 
 def _has_cuda() -> bool:
@@ -229,6 +229,54 @@ def test_emulated_group_advantages_depend_only_on_the_group():
     assert np.array_equal(out[rows].view(np.uint32), alone.view(np.uint32))
 
 
+# --------------------------------------------------------------------------------------- kl k3
+
+
+def _k3_inputs(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Log-probs in [-8, 0) and references |lp - ref| from 1e-7 to 60 nats, both signs, with
+    the edge cases: lp == ref (-inf included), an infinite side, NaN, exp's float32 overflow."""
+    rng = np.random.default_rng(seed)
+    lp = -rng.random(n) * 8
+    d = np.exp(rng.uniform(np.log(1e-7), np.log(60.0), n)) * rng.choice([-1.0, 1.0], n)
+    ref = lp - d
+    inf = np.inf
+    lp_edge = [-1.0, -inf, -1.0, -inf, np.nan, -88.72, -89.0, -0.5, -1.0]
+    ref_edge = [-1.0, -inf, -inf, -1.0, -1.0, 0.0, 0.0, -1.5, 0.0]
+    return (np.concatenate([lp, lp_edge]).astype(np.float32), np.concatenate([ref, ref_edge]).astype(np.float32))
+
+
+def test_emulated_k3_is_the_cpu_kernels_bits():
+    # The CUDA kernel's k3 (its replay) and the CPU's vectorised one: the same bits, value and
+    # gradient, so a run's KL does not depend on the device it ran on.
+    from pyppo.ops import kl_penalty
+
+    lp, ref = _k3_inputs(5000, seed=3)
+    v, em1 = emu.kl_k3(lp, ref)
+    got = kl_penalty(torch.from_numpy(lp), torch.from_numpy(ref), estimator="k3")
+    grad = torch.ops.pyppo.kl_penalty_backward(torch.ones(len(lp)), torch.from_numpy(lp), torch.from_numpy(ref),
+                                               "k3", None, None)
+    assert bits_equal(got, torch.from_numpy(v))
+    assert bits_equal(grad, torch.from_numpy(np.float32(0) - em1))
+
+
+def test_emulated_k3_within_a_few_ulps_of_float64():
+    lp, ref = _k3_inputs(20000, seed=4)
+    v, em1 = emu.kl_k3(lp, ref)
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(lp) & np.isfinite(ref) & (ref.astype(np.float64) - lp < 88.0)
+    x = torch.from_numpy(ref[finite]).to(F64) - torch.from_numpy(lp[finite]).to(F64)
+    exact_v = ref_kl_penalty(torch.from_numpy(lp[finite]), torch.from_numpy(ref[finite]), estimator="k3")
+    for got, exact in ((v[finite], exact_v), (em1[finite], torch.expm1(x))):
+        spacing = torch.from_numpy(np.spacing(np.abs(exact.float().numpy()))).to(F64)
+        ulps = (torch.from_numpy(got).to(F64) - exact).abs() / spacing
+        assert ulps.max() <= 3.0, ulps.max()
+    inf = np.inf
+    assert v[-9] == 0 and v[-8] == 0 and em1[-9] == 0  # lp == ref, -inf == -inf included
+    assert v[-7] == inf and em1[-7] == -1 and v[-6] == inf and em1[-6] == inf  # an infinite side
+    assert np.isnan(v[-5]) and np.isnan(em1[-5])
+    assert np.isfinite(v[-4]) and v[-3] == inf  # exp(88.72) is a float32, exp(89) is not
+
+
 # ---------------------------------------------------------------------- the kernels, on a GPU
 
 
@@ -277,3 +325,23 @@ def test_cuda_gather_forward_matches_its_replay(dtype, V):
     # ex2.approx and log2f differ from the replay's last bits; the operations are the same.
     torch.testing.assert_close(got_lp.cpu(), torch.from_numpy(lp), rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(got_ent.cpu(), torch.from_numpy(ent), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and pyppo built with CUDA")
+def test_cuda_k3_matches_its_replay():
+    from pyppo.ops import kl_penalty
+
+    lp, ref = _k3_inputs(5000, seed=5)
+    v, em1 = emu.kl_k3(lp, ref)
+    a, b = torch.from_numpy(lp).cuda(), torch.from_numpy(ref).cuda()
+    got = kl_penalty(a, b, estimator="k3").cpu()
+    grad = torch.ops.pyppo.kl_penalty_backward(torch.ones(len(lp), device="cuda"), a, b, "k3", None, None).cpu()
+    series = np.abs(ref.astype(np.float64) - lp) <= 1
+    series_t = torch.from_numpy(series)
+    assert bits_equal(got[series_t], torch.from_numpy(v[series]))
+    assert bits_equal(grad[series_t], torch.from_numpy(np.float32(0) - em1[series]))
+    # Elsewhere CUDA's double expm1 against numpy's: the same float32 but for a near-tie.
+    torch.testing.assert_close(got, torch.from_numpy(v), rtol=2.4e-7, atol=0, equal_nan=True)
+    torch.testing.assert_close(grad, torch.from_numpy(np.float32(0) - em1), rtol=2.4e-7, atol=0, equal_nan=True)
+

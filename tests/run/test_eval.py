@@ -77,3 +77,30 @@ def test_a_run_leaves_a_policy_that_transformers_and_pyppo_load(tmp_path, capsys
     assert cli.main(["train", "--model", str(policy_dir), *flags, "--output", str(tmp_path / "b")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["kl_mean"] == 0.0  # its reference is the exported policy itself
+
+
+def test_extending_a_finished_run_with_eval_prompts_takes_the_uninterrupted_runs_steps(tmp_path, capsys):
+    """`--steps 2`, then `--resume --steps 4`: the first run evaluates after its last step (2),
+    where the 4-step run does not; steps 3 and 4 must not see that evaluation's sampling."""
+    tiny = save_tiny_causal_lm(tmp_path / "tiny")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:6]) + "\n")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("\n".join(json.dumps({"prompt": p}) for p in EVAL[:3]) + "\n")
+    flags = ["--model", str(tiny), "--prompts", str(prompts), "--eval-prompts", str(held_out), "--batch-size", "2",
+             "--mini-batch-size", "2", "--ppo-epochs", "1", "--max-new-tokens", "6", "--device", "cpu", "--seed", "5"]
+    assert cli.main(["train", *flags, "--steps", "2", "--output", str(tmp_path / "extended")]) == 0
+    assert cli.main(["train", "--resume", str(tmp_path / "extended"), "--steps", "4"]) == 0
+    assert cli.main(["train", *flags, "--steps", "4", "--output", str(tmp_path / "straight")]) == 0
+    capsys.readouterr()
+
+    def logs(run, name):
+        rows = [json.loads(line) for line in (tmp_path / run / name).read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "time" not in k and "seconds" not in k} for r in rows]
+
+    extended, straight = logs("extended", "metrics.jsonl"), logs("straight", "metrics.jsonl")
+    assert [r["step"] for r in extended] == [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert "eval/score_mean" in extended[1] and "eval/score_mean" not in straight[1]
+    assert extended[2:] == straight[2:]
+    assert logs("extended", "samples.jsonl")[4:] == logs("straight", "samples.jsonl")[4:]  # steps 3 and 4
+    assert logs("extended", "eval_samples.jsonl")[3:] == logs("straight", "eval_samples.jsonl")  # after step 4

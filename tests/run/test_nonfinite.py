@@ -14,7 +14,7 @@ from pyppo.config import PPOConfig
 from pyppo.run.nonfinite import NonFiniteUpdateError
 from support.trainer_fixture import PROMPTS, make_trainer, small_config
 
-from support.run_fixture import ckpt_step, read_rows
+from support.run_fixture import ckpt_step, prompts_file, read_rows, tiny_dir  # noqa: F401 (fixtures)
 
 
 # ----------------------------------------------------------------------------- non-finite updates
@@ -83,6 +83,35 @@ def test_all_skipped_step_reports_nan_losses_and_counts_across_steps():
         tr.step()
 
 
+def test_metrics_of_an_all_skipped_step_are_strict_json(tmp_path):
+    import json
+
+    from pyppo.run.plotting import plot_metrics
+    from pyppo.run.rundir import RunDir
+
+    def strict(line):
+        def refuse(constant):
+            raise AssertionError(f"bare {constant} in {line!r}")
+        return json.loads(line, parse_constant=refuse)
+
+    tr = make_trainer(small_config(steps=2, max_consecutive_skips=9))
+    param = next(p for p in tr.value_model.parameters() if p.requires_grad)
+    handle = param.register_hook(lambda g: torch.full_like(g, math.inf))
+    with pytest.warns(RuntimeWarning, match="value_grad_norm=inf"):
+        history = tr.train(tmp_path, progress=False)
+    handle.remove()
+    assert math.isnan(history[0]["policy_loss"])  # the Python side keeps the float
+    rows = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["policy_loss"] is None and rows[0]["clipfrac"] is None and rows[0]["skipped_updates"] == 4
+    assert isinstance(rows[0]["score_mean"], float)
+    # What reads the log still does: the curves, and the truncation a resume makes.
+    assert plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "curves.png").stat().st_size > 0
+    with pytest.warns(RuntimeWarning, match="dropped 1 line"):
+        RunDir(tmp_path).truncate_logs(1)
+    assert [strict(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
 def test_max_consecutive_skips_is_validated():
     assert PPOConfig().max_consecutive_skips == 3
     for bad in (0, -1, 1.5, True):
@@ -114,6 +143,44 @@ def test_diverged_model_is_reported_before_whitening_keeping_the_checkpoint(tmp_
     assert "response tokens)" in msg and "the model probably diverged" in msg
     assert f"last good checkpoint is {str(tmp_path / 'checkpoint')!r} (step 1)" in msg
     assert ckpt_step(tmp_path / "checkpoint") == 1 and [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_lr_1e30_names_no_checkpoint_good_when_it_holds_the_weights_that_diverged(tiny_dir, prompts_file, tmp_path,
+                                                                                  capsys):
+    from pyppo import cli
+
+    # The user's command: step 1's update takes the weights to about 1e30 (finite), step 2's
+    # rollout from them is NaN; the checkpoint of step 1 holds those weights.
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out), "--steps", "3",
+            "--batch-size", "2", "--mini-batch-size", "1", "--max-new-tokens", "4", "--lr", "1e30", "--save-every", "1"]
+    assert cli.main(argv) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pyppo: error: ")]
+    assert line.startswith("pyppo: error: step 2: the rollout has non-finite ")
+    assert "last good" not in line
+    assert line.endswith(f"no checkpoint is good to resume from: {str(out / 'checkpoint')!r} (step 1) holds the "
+                         "weights that gave this rollout; start the run over")
+    weights = torch.load(out / "checkpoint" / "policy.pt", weights_only=True)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert max(float(w.abs().max()) for w in weights.values()) > 1e29
+
+
+def test_an_update_that_overflows_the_weights_is_not_checkpointed_over_the_last_good_one(tmp_path):
+    tr = make_trainer(small_config(steps=1, save_every=1, max_consecutive_skips=100))
+    tr.train(tmp_path, progress=False)
+    good = torch.load(tmp_path / "checkpoint" / "policy.pt", weights_only=True)
+    # An Adam update is about lr per weight: with an lr past float32's range (set behind the
+    # config's check) step 2's first update makes weights infinite, from finite gradients; the
+    # later updates of the step are skipped (their losses are NaN), and the step ends.
+    tr.config.steps, tr.config.lr = 2, 1e39
+    with pytest.warns(RuntimeWarning, match="update skipped"), pytest.raises(NonFiniteUpdateError) as info:
+        tr.train(tmp_path, progress=False)
+    msg = str(info.value)
+    assert msg.startswith("step 2: ") and "trained weights are NaN/inf" in msg and "not checkpointed" in msg
+    assert msg.endswith(f"the last good checkpoint is {str(tmp_path / 'checkpoint')!r} (step 1)")
+    assert ckpt_step(tmp_path / "checkpoint") == 1
+    kept = torch.load(tmp_path / "checkpoint" / "policy.pt", weights_only=True)
+    assert all(torch.equal(kept[k], good[k]) for k in good)
 
 
 def test_non_finite_values_are_named(monkeypatch):

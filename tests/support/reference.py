@@ -112,8 +112,15 @@ def ref_kl_unclamped(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimat
         return 0.5 * (lp - ref) ** 2
     if estimator == "k3":
         r = ref - lp
-        # exp(r) - r - 1 -> +inf as r -> +inf (never inf - inf = NaN)
-        return torch.where(torch.isposinf(r), torch.full_like(r, math.inf), torch.exp(r) - r - 1)
+        # exp(r) - r - 1 as written rounds at the scale of 1, which is all of k3 for small |r| even
+        # in float64; expm1(r) - r does not, and below |r| = 1e-3, where it still cancels, the
+        # Taylor series to r^7 is exact to float64's precision.
+        small = r.abs() < 1e-3
+        rs = torch.where(small, r, torch.zeros_like(r))
+        series = rs * rs * (1 / 2 + rs * (1 / 6 + rs * (1 / 24 + rs * (1 / 120 + rs * (1 / 720 + rs / 5040)))))
+        k3 = torch.where(small, series, torch.expm1(r) - r)
+        # -> +inf as r -> +inf (never inf - inf = NaN)
+        return torch.where(torch.isposinf(r), torch.full_like(r, math.inf), k3)
     if estimator == "abs":
         return (lp - ref).abs()
     raise ValueError(estimator)
@@ -163,6 +170,26 @@ def ref_shape_rewards(
             s = min(max(s, -score_clip), score_clip)
         rewards[b, last] += s
     return rewards, kl
+
+
+def ref_sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_ids: torch.Tensor, eos: int,
+                    estimator: str = "k1") -> list[float]:
+    """Each response's KL in nats, float64: the per-token estimator summed over its sampled tokens,
+    up to and including the first ``eos`` (every token when there is none)."""
+    kl = ref_kl_unclamped(logprobs, ref_logprobs, estimator)
+    out = []
+    for row, ids in zip(kl, response_ids):
+        first = (ids == eos).nonzero()
+        n = int(first[0]) + 1 if len(first) else len(ids)
+        out.append(math.fsum(row[:n].tolist()))
+    return out
+
+
+def ref_adaptive_kl_coef(beta: float, kl: float, target: float, n_samples: int, horizon: float) -> float:
+    """One step of the adaptive KL controller (Ziegler et al. 2019, §2.2), from its definition:
+    ``e = clip(KL / target − 1, −0.2, 0.2)``, ``β ← β · (1 + e · n_samples / horizon)``, with ``KL``
+    in nats per sequence."""
+    return beta * (1 + min(max(kl / target - 1, -0.2), 0.2) * n_samples / horizon)
 
 
 # ---------------------------------------------------------------------------------------------

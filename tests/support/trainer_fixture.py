@@ -20,8 +20,10 @@ def count_e(prompts, responses):
 
 
 def small_config(**overrides):
+    # float32 unless a test asks: `auto` would make these tests' tolerances depend on the CPU
+    # (bf16 on AVX512_BF16/AMX); tests/trainer/test_precision.py runs `auto` itself.
     cfg = dict(steps=2, batch_size=8, mini_batch_size=4, micro_batch_size=2, ppo_epochs=2,
-               max_new_tokens=8, lr=1e-3, seed=0)
+               max_new_tokens=8, lr=1e-3, seed=0, dtype="float32")
     cfg.update(overrides)
     return PPOConfig(**cfg)
 

@@ -85,7 +85,7 @@ def test_tables_show_both_trainers_and_the_ratios():
     text = peer_step.markdown_tables({"trl": trl, "pyppo": ppo})
     assert "| TRL | 21.0 | 25.0, 20.0, 22.0, 21.0 | 8.00 GB |" in text
     assert "| pyppo | 17.0 | 19.0, 18.0, 17.0, 16.0 | 6.00 GB |" in text
-    assert "| pyppo / TRL | 0.81x | | 0.75x |" in text
+    assert "| pyppo / TRL | 0.81x | | 0.75x | |" in text
     assert "median, steps 2-4" in text
     assert "| rollout log-probs (policy forward) | in generate (scores) | 0.00 |" in text
     assert "| of which the training forward | 6.00 | - |" in text
@@ -96,17 +96,48 @@ def test_tables_with_one_trainer_have_no_ratio():
     ppo = _result("pyppo", [19.0], 6.0, {"generate": 7.0, "rest": 8.0})
     text = peer_step.markdown_tables({"pyppo": ppo})
     assert "pyppo / TRL" not in text and "median, step 1" in text
-    assert "| generate (32 decode steps) | - | 7.00 |" in text
+    assert "| generate (32 decode steps) | 7.00 |" in text and "| TRL" not in text
     assert peer_step.ratio(None, 3.0) is None
 
 
 def test_options():
     args = peer_step.parse_args([])
     assert (args.steps, args.threads, args.json, args.skip_trl, args.skip_pyppo) == (4, 2, None, False, False)
+    assert (args.dtype, args.allocator) == ("both", ["auto"])
+    assert peer_step.parse_args(["--allocator", "glibc,jemalloc,glibc"]).allocator == ["glibc", "jemalloc"]
     assert peer_step.parse_args(["--json"]).json == "auto"
     assert peer_step.json_path("auto", date(2026, 12, 2)) == peer_step.RESULTS / "peer_step-2026-12-02.json"
     assert peer_step.json_path("/tmp/x.json", date(2026, 12, 2)) == Path("/tmp/x.json")
     assert peer_step.json_path(None, date(2026, 12, 2)) is None
-    for bad in (["--skip-trl", "--skip-pyppo"], ["--steps", "0"], ["--threads", "0"]):
+    for bad in (["--skip-trl", "--skip-pyppo"], ["--steps", "0"], ["--threads", "0"], ["--dtype", "float16"],
+                ["--allocator", "mimalloc"], ["--allocator", ","]):
         with pytest.raises(SystemExit):
             peer_step.parse_args(bad)
+
+
+def test_tables_put_each_allocator_beside_trl():
+    trl = _result("TRL", [25.0, 20.0], 8.0, {"generate": 7.0, "rest": 9.0})
+    glibc = _result("pyppo PPOTrainer (glibc)", [19.0, 18.0], 7.0, {"generate": 7.0, "rest": 8.0})
+    jemalloc = _result("pyppo PPOTrainer (jemalloc)", [19.0, 17.0], 6.0, {"generate": 6.0, "rest": 8.0})
+    jemalloc["page_faults_per_step"] = {"minor": 52000.0, "major": 0.0}
+    text = peer_step.markdown_tables({"trl": trl, "pyppo:glibc": glibc, "pyppo:jemalloc": jemalloc})
+    assert "| pyppo PPOTrainer (glibc) / TRL | 0.90x | | 0.88x | |" in text
+    assert "| pyppo PPOTrainer (jemalloc) / TRL | 0.85x | | 0.75x | |" in text
+    assert "| pyppo PPOTrainer (jemalloc) | 17.0 | 19.0, 17.0 | 6.00 GB | 52k |" in text
+    assert "| phase (median s, step 2) | TRL | pyppo (glibc) | pyppo (jemalloc) |" in text
+    assert "| generate (32 decode steps) | 7.00 | 7.00 | 6.00 |" in text
+
+
+def test_allocator_env(monkeypatch):
+    from pyppo.run import allocator
+
+    monkeypatch.setenv("LD_PRELOAD", "/x/libfoo.so")
+    name, env = peer_step.allocator_env("glibc")
+    assert name == "glibc" and "LD_PRELOAD" not in env
+    monkeypatch.setattr(allocator, "find_allocator", lambda n: None)
+    assert peer_step.allocator_env("auto")[0] == "glibc"
+    with pytest.raises(SystemExit, match="--allocator tcmalloc: not installed"):
+        peer_step.allocator_env("tcmalloc")
+    monkeypatch.setattr(allocator, "find_allocator", lambda n: f"/lib/lib{n}.so")
+    name, env = peer_step.allocator_env("auto")
+    assert name == allocator.PREFERRED and env["LD_PRELOAD"] == f"/lib/lib{allocator.PREFERRED}.so"

@@ -15,7 +15,8 @@ import torch
 from support.distributed_worker import one_update, update_config
 from pyppo.trainer.rollout_forwards import rollout_forwards
 from pyppo.trainer.step_stats import PhaseTimer
-from support.trainer_fixture import PROMPTS, count_e, make_trainer
+from support.reference import ref_adaptive_kl_coef, ref_sequence_kl
+from support.trainer_fixture import EOS, PROMPTS, count_e, make_trainer
 from support.tiny_models import save_tiny_causal_lm
 
 HERE = Path(__file__).resolve().parents[1]  # the tests folder: support.*
@@ -68,6 +69,26 @@ def test_two_ranks_update_like_one_process(fixed_rollout, tmp_path, mode):
         assert moved > len(one[model]) // 2  # the update moved the weights being compared
 
 
+def test_the_kl_controller_is_fed_the_global_kl_of_ranks_whose_kls_differ(tmp_path):
+    # Each rank samples its own responses against a reference unlike the policy: the ranks' KLs
+    # differ, and every rank's coefficient must be Ziegler's update from the whole batch's KL
+    # (nats per sequence over both ranks' responses, by hand from their log-probs) and its 4 samples.
+    out = tmp_path / "ranks.pt"
+    torchrun(2, str(HERE / "support" / "distributed_worker.py"), "kl-controller", str(out))
+    ranks = torch.load(out, weights_only=False)
+    kls = [ref_sequence_kl(r["old_logprobs"], r["ref_logprobs"], r["response_ids"], EOS) for r in ranks]
+    assert [len(k) for k in kls] == [2, 2]
+    global_kl = sum(sum(k) for k in kls) / 4
+    target = ranks[0]["target"]
+    expected = ref_adaptive_kl_coef(0.2, global_kl, target, 4, 20.0)
+    assert ranks[0]["target"] == ranks[1]["target"] and 0.8 < global_kl / target < 1.2
+    for r in ranks:
+        assert r["kl_coef"] == pytest.approx(expected, rel=1e-6)
+    # A rank that fed the controller its own KL (or its own count of samples) would be off.
+    local = [ref_adaptive_kl_coef(0.2, sum(k) / 2, target, n, 20.0) for k in kls for n in (2, 4)]
+    assert min(abs(x - expected) for x in local) > 1e-4 * expected
+
+
 def test_world_size_must_divide_the_batch():
     from pyppo.config import PPOConfig
 
@@ -90,7 +111,8 @@ def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
                       "    return [float(r.count('e')) - 0.1 * len(r) for r in responses]\n")
     flags = ["--model", str(model), "--reward", f"{reward}:count_e", "--prompts", str(prompts), "--device", "cpu",
              "--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1", "--max-new-tokens", "6",
-             "--lr", "1e-3", "--seed", "3", "--save-every", "1"]
+             "--lr", "1e-3", "--seed", "3", "--save-every", "1", "--lr-warmup-steps", "8"]
+    # Two optimizer steps a step: the warm-up is at 4 of 8 when the run resumes.
     torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "2", "--output", str(tmp_path / "run"))
     torchrun(2, "-m", "pyppo", "train", "--resume", str(tmp_path / "run"), "--steps", "3")
     torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "3", "--output", str(tmp_path / "straight"))
@@ -122,7 +144,11 @@ def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
     from pyppo import cli
 
     os.environ.pop("WORLD_SIZE", None)
-    with pytest.raises(ValueError, match=r"written by 2 process\(es\), this run has 1"):
+    # ... before anything loads, naming the command that resumes it.
+    from pyppo.cli.flags import CLIError
+
+    with pytest.raises(CLIError, match=r"written by 2 process\(es\), this run has 1; resume it with: pyppo train "
+                                       r"--resume \S+ --nproc 2$"):
         os.environ["PYPPO_DEBUG"] = "1"
         try:
             cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "4"])

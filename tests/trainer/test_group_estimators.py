@@ -78,6 +78,9 @@ def test_the_config_names_and_the_registry_agree():
     (dict(advantage_estimator="grpo", samples_per_prompt=2, cliprange_value=None),
      r"cliprange_value = None has no effect here"),
     (dict(advantage_estimator="grpo", samples_per_prompt=2, gamma=0.99), r"gamma = 0.99 has no effect here: it needs token returns"),
+    (dict(advantage_estimator="reinforce_pp_baseline", samples_per_prompt=2, gamma=0.9),
+     r"gamma = 0.9 has no effect here: it needs token returns \(advantage_estimator 'gae' or 'reinforce_pp', not "
+     r"'reinforce_pp_baseline'\)"),
     (dict(advantage_estimator="grpo", samples_per_prompt=2, whiten_advantages=False),
      r"whiten_advantages = False has no effect here: it needs a batch-whitened estimator \('grpo' normalises"),
     (dict(advantage_estimator="rloo", samples_per_prompt=2, grpo_std_normalize=False),
@@ -128,14 +131,16 @@ def test_each_prompt_is_sampled_samples_per_prompt_times_in_a_row_and_ranks_take
 @pytest.mark.parametrize("estimator", CRITIC_FREE)
 def test_a_critic_free_step_has_no_value_model_and_its_advantages_match_float64(estimator):
     k = 4
-    tr = make_trainer(group_config(estimator, k=k, steps=1))
+    # A discount away from 1 where the estimator has token returns, so that it shows.
+    gamma = dict(gamma=0.8) if estimator == "reinforce_pp" else {}
+    tr = make_trainer(group_config(estimator, k=k, steps=1, **gamma))
     assert tr.value_model is None and tr.value_module is None and tr.value_optimizer is None and tr.critic is None
     metrics, batch = tr.step()
     assert not any(key in metrics for key in VALUE_KEYS), sorted(set(VALUE_KEYS) & set(metrics))
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in metrics.values()), metrics
     assert metrics["first_max_abs_logratio"] == 0.0
     assert (batch.values == 0).all()
-    want = reference(batch, estimator, k)
+    want = reference(batch, estimator, k, **gamma)
     torch.testing.assert_close(batch.advantages.double(), want, rtol=1e-5, atol=1e-5)
     # The groups are real: every group's responses are to one prompt.
     assert all(len(set(batch.prompts[g * k:(g + 1) * k])) == 1 for g in range(len(batch) // k))

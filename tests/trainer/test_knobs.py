@@ -67,7 +67,18 @@ def check_max_new_tokens(tmp_path, monkeypatch):
 
 
 def check_max_prompt_length(tmp_path, monkeypatch):
-    assert make_trainer(small_config(steps=1, max_prompt_length=5)).step().batch.prompt_length == 5
+    from support.tiny_models import tiny_tokenizer
+
+    # A prompt keeps its last tokens, those next to the response, chat template or not.
+    tok = tiny_tokenizer()
+    for template in (True, False):
+        b = make_trainer(small_config(steps=1, max_prompt_length=5, use_chat_template=template)).step().batch
+        assert b.prompt_length == 5
+        for prompt, ids, mask in zip(b.prompts, b.query_ids, b.query_mask):
+            text = (tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                            add_generation_prompt=True) if template else prompt)
+            full = tok(text, add_special_tokens=not template)["input_ids"]
+            assert len(full) > 5 and ids[mask].tolist() == full[-5:], (template, prompt)
 
 
 def check_temperature(tmp_path, monkeypatch):
@@ -186,7 +197,9 @@ def check_lr_warmup_steps(tmp_path, monkeypatch):
             opt.register_step_pre_hook(lambda o, *a: seen.append(o.param_groups[0]["lr"]))
         return seen
 
-    cfg = small_config(steps=2, ppo_epochs=1, mini_batch_size=4, lr=1e-3, value_lr=2e-3, lr_warmup_steps=3)
+    # The warm-up (5 optimizer steps) runs on across the resume, after the first step's 2: the
+    # resumed trainer's clock is the checkpoint's, not a fresh one nor "past any warm-up".
+    cfg = small_config(steps=3, ppo_epochs=1, mini_batch_size=4, lr=1e-3, value_lr=2e-3, lr_warmup_steps=5)
     tr = make_trainer(cfg)
     seen = lrs(tr)
     tr.step()  # two optimizer steps of each model
@@ -195,8 +208,11 @@ def check_lr_warmup_steps(tmp_path, monkeypatch):
     resumed.load_checkpoint(tmp_path / "ckpt")
     seen_after = lrs(resumed)
     resumed.step()
-    assert seen == pytest.approx([1e-3 / 3, 2e-3 / 3, 2e-3 / 3, 4e-3 / 3])
-    assert seen_after == pytest.approx([1e-3, 2e-3, 1e-3, 2e-3])
+    resumed.step()
+    # lr · min(1, (n + 1) / 5) before applied step n (policy then value model, each step).
+    scale = [min(1.0, (n + 1) / 5) for n in range(6)]
+    assert seen == pytest.approx([x for s in scale[:2] for x in (1e-3 * s, 2e-3 * s)])
+    assert seen_after == pytest.approx([x for s in scale[2:] for x in (1e-3 * s, 2e-3 * s)])
 
 
 def check_kl_loss(tmp_path, monkeypatch):

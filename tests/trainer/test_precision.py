@@ -7,15 +7,18 @@ import pytest
 import torch
 
 from pyppo.trainer.buffer import RolloutBuffer
-from pyppo.precision import autocast
+from pyppo.precision import autocast, native_bf16, resolve_dtype
 from pyppo.trainer.logprob_head import LogprobHead
 from support.trainer_fixture import make_trainer, small_config
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
 def test_first_ratio_is_exactly_one_and_first_kl_exactly_zero(dtype, lora_rank):
     tr = make_trainer(small_config(steps=1, dtype=dtype, lora_rank=lora_rank))
+    # `auto` is whatever this machine's CPU computes natively; the trainer keeps the answer.
+    expected = dtype if dtype != "auto" else ("bfloat16" if native_bf16(torch.device("cpu"))[0] else "float32")
+    assert tr.config.dtype == expected and tr.dtype == getattr(torch, expected)
     metrics, batch = tr.step()
     # The rollout pass and the first training pass ran the same computation, bit for bit.
     assert metrics["first_max_abs_logratio"] == 0.0 and metrics["first_ratio_max"] == 1.0
@@ -91,3 +94,34 @@ def test_gradient_checkpointing_on_a_model_without_it_is_refused():
 
     with pytest.raises(ValueError, match=r"gradient_checkpointing: the policy \(Linear\) does not support it"):
         enable_gradient_checkpointing(torch.nn.Linear(2, 2), "policy")
+
+
+def _cpu_probes(monkeypatch, **flags):
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.setattr(torch.cpu, name, (lambda v: lambda: v)(flags.get(name, False)), raising=False)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({}, "float32"),
+    ({"_is_avx512_bf16_supported": True}, "bfloat16"),
+    ({"_is_amx_tile_supported": True}, "bfloat16"),
+])
+def test_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, flags, expected):
+    _cpu_probes(monkeypatch, **flags)
+    name, why = resolve_dtype("auto", torch.device("cpu"))
+    assert name == expected and why
+    # An explicit dtype is never second-guessed.
+    assert resolve_dtype("float32", torch.device("cpu")) == ("float32", "")
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == ("bfloat16", "")
+    assert small_config(dtype="auto").torch_dtype == getattr(torch, expected)
+
+
+def test_auto_survives_a_torch_without_the_probes(monkeypatch):
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.delattr(torch.cpu, name, raising=False)
+    assert resolve_dtype("auto", torch.device("cpu"))[0] == "float32"
+
+
+def test_resolve_dtype_names_a_bad_value():
+    with pytest.raises(ValueError, match="dtype must be 'auto', 'float32' or 'bfloat16', got 'float16'"):
+        resolve_dtype("float16", torch.device("cpu"))

@@ -16,7 +16,8 @@ from torch import nn
 
 from pyppo.rollout.tokens import response_mask_from_eos
 from pyppo.trainer import METRIC_KEYS, VALUE_METRIC_KEYS
-from support.reference import ref_gae, ref_masked_whiten, ref_shape_rewards
+from support.reference import (ref_adaptive_kl_coef, ref_gae, ref_masked_whiten, ref_sequence_kl,
+                               ref_shape_rewards)
 from support.tiny_models import tiny_batch_mixing_lm, tiny_causal_lm, tiny_dropout_lm
 from support.trainer_fixture import EOS, PROMPTS, count_e, make_trainer, small_config
 
@@ -206,13 +207,44 @@ def test_explained_variance_does_not_depend_on_micro_batch_size(micro):
     assert m["explained_variance"] != 0.0
 
 
-def test_adaptive_kl_controller_is_applied():
-    tr = make_trainer(small_config(target_kl=0.5, kl_coef=0.2, kl_horizon=100))
-    m1 = tr.step().metrics
-    m2 = tr.step().metrics
-    err = min(max(m1["kl_mean"] / 0.5 - 1, -0.2), 0.2)
-    assert m1["kl_coef"] == 0.2
-    assert m2["kl_coef"] == pytest.approx(0.2 * (1 + err * 8 / 100))
+def _sequence_kl(b, estimator: str) -> float:
+    # The KL the adaptive controller is fed (docs/trainer.md, point 7): nats per sequence, over
+    # every sampled token (truncated responses too), averaged over the responses.
+    kls = ref_sequence_kl(b.old_logprobs, b.ref_logprobs, b.response_ids, EOS, estimator)
+    return sum(kls) / len(kls)
+
+
+@pytest.mark.parametrize("estimator, mask_truncated", [("k1", False), ("k3", True)])
+def test_adaptive_kl_controller_is_applied(estimator, mask_truncated):
+    # A reference unlike the policy, so step 1's KL is not 0. The target is the KL the batch will
+    # have (a first trainer, same seed, measures it) over 1.1: the controller's error, 0.1, is
+    # then inside its ±0.2 clip, and the new coefficient depends on the KL's size, not only on
+    # which side of the target it lies. Some responses hit the length limit: with
+    # mask_truncated they leave the loss, but their KL is still the rollout's.
+    def trainer(target):
+        cfg = small_config(steps=2, kl_estimator=estimator, kl_coef=0.2, target_kl=target, kl_horizon=40,
+                           mask_truncated=mask_truncated, max_new_tokens=10)
+        return make_trainer(cfg, eos_bias=2.0, ref=tiny_causal_lm(seed=1))
+
+    measured = _sequence_kl(trainer(1.0).step().batch, estimator)
+    assert measured > 0.05
+    target = measured / 1.1
+    tr = trainer(target)
+    m1, b1 = tuple(tr.step())
+    assert 0 < int(b1.has_eos.sum()) < len(b1)
+    kl1 = _sequence_kl(b1, estimator)
+    assert kl1 == pytest.approx(measured, rel=1e-6)  # the same batch as the probe's
+    beta1 = ref_adaptive_kl_coef(0.2, kl1, target, 8, 40)
+    assert m1["kl_coef"] == 0.2 and m1["kl_mean"] == pytest.approx(kl1, rel=1e-5)
+    assert tr.kl_ctl.value == pytest.approx(beta1, rel=1e-6)
+    # Step 2's rewards are shaped with the updated coefficient, which then moves on with step 2's KL.
+    m2, b2 = tuple(tr.step())
+    assert m2["kl_coef"] == pytest.approx(beta1, rel=1e-6)
+    rewards, _ = ref_shape_rewards(b2.scores, b2.old_logprobs, b2.ref_logprobs,
+                                   response_mask_from_eos(b2.response_ids, EOS)[0], kl_coef=beta1, estimator=estimator)
+    torch.testing.assert_close(b2.rewards.double(), rewards, rtol=1e-5, atol=1e-6)
+    beta2 = ref_adaptive_kl_coef(beta1, _sequence_kl(b2, estimator), target, 8, 40)
+    assert tr.kl_ctl.value == pytest.approx(beta2, rel=1e-6)
 
 
 def test_phases_are_visible_to_the_profiler():
@@ -230,22 +262,26 @@ def _comparable(m):
 
 
 def test_train_outputs_and_exact_resume(tmp_path):
-    # Reference run: two steps straight through.
-    full = make_trainer(small_config(steps=2))
+    # Reference run: two steps straight through. Four optimizer steps a step; the learning-rate
+    # warm-up (6 of them) runs across the resume.
+    full = make_trainer(small_config(steps=2, lr_warmup_steps=6))
     full_metrics = full.train(tmp_path / "full", progress=False)
 
     # Interrupted run: one step, a checkpoint, then a fresh process-like trainer resumes.
-    first = make_trainer(small_config(steps=1, save_every=1))
+    first = make_trainer(small_config(steps=1, save_every=1, lr_warmup_steps=6))
     first.train(tmp_path / "run", progress=False)
     ckpt = tmp_path / "run" / "checkpoint"
     assert sorted(p.name for p in ckpt.iterdir()) == ["optimizers.pt", "policy.pt", "trainer_state.pt", "value_model.pt"]
     assert not [p for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
     torch.manual_seed(12345)  # disturb the global RNG: the checkpoint must restore it
-    resumed = make_trainer(small_config(steps=2))
+    resumed = make_trainer(small_config(steps=2, lr_warmup_steps=6))
     resumed.load_checkpoint(ckpt)
     assert resumed.step_count == 1
+    lrs = []
+    resumed.policy_optimizer.register_step_pre_hook(lambda o, *a: lrs.append(o.param_groups[0]["lr"]))
     resumed.train(tmp_path / "run", progress=False)
+    assert lrs == pytest.approx([1e-3 * 5 / 6, 1e-3, 1e-3, 1e-3])  # lr · min(1, (n + 1) / 6), n = 4 ... 7
     assert resumed.step_count == 2
 
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

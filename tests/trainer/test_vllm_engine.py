@@ -130,6 +130,16 @@ def test_the_same_seed_samples_the_same_responses_whatever_the_batch(model_and_e
     assert not torch.equal(a.response_ids, c.response_ids)
 
 
+def test_each_request_has_its_own_seed_so_a_prompt_repeated_in_a_batch_gets_different_responses(model_and_engine):
+    # samples_per_prompt puts a prompt's group in one batch: one seed for all its requests would
+    # make the group's responses identical (every group advantage 0).
+    _, engine = model_and_engine
+    torch.manual_seed(11)
+    group = engine.generate([PROMPTS[0]] * 4)
+    responses = {tuple(r[m].tolist()) for r, m in zip(group.response_ids, group.response_mask)}
+    assert len(responses) == 4
+
+
 def test_a_weight_sync_makes_the_engine_sample_from_the_updated_policy(model_and_engine):
     model, engine = model_and_engine
     old = vllm_llama()
@@ -300,8 +310,10 @@ def prompts_path(tmp_path_factory):
     return path
 
 
+# float32: the mismatch bound below is float32's (with `auto`, a bf16 CPU would sample in bf16).
 FLAGS = ["--rollout-engine", "vllm", "--vllm-kv-cache-gib", str(KV_GIB), "--steps", "3", "--batch-size", "2",
-         "--mini-batch-size", "1", "--ppo-epochs", "1", "--max-new-tokens", "6", "--seed", "3", "--save-every", "100"]
+         "--mini-batch-size", "1", "--ppo-epochs", "1", "--max-new-tokens", "6", "--seed", "3", "--save-every", "100",
+         "--dtype", "float32"]
 
 
 def rows(out):

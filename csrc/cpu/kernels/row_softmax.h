@@ -41,13 +41,6 @@ struct RowStats {
 template <typename T>
 constexpr bool is_reduced_v = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
-// exp with <= 20 ulp error (what ATen's own softmax uses on AVX2/AVX512); exact std::exp on
-// the generic path. The KL kernel's exp.
-template <typename Vec>
-inline Vec vexp(const Vec& x) {
-  return x.exp_u20();
-}
-
 // Bit pattern of 2^n, for the integer n held in the low mantissa bits of t = kRound + n.
 inline at::vec::Vectorized<float> pow2_from_rounded(const at::vec::Vectorized<float>& t) {
 #if defined(CPU_CAPABILITY_AVX512)

@@ -51,6 +51,15 @@ def _float_tensor(fn: str, name: str, x: Any) -> torch.Tensor:
     return x
 
 
+def _real_tensor(fn: str, name: str, x: Any) -> torch.Tensor:
+    """A float, integer or bool tensor: where veRL promotes integer rewards with float values or
+    statistics and computes, so do the adapters."""
+    _tensor(fn, name, x)
+    if x.is_complex():
+        raise ValueError(f"{fn}: {name} must be a real (float, integer or bool) tensor, got dtype {x.dtype}")
+    return x
+
+
 def _bool_mask(fn: str, name: str, mask: Any, like: torch.Tensor) -> torch.Tensor:
     """``mask`` as a bool tensor of ``like``'s shape. A non-bool mask is checked to hold only 0
     and 1 (one host sync; an integer mask in one ``aminmax`` pass) and converted once, so the

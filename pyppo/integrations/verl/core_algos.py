@@ -26,7 +26,7 @@ from pyppo.ops import gspo_policy_loss as _gspo_policy_loss
 from pyppo.ops import kl_penalty as _kl_penalty
 from pyppo.ops import masked_whiten as _masked_whiten
 
-from ._checks import _acc, _bool_mask, _float_tensor, _mean_dtype, _promote, _tensor
+from ._checks import _acc, _bool_mask, _float_tensor, _mean_dtype, _promote, _real_tensor, _tensor
 from .torch_functional import _mean_impl, _mean_var, _whiten_everywhere
 
 PEER_MODULE = "verl.trainer.ppo.core_algos"
@@ -74,7 +74,8 @@ def compute_gae_advantage_return(
     at **every** position (masked ones included).
 
     Args:
-        token_level_rewards: ``[B, T]`` float.
+        token_level_rewards: ``[B, T]`` float, or integer / bool (promoted with ``values``, as
+            veRL's ``r + γ V`` promotes them).
         values: ``[B, T]`` float.
         response_mask: ``[B, T]`` 0/1 (int or float) or bool (veRL itself fails on bool with a
             ``RuntimeError``; pyppo accepts it).
@@ -88,7 +89,7 @@ def compute_gae_advantage_return(
     Raises:
         ValueError: fewer than 2 valid positions in the whole batch (veRL: ``ValueError`` from
             its whitening); ``gamma``/``lam`` outside ``[0, 1]`` (veRL accepts any value);
-            shapes that differ, a mask that is not bool / 0-1, non-float inputs.
+            shapes that differ, a mask that is not bool / 0-1, non-float values, complex rewards.
         TypeError: a non-tensor argument.
 
     ``pyppo.ops.gae`` runs the scan (one pass per row instead of veRL's Python loop over ``T``),
@@ -97,7 +98,7 @@ def compute_gae_advantage_return(
     ``verl.trainer.ppo.core_algos.compute_gae_advantage_return``.
     """
     fn = "compute_gae_advantage_return"
-    _float_tensor(fn, "token_level_rewards", token_level_rewards)
+    _real_tensor(fn, "token_level_rewards", token_level_rewards)
     _float_tensor(fn, "values", values)
     _tensor(fn, "response_mask", response_mask)
     out_dtype = _promote(token_level_rewards.dtype, values.dtype, response_mask.dtype)
@@ -106,6 +107,8 @@ def compute_gae_advantage_return(
     if acc == torch.float64:
         # pyppo.gae computes in the rewards' precision; veRL computes in the promoted dtype.
         rewards, vals = rewards.to(acc), vals.to(acc)
+    elif not rewards.is_floating_point():
+        rewards = rewards.to(acc)  # veRL's r + γV promotes integer rewards the same way
     m = _bool_mask(fn, "response_mask", response_mask, token_level_rewards)
     with torch.no_grad():
         adv, _ = _gae(rewards, vals, m, gamma=float(gamma), lam=float(lam))
@@ -156,10 +159,13 @@ def _group_ids(fn: str, index: Any, B: int, device: torch.device) -> torch.Tenso
     return torch.from_numpy(np.ascontiguousarray(inv, dtype=np.int64).reshape(-1)).to(device)
 
 
-def _outcome_mask(fn: str, token_level_rewards: Any, response_mask: Any) -> torch.Tensor:
-    """The checks every outcome estimator shares: ``[B, T]`` float rewards and a bool / 0-1 mask
-    of their shape, returned as bool."""
-    _float_tensor(fn, "token_level_rewards", token_level_rewards)
+def _outcome_mask(fn: str, token_level_rewards: Any, response_mask: Any, *, integer_rewards: bool = False) -> torch.Tensor:
+    """The checks every outcome estimator shares: ``[B, T]`` float rewards (integer / bool too
+    with ``integer_rewards``) and a bool / 0-1 mask of their shape, returned as bool."""
+    if integer_rewards:
+        _real_tensor(fn, "token_level_rewards", token_level_rewards)
+    else:
+        _float_tensor(fn, "token_level_rewards", token_level_rewards)
     if token_level_rewards.dim() != 2:
         raise ValueError(
             f"{fn}: token_level_rewards must be [B, T], got shape {tuple(token_level_rewards.shape)}"
@@ -170,7 +176,7 @@ def _outcome_mask(fn: str, token_level_rewards: Any, response_mask: Any) -> torc
 def _group_outcome(
     fn: str, token_level_rewards, response_mask, index, estimator: str, epsilon: float = 1e-6,
     std_normalize: bool = True, *, stats_dtype: Optional[torch.dtype] = None, singletons_zero: bool = False,
-    cast: bool = True,
+    cast: bool = True, integer_rewards: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pyppo.ops.group_advantages`` of veRL's scores (each row's reward summed over **every**
     position, masked ones included, as veRL's ``token_level_rewards.sum(-1)``) grouped by
@@ -180,18 +186,21 @@ def _group_outcome(
     (``stats_dtype``: the dtype of the statistics a vectorized estimator subtracts), or with
     ``cast=False`` in the precision computed in (float32, float64 for a float64 result).
     ``singletons_zero``: a group of one gets advantage 0 (its rows are masked out of the op's
-    output) instead of the op's baseline-0 convention."""
-    _tensor(fn, "response_mask", response_mask)
-    out_dtype = _promote(_float_tensor(fn, "token_level_rewards", token_level_rewards).dtype, response_mask.dtype)
+    output) instead of the op's baseline-0 convention. ``integer_rewards``: integer / bool rewards
+    are accepted (the vectorized estimators, where veRL's float statistics promote them)."""
+    m = _outcome_mask(fn, token_level_rewards, response_mask, integer_rewards=integer_rewards)
+    out_dtype = _promote(token_level_rewards.dtype, response_mask.dtype)
     if stats_dtype is not None:
         out_dtype = _promote(out_dtype, stats_dtype)
-    m = _outcome_mask(fn, token_level_rewards, response_mask)
     ids = _group_ids(fn, index, token_level_rewards.shape[0], token_level_rewards.device)
     with torch.no_grad():
         rows = m
         if singletons_zero and ids.numel():
             rows = m & (torch.bincount(ids)[ids] > 1).unsqueeze(-1)
-        scores = token_level_rewards.detach().sum(-1, dtype=_acc(out_dtype))
+        if token_level_rewards.is_floating_point():
+            scores = token_level_rewards.detach().sum(-1, dtype=_acc(out_dtype))
+        else:
+            scores = token_level_rewards.sum(-1).to(_acc(out_dtype))  # veRL: an exact integer sum
         adv = _group_advantages(
             scores, rows, group_ids=ids, estimator=estimator, eps=float(epsilon), std_normalize=bool(std_normalize)
         )
@@ -219,7 +228,10 @@ def _whiten_valid(fn: str, x: torch.Tensor, m: torch.Tensor, mask_dtype: torch.d
 
 _GROUP_ARGS = """Args:
         token_level_rewards: ``[B, T]`` float; a row's score is its sum over all ``T``
-            positions (masked ones included), as in veRL.
+            positions (masked ones included), as in veRL. The vectorized variants also take
+            integer / bool rewards (summed exactly, then promoted as veRL's float statistics
+            promote them); the others refuse them with ``ValueError``, where veRL's own fail
+            (``torch.mean`` of an integer tensor).
         response_mask: ``[B, T]`` bool or 0/1 (the shape of ``token_level_rewards``).
         index: ``[B]`` group labels (veRL passes ``non_tensor_batch["uid"]``, a numpy array of
             uid strings): rows with equal labels are the responses to one prompt, in any order
@@ -299,7 +311,8 @@ def compute_grpo_vectorized_outcome_advantage(
     ``verl.trainer.ppo.core_algos.compute_grpo_vectorized_outcome_advantage``.
     """
     adv, _ = _group_outcome("compute_grpo_vectorized_outcome_advantage", token_level_rewards, response_mask,
-                            index, "grpo", epsilon, norm_adv_by_std_in_grpo, stats_dtype=torch.float32)
+                            index, "grpo", epsilon, norm_adv_by_std_in_grpo, stats_dtype=torch.float32,
+                            integer_rewards=True)
     return adv, adv
 
 
@@ -370,7 +383,8 @@ def compute_rloo_vectorized_outcome_advantage(
     # float64 for every other dtype (ATen's bincount).
     f32 = isinstance(token_level_rewards, torch.Tensor) and token_level_rewards.dtype == torch.float32
     adv, _ = _group_outcome("compute_rloo_vectorized_outcome_advantage", token_level_rewards, response_mask, index,
-                            "rloo", stats_dtype=torch.float32 if f32 else torch.float64, singletons_zero=True)
+                            "rloo", stats_dtype=torch.float32 if f32 else torch.float64, singletons_zero=True,
+                            integer_rewards=True)
     return adv, adv
 
 
@@ -440,7 +454,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
     Raises:
         AssertionError: ``config`` is None (veRL's assert). ValueError: ``config.gamma`` outside
             ``[0, 1]`` (veRL accepts any value); fewer than 2 valid positions in the batch (veRL:
-            ``ValueError`` from its whitening); a bad mask; non-``[B, T]`` or non-float rewards.
+            ``ValueError`` from its whitening); a bad mask; non-``[B, T]`` or non-float rewards
+            (veRL computes on integer rewards, but truncates the returns to their dtype).
 
     ``pyppo.ops.gae`` with zero values and ``λ = 1`` is exactly this return (its ``δ_t = r_t``,
     chained over valid positions only), one scan per row instead of veRL's Python loop over
@@ -451,6 +466,13 @@ def compute_reinforce_plus_plus_outcome_advantage(
     if config is None:
         raise AssertionError(f"{fn}: config is required (veRL asserts config is not None)")
     gamma = config.gamma
+    if isinstance(token_level_rewards, torch.Tensor) and not (
+        token_level_rewards.is_floating_point() or token_level_rewards.is_complex()
+    ):
+        raise ValueError(
+            f"{fn}: token_level_rewards must be a floating-point tensor, got dtype {token_level_rewards.dtype} "
+            "(veRL would store the discounted returns in that dtype, truncating them); pass rewards.float()"
+        )
     m = _outcome_mask(fn, token_level_rewards, response_mask)
     out_dtype = _promote(token_level_rewards.dtype, response_mask.dtype)
     acc = _acc(out_dtype)
