@@ -251,7 +251,10 @@ def resume_command(directory: Path, world_size: int) -> str:
     command = f"pyppo train --resume {shlex.quote(str(directory))}"
     if world_size == 1:
         return command
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size:
+    # torchrun's variables describe this launch only when its world is the one being resumed (a
+    # library that ran in this process, such as vLLM, may have left them set).
+    local, launched = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local and launched and int(launched) == world_size and int(local) < world_size:
         return f"torchrun <the same launch options> -m {command}"
     return f"{command} --nproc {world_size}"
 

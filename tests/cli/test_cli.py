@@ -657,3 +657,20 @@ def test_config_errors_under_torchrun_are_said_once(tmp_path, capsys, monkeypatc
     monkeypatch.setenv("RANK", "0")
     assert cli.main(["train", "--config", str(cfg)]) == 2
     assert f"--config {str(cfg)!r}: invalid TOML" in _error_line(capsys)  # the file is named
+
+
+def test_resume_command_names_nproc_unless_the_launch_spans_machines(monkeypatch, tmp_path):
+    from pyppo.cli.train import resume_command
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    run = tmp_path / "run"
+    assert resume_command(run, 1) == f"pyppo train --resume {run}"
+    assert resume_command(run, 2) == f"pyppo train --resume {run} --nproc 2"
+    # A variable left behind by a library in this single process (vLLM sets them) is no launch.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert resume_command(run, 2) == f"pyppo train --resume {run} --nproc 2"
+    # Inside a torchrun launch over 2 machines of 2 processes each.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resume_command(run, 4) == f"torchrun <the same launch options> -m pyppo train --resume {run}"
