@@ -1,7 +1,8 @@
 """Write a run's policy/ again from its checkpoint: pyppo export DIR.
 
-``pyppo train`` writes ``policy/`` with every checkpoint. When that write failed after the
-checkpoint was saved (a full disk, say), or to have the other form of a LoRA policy
+``pyppo train`` writes ``policy/`` with its periodic and final checkpoints (not with the one a
+stop writes). When that write failed after the checkpoint was saved (a full disk, say), for a
+stopped run, or to have the other form of a LoRA policy
 (``--no-merge-lora``: the adapter alone; ``--merge-lora``: the merged model), this writes it from
 the run's ``checkpoint/`` and ``config.toml``: the policy is built as the run built it, the
 checkpoint's trained policy weights are loaded into it, and ``policy/`` is swapped in atomically,
@@ -48,9 +49,12 @@ def run(args: argparse.Namespace) -> int:
     # One process on `--device`, sampling with transformers: the export needs no more.
     config = dataclasses.replace(trained, device=args.device, fsdp=False, rollout_engine="transformers")
     print(f"{PROG}: writing {run_dir.policy} from the checkpoint of step {step} ...", file=sys.stderr)
+    from ..run.quiet import quiet_libraries
+
     trainer = build_trainer(config, **sources)
     load_trained_policy(trainer, found)
-    trainer.export_policy(run_dir.policy)
+    with quiet_libraries():  # DeepSpeed's CPU warning and transformers' shard bar (save_pretrained)
+        trainer.export_policy(run_dir.policy)
     trainer.close()
     if trained.merge_lora != _recorded_merge_lora(run_dir):
         write_resolved_config(run_dir.config, sources, trained)  # config.toml says what policy/ holds

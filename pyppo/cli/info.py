@@ -46,14 +46,16 @@ def _allocator() -> dict:
     from pyppo.run.allocator import ALLOCATORS, ENV, active_allocator, find_allocator, wanted_allocator
 
     installed = {name: find_allocator(name) for name in ALLOCATORS}
+    active, setting = active_allocator(), os.environ.get(ENV, "auto")
     try:
         wanted = wanted_allocator()
     except ValueError as exc:
-        return {"active": active_allocator(), "train": f"invalid ({exc})", "setting": os.environ.get(ENV, "auto"),
-                "installed": installed}
-    train = wanted if wanted and installed.get(wanted) else "unchanged" if wanted is None else "glibc"
-    return {"active": active_allocator(), "train": train, "setting": os.environ.get(ENV, "auto"),
-            "installed": installed}
+        return {"active": active, "train": None, "error": str(exc), "setting": setting, "installed": installed}
+    if active not in ("glibc", "unknown") or wanted is None:
+        train = active  # preloaded already (or `system`): the commands keep it
+    else:
+        train = wanted if installed.get(wanted) else "glibc"
+    return {"active": active, "train": train, "setting": setting, "installed": installed}
 
 
 def _dtype_auto() -> dict:
@@ -124,8 +126,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         "vllm not installed (pip install 'pyppo[vllm]', or scripts/install_vllm.sh)")))
     alloc = info["allocator"]
     installed = ", ".join(n for n, path in alloc["installed"].items() if path) or "neither jemalloc nor tcmalloc"
-    rows.append(("allocator", f"{alloc['active']} here; pyppo train/profile run on {alloc['train']} "
-                              f"(PYPPO_ALLOCATOR={alloc['setting']}; installed: {installed})"))
+    if alloc["train"] is None:
+        rows.append(("allocator", f"{alloc['active']} here; pyppo train/profile refuse to start: {alloc['error']}"))
+    else:
+        rows.append(("allocator", f"{alloc['active']} here; pyppo train/profile run on {alloc['train']} "
+                                  f"(PYPPO_ALLOCATOR={alloc['setting']}; installed: {installed})"))
     for device, auto in info["dtype_auto"].items():
         rows.append((f"dtype auto ({device})", f"{auto['dtype']} ({auto['reason']})"))
     for peer, st in info["integrations"].items():

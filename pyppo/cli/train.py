@@ -157,6 +157,8 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
                            "start a new run (--output) to change it")
         merged[key] = value
     flags = config_flag_values(args)
+    if resume_dir is not None and flags.get("dtype") == "auto" and "dtype" in resumed:
+        del flags["dtype"]  # `auto` was resolved when the run started: it goes on in that dtype
     _check_resume_flags(flags, resumed if resume_dir is not None else None)
     merged.update(flags)
     # `--batch-size 8` alone should work: when the mini-batch size is still TRAIN_DEFAULTS' and does
@@ -283,11 +285,12 @@ _LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "value_lora")
 
 def _check_resume_flags(flags: dict, resumed: dict | None) -> None:
     """A resumed run's LoRA settings are those its checkpoint was trained with, and so is whether
-    it has a value model (``advantage_estimator = "gae"`` or a critic-free one).
+    it has a value model (``advantage_estimator = "gae"`` or a critic-free one) and its compute
+    dtype (its config.toml describes every step of the run).
 
     Raises:
-        CLIError: a LoRA flag that differs from the resumed run's config.toml, or an estimator of
-            the other kind.
+        CLIError: a LoRA flag or ``--dtype`` that differs from the resumed run's config.toml, or an
+            estimator of the other kind.
     """
     if resumed is None:
         return
@@ -295,6 +298,9 @@ def _check_resume_flags(flags: dict, resumed: dict | None) -> None:
     if new is not None and (new == "gae") != (old == "gae"):
         raise CLIError(f"--advantage-estimator {new!r}: the resumed run's is {old!r}, and its checkpoint "
                        f"{'has a' if old == 'gae' else 'has no'} value model; start a new run (--output) to change it")
+    if "dtype" in flags and "dtype" in resumed and flags["dtype"] != resumed["dtype"]:
+        raise CLIError(f"--dtype {flags['dtype']!r} differs from the resumed run's dtype {resumed['dtype']!r}: a run "
+                       "computes in one dtype; start a new run (--output) to change it")
     for key in _LORA_KEYS:
         if key in flags and key in resumed and flags[key] != resumed[key]:
             raise CLIError(f"{flag_name(key)} {flags[key]!r} differs from the resumed run's {key} {resumed[key]!r}: "

@@ -119,7 +119,11 @@ def reexec_with_allocator(argv: Optional[Sequence[str]] = None) -> None:
     name = wanted_allocator()
     if name is None or os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
         return
-    if active_allocator() != "glibc":  # preloaded by the user, or by the launcher already
+    active = active_allocator()
+    if active != "glibc":  # preloaded by the user, or by the launcher already
+        if active != name and os.environ.get(ENV, "auto").strip().lower() not in ("", "auto"):
+            print(f"pyppo: {ENV}={name}: this process already runs on {active} (LD_PRELOAD), which "
+                  "cannot be swapped; keeping it", file=sys.stderr)
         return
     env = preload_env(name)
     if env is None:

@@ -343,6 +343,14 @@ def test_dtype_auto_is_resolved_into_config_toml_and_kept_by_resume(tiny_dir, tm
     assert cli.main(["train", "--resume", str(out), "--steps", "2"]) == 0
     assert "dtype auto" not in capsys.readouterr().err
     assert tomllib.loads((out / "config.toml").read_text())["dtype"] == "bfloat16"
+    # Another dtype is refused before anything is loaded; `--dtype auto` means the run's own.
+    before = (out / "config.toml").read_text()
+    assert cli.main(["train", "--resume", str(out), "--steps", "3", "--dtype", "float32"]) == 2
+    assert "--dtype 'float32' differs from the resumed run's dtype 'bfloat16'" in _error_line(capsys)
+    assert (out / "config.toml").read_text() == before
+    assert cli.main(["train", "--resume", str(out), "--steps", "3", "--dtype", "auto"]) == 0
+    capsys.readouterr()
+    assert tomllib.loads((out / "config.toml").read_text())["dtype"] == "bfloat16"
     # A new run on that machine resolves to float32.
     other = tmp_path / "other"
     assert cli.main(argv(other)) == 0

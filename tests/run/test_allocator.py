@@ -85,7 +85,25 @@ def test_a_bad_setting_is_one_line_for_train_and_ignored_by_info(tmp_path):
                                                    "jemalloc, tcmalloc")
     info = subprocess.run([sys.executable, "-m", "pyppo", "info", "--json"], env=bad, capture_output=True,
                           text=True, timeout=120)
-    assert info.returncode == 0 and json.loads(info.stdout)["allocator"]["train"].startswith("invalid")
+    alloc = json.loads(info.stdout)["allocator"]
+    assert info.returncode == 0 and alloc["train"] is None and "expected auto, system" in alloc["error"]
+
+
+def test_a_preloaded_allocator_is_kept_said_and_reported():
+    if INSTALLED["jemalloc"] is None:
+        pytest.skip("jemalloc is not installed (scripts/setup.sh installs it)")
+    env = _child_env(LD_PRELOAD=INSTALLED["jemalloc"], **{allocator.ENV: "tcmalloc"})
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["jemalloc"], out.stderr[-2000:]
+    assert "PYPPO_ALLOCATOR=tcmalloc: this process already runs on jemalloc" in out.stderr
+    # `auto` keeps a preloaded allocator without a word; info names it as the one the commands use.
+    env[allocator.ENV] = "auto"
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["jemalloc"] and "already runs on" not in out.stderr
+    info = subprocess.run([sys.executable, "-m", "pyppo", "info", "--json"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    alloc = json.loads(info.stdout)["allocator"]
+    assert alloc["active"] == "jemalloc" and alloc["train"] == "jemalloc"
 
 
 def test_pyppo_train_runs_its_steps_on_the_preferred_allocator(tiny_dir, prompts_file, tmp_path):  # noqa: F811
