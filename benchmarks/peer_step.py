@@ -703,14 +703,12 @@ def allocator_env(name: str) -> tuple[str, dict]:
     Raises:
         SystemExit: the allocator asked for by name is not installed.
     """
-    from pyppo.run.allocator import find_allocator, preload_env, wanted_allocator
+    from pyppo.run.allocator import planned_allocator, preload_env
 
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if name == "auto":
-        name = wanted_allocator() or "glibc"
-        if name != "glibc" and find_allocator(name) is None:
-            name = "glibc"
-    if name == "glibc":
+        name = planned_allocator()
+    if name in ("glibc", "unknown"):  # nothing to preload (unknown: no /proc to read the maps from)
         return name, env
     preloaded = preload_env(name, env)
     if preloaded is None:

@@ -454,7 +454,8 @@ class PPOConfig:
 
         from .precision import resolve_dtype
 
-        return getattr(torch, resolve_dtype(self.dtype, resolve_device(self.device))[0])
+        name = self.dtype if self.dtype != "auto" else resolve_dtype("auto", resolve_device(self.device))[0]
+        return getattr(torch, name)
 
     def check_world_size(self, world_size: int) -> None:
         """The rules of a run over ``world_size`` processes: ``batch_size`` and ``mini_batch_size``

@@ -64,9 +64,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _recorded_merge_lora(run_dir) -> bool:
     """The ``merge_lora`` of the run's config.toml (the default, true, when it has none)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    with run_dir.config.open("rb") as f:
-        return bool(tomllib.load(f).get("merge_lora", True))
+    from .train import _read_toml
+
+    return bool(_read_toml(run_dir.config, "config.toml").get("merge_lora", True))

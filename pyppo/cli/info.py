@@ -43,18 +43,14 @@ def _allocator() -> dict:
     ``PYPPO_ALLOCATOR`` asks for, if installed; :mod:`pyppo.run.allocator`), and the installed ones."""
     import os
 
-    from pyppo.run.allocator import ALLOCATORS, ENV, active_allocator, find_allocator, wanted_allocator
+    from pyppo.run.allocator import ALLOCATORS, ENV, active_allocator, find_allocator, planned_allocator
 
     installed = {name: find_allocator(name) for name in ALLOCATORS}
     active, setting = active_allocator(), os.environ.get(ENV, "auto")
     try:
-        wanted = wanted_allocator()
+        train = planned_allocator()
     except ValueError as exc:
         return {"active": active, "train": None, "error": str(exc), "setting": setting, "installed": installed}
-    if active not in ("glibc", "unknown") or wanted is None:
-        train = active  # preloaded already (or `system`): the commands keep it
-    else:
-        train = wanted if installed.get(wanted) else "glibc"
     return {"active": active, "train": train, "setting": setting, "installed": installed}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 __all__ = ["ALLOCATORS", "PREFERRED", "ENV", "active_allocator", "find_allocator", "wanted_allocator",
-           "preload_env", "reexec_with_allocator"]
+           "planned_allocator", "preload_env", "reexec_with_allocator"]
 
 #: The allocators pyppo knows, each with the shared libraries that provide it (Debian's
 #: ``libjemalloc2`` and ``libtcmalloc-minimal4``/``libgoogle-perftools4``).
@@ -105,6 +105,21 @@ def preload_env(name: str, env: Optional[Dict[str, str]] = None) -> Optional[Dic
     return env
 
 
+def planned_allocator() -> str:
+    """The allocator ``pyppo train`` and ``pyppo profile`` run on when started like this process:
+    the one already loaded when it is not glibc's (a preload cannot be swapped), else the one
+    ``PYPPO_ALLOCATOR`` asks for when it is installed, else glibc's. What ``pyppo info`` reports
+    and :func:`reexec_with_allocator` switches to.
+
+    Raises:
+        ValueError: ``PYPPO_ALLOCATOR`` holds an unknown value.
+    """
+    wanted, active = wanted_allocator(), active_allocator()
+    if wanted is None or active != "glibc":
+        return active
+    return wanted if find_allocator(wanted) is not None else "glibc"
+
+
 def reexec_with_allocator(argv: Optional[Sequence[str]] = None) -> None:
     """Re-execute this process with the allocator ``PYPPO_ALLOCATOR`` asks for preloaded, when it
     is installed and not loaded yet; otherwise return and change nothing.
@@ -116,18 +131,14 @@ def reexec_with_allocator(argv: Optional[Sequence[str]] = None) -> None:
     Raises:
         ValueError: ``PYPPO_ALLOCATOR`` holds an unknown value.
     """
-    name = wanted_allocator()
-    if name is None or os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
-        return
-    active = active_allocator()
-    if active != "glibc":  # preloaded by the user, or by the launcher already
-        if active != name and os.environ.get(ENV, "auto").strip().lower() not in ("", "auto"):
-            print(f"pyppo: {ENV}={name}: this process already runs on {active} (LD_PRELOAD), which "
+    name, active = planned_allocator(), active_allocator()
+    if name == active or os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
+        wanted, explicit = wanted_allocator(), os.environ.get(ENV, "auto").strip().lower() not in ("", "auto")
+        if explicit and wanted not in (None, active) and active != "glibc":  # a preload cannot be swapped
+            print(f"pyppo: {ENV}={wanted}: this process already runs on {active} (LD_PRELOAD), which "
                   "cannot be swapped; keeping it", file=sys.stderr)
         return
-    env = preload_env(name)
-    if env is None:
-        return
+    env = preload_env(name)  # installed: planned_allocator found it
     env[_REEXEC_MARK] = "1"
     argv = list(argv if argv is not None else sys.orig_argv)
     sys.stdout.flush()

@@ -13,11 +13,15 @@ from torch import nn
 from .. import distributed
 from ..config import PPOConfig
 from ..models import ValueModel, add_lora, make_reference, share_frozen_weights
-from ..rewards import SequenceClassifierReward
+from ..prompts import prompt_columns, prompt_fields
+from ..rewards import SequenceClassifierReward, check_reward_fields
+from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
+from ..run.export import check_exportable
 from .logprob_head import AdaptersDisabled, LogprobHead
 
-__all__ = ["check_arguments", "check_trainable", "disable_dropout", "enable_gradient_checkpointing", "logprob_modules", "make_adamw",
-           "prepare_models", "prepare_tokenizer", "share_reward_weights"]
+__all__ = ["check_arguments", "check_lora_exportable", "check_prompt_sets", "check_trainable", "disable_dropout",
+           "enable_gradient_checkpointing", "logprob_modules", "make_adamw", "prepare_models", "prepare_tokenizer",
+           "share_reward_weights"]
 
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
 
@@ -123,6 +127,45 @@ def check_trainable(policy: nn.Module, value_model: Optional[nn.Module], c: PPOC
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(f"the {what} has no trainable parameter (lora_target_modules = "
                              f"{c.lora_target_modules!r}, lora_rank = {c.lora_rank})")
+
+
+def check_lora_exportable(policy: nn.Module, c: PPOConfig) -> None:
+    """With LoRA, refuse now what :func:`pyppo.run.export.save_policy` would refuse after the last
+    step (LoRA on a tied weight with ``merge_lora``, say), so that no run trains to the end and then
+    cannot write its ``policy/``.
+
+    Raises:
+        ValueError: naming ``lora_target_modules`` and, where it helps, ``--no-merge-lora``.
+    """
+    if not c.lora_rank:
+        return
+    try:
+        check_exportable(policy, merge_lora=c.merge_lora)
+    except ValueError as exc:
+        raise ValueError(f"lora_target_modules = {c.lora_target_modules!r}: the trained policy could not be "
+                         f"exported: {exc}{' (--no-merge-lora)' if c.merge_lora else ''}") from None
+
+
+def check_prompt_sets(c: PPOConfig, policy: nn.Module, tokenizer: Any, reward_fn: RewardFn,
+                      sets: Mapping[str, Sequence[Any]]) -> Optional[int]:
+    """Check, once and up front, every prompt set (``{"prompts": [...], "eval_prompts": [...]}``):
+    the reward accepts its fields, and each prompt fits the context with ``max_new_tokens`` to
+    spare (one that does not would make generation crawl past the model's positions).
+
+    Returns:
+        the prompt token limit of :func:`pyppo.rollout.tokens.prompt_token_limit`.
+
+    Raises:
+        ValueError: a field the reward lacks, or a prompt too long (naming the set).
+    """
+    limit, room = prompt_token_limit(policy, max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length)
+    for what, records in sets.items():
+        if records:  # no eval prompts: nothing to check
+            check_reward_fields(reward_fn, prompt_fields(records), source=what)
+        check_prompt_lengths(tokenizer, prompt_columns(records)[0], use_chat_template=c.use_chat_template, room=room,
+                             max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,
+                             truncate=c.truncate_prompts, what=what)
+    return limit
 
 
 def make_adamw(model: nn.Module, lr: float, c: PPOConfig) -> torch.optim.AdamW:

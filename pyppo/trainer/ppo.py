@@ -5,7 +5,7 @@
    :mod:`pyppo.rollout`);
 2. cut each response after its first EOS;
 3. score each (prompt, response); clip the score, then subtract ``missing_eos_penalty`` and
-   DAPO's overlong penalty (with ``filter_groups``, 1-3 repeat until the batch holds groups
+   DAPO's overlong penalty (:mod:`pyppo.trainer.scoring`; with ``filter_groups``, 1-3 repeat until the batch holds groups
    whose scores differ: :mod:`pyppo.trainer.group_filter`);
 4. the rollout's forwards: ``old_logprobs`` and the entropy (policy), ``ref_logprobs`` (frozen
    reference), ``values`` (value model, :mod:`pyppo.trainer.critic`; none for a critic-free
@@ -58,25 +58,24 @@ from ..config import PPOConfig
 from ..ops import shape_rewards
 from ..ops.losses import loss_normalizer
 from ..precision import autocast, resolve_dtype
-from ..prompts import PromptSampler, prompt_columns, prompt_fields
-from ..rewards import check_reward_fields, score_responses
+from ..prompts import PromptSampler
 from ..rollout import EngineSync, RolloutEngine, make_engine
 from ..rollout.hf_generate import generation_config
-from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
 from ..run import checkpoint as run_checkpoint, evaluate, export, loop
 from ..run.nonfinite import NonFiniteUpdateError, SkipPolicy, check_rollout
 from ..run.stopping import GracefulStop
 from .advantages import get_estimator
 from .rollout_correction import correct_for_sampler
-from .assemble import (check_arguments, check_trainable, logprob_modules, make_adamw, prepare_models,
-                       prepare_tokenizer, share_reward_weights)
+from .assemble import (check_arguments, check_lora_exportable, check_prompt_sets, check_trainable, logprob_modules,
+                       make_adamw, prepare_models, prepare_tokenizer, share_reward_weights)
 from .buffer import RolloutBuffer, buffer_from_rollout
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .critic import Critic
 from .group_filter import sample_scored_batch
-from .overlong import mask_truncated, overlong_penalty
+from .overlong import mask_truncated
 from .logprob_head import PolicyObjective, policy_objective
 from .rollout_forwards import first_policy_forward, rollout_forwards
+from .scoring import score_batch
 from .results import METRIC_KEYS, MicroStepResult, StepResult
 from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats, rollout_metrics
 
@@ -138,7 +137,7 @@ class PPOTrainer:
         # `auto` is resolved once, here, and the config keeps the answer: its checkpoint and the
         # run's config.toml then name the dtype the run trained in, which a resume keeps.
         self.config = c = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.world.device)[0])
-        self.device, self.dtype = self.world.device, getattr(torch, c.dtype)
+        self.device, self.dtype = self.world.device, c.torch_dtype
         # Every rank seeds alike, so the models are built identically everywhere; sampling is
         # reseeded per rank below.
         random.seed(c.seed)
@@ -148,12 +147,7 @@ class PPOTrainer:
         self.estimate_advantages = get_estimator(c.advantage_estimator)
         self.policy, self.ref_policy, self.value_model = prepare_models(c, policy, ref_policy, value_model,
                                                                         self.device)
-        if c.lora_rank:  # refused now, not at the export after the last step
-            try:
-                export.check_exportable(self.policy, merge_lora=c.merge_lora)
-            except ValueError as exc:
-                raise ValueError(f"lora_target_modules = {c.lora_target_modules!r}: the trained policy could not be "
-                                 f"exported: {exc}{' (--no-merge-lora)' if c.merge_lora else ''}") from None
+        check_lora_exportable(self.policy, c)
         self.shared_weight_bytes = share_reward_weights(self.ref_policy, reward_fn)
         modules = logprob_modules(c, self.policy, self.ref_policy, self.value_model, self.world, self.dtype)
         self.policy_logprobs, self.policy_module = modules["policy_logprobs"], modules["policy_module"]
@@ -169,17 +163,8 @@ class PPOTrainer:
         self.reward_fn = reward_fn
         self.sampler = PromptSampler(prompts, c.seed)
         self.eval_prompts = list(eval_prompts or [])
-        # Checked once, up front: a prompt the context cannot hold would otherwise make generation
-        # crawl past the model's positions.
-        self.max_prompt_tokens, room = prompt_token_limit(self.policy, max_new_tokens=c.max_new_tokens,
-                                                          max_prompt_length=c.max_prompt_length)
-        for what, records in (("prompts", prompts), ("eval_prompts", self.eval_prompts)):
-            if records:  # no eval prompts: nothing to check
-                check_reward_fields(reward_fn, prompt_fields(records), source=what)
-            texts = prompt_columns(records)[0]
-            check_prompt_lengths(tokenizer, texts, use_chat_template=c.use_chat_template, room=room,
-                                 max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,
-                                 truncate=c.truncate_prompts, what=what)
+        self.max_prompt_tokens = check_prompt_sets(c, self.policy, tokenizer, reward_fn,
+                                                   {"prompts": prompts, "eval_prompts": self.eval_prompts})
         self.engine: RolloutEngine = make_engine(
             c, policy=self.policy, policy_module=self.policy_module, tokenizer=tokenizer,
             gen_config=self.generation_config, device=self.device, dtype=self.dtype,
@@ -264,25 +249,9 @@ class PPOTrainer:
         return buffer_from_rollout(self.engine.generate(prompts), prompts, self.engine)
 
     def score(self, batch: RolloutBuffer, fields: Optional[Dict[str, list]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw_scores [B], scores [B])``: the reward's scores (given the prompts' ``fields``, a
-        column each, :func:`pyppo.rewards.score_responses`), then clipped to ``score_clip``,
-        lowered by ``missing_eos_penalty`` where the response has no EOS and by DAPO's overlong
-        penalty over the last ``overlong_buffer`` tokens (point 3). Under ``torchrun`` a reward
-        that fails on one rank raises its error on every rank
-        (:func:`~pyppo.distributed.on_every_rank`), so that rank 0 reports it and the ranks stop
-        together."""
-        c = self.config
-        raw = torch.tensor(distributed.on_every_rank(score_responses, self.world, self.reward_fn, batch.prompts,
-                                                     batch.responses, where=f"step {self.step_count + 1}",
-                                                     fields=fields),
-                           dtype=torch.float32, device=self.device)
-        scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
-        if c.missing_eos_penalty is not None:
-            scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
-        if c.overlong_buffer:
-            scores = scores - overlong_penalty(batch.response_mask.sum(dim=1), c.max_new_tokens, c.overlong_buffer,
-                                               c.overlong_penalty)
-        return raw, scores
+        """``(raw_scores [B], scores [B])`` of point 3: see :func:`pyppo.trainer.scoring.score_batch`."""
+        return score_batch(batch, self.reward_fn, self.config, self.world, self.device,
+                           where=f"step {self.step_count + 1}", fields=fields)
 
     @torch.no_grad()
     def advantages(self, batch: RolloutBuffer, kl_coef: float) -> Dict[str, float]:
