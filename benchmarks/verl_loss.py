@@ -70,8 +70,9 @@ class _Config(SimpleNamespace):
         return getattr(self, key, default)
 
 
-CONFIG = _Config(clip_ratio=CLIP_LOW, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C,
-                 global_batch_info={})
+CONFIG = _Config(
+    clip_ratio=CLIP_LOW, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C, global_batch_info={}
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,8 +87,9 @@ def _checked(fn, names, tensors, response_mask):
     return _bool_mask(fn, "response_mask", response_mask, tensors[0])
 
 
-def op_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                           config=None, rollout_is_weights=None):
+def op_policy_loss_vanilla(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     fn = "compute_policy_loss_vanilla"
     if loss_agg_mode != "token-mean" or rollout_is_weights is not None or config.global_batch_info:
         raise NotImplementedError(f"{fn}: only token-mean without rollout_is_weights is wrapped here")
@@ -99,8 +101,16 @@ def op_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, lo
     m = _checked(fn, ("log_prob", "old_log_prob", "advantages"), (log_prob, old_log_prob, advantages), response_mask)
     loss_dtype = _promote(old_log_prob.dtype, log_prob.dtype, advantages.dtype)
     acc = _acc(loss_dtype)
-    loss, stats = ppo_policy_loss(log_prob, old_log_prob, advantages, m, cliprange_low=low, cliprange_high=high,
-                                  dual_clip=c, loss_agg="token-mean")
+    loss, stats = ppo_policy_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        m,
+        cliprange_low=low,
+        cliprange_high=high,
+        dual_clip=c,
+        loss_agg="token-mean",
+    )
     with torch.no_grad():
         neg_kl = (log_prob.detach().to(acc) - old_log_prob.to(acc)).clamp(-20.0, 20.0)
         ppo_kl = _mean_impl(-neg_kl, m, None, response_mask.dtype)
@@ -115,8 +125,9 @@ def op_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_
         raise NotImplementedError(f"{fn}: only token-mean is wrapped here")
     m = _checked(fn, ("vpreds", "returns", "values"), (vpreds, returns, values), response_mask)
     loss_dtype = _promote(vpreds.dtype, returns.dtype, values.dtype)
-    loss, stats = ppo_value_loss(vpreds, values, returns, m, cliprange_value=float(cliprange_value),
-                                 loss_agg="token-mean")
+    loss, stats = ppo_value_loss(
+        vpreds, values, returns, m, cliprange_value=float(cliprange_value), loss_agg="token-mean"
+    )
     vf_clipfrac = stats["vf_clipfrac"].to(_mean_dtype(torch.float32, response_mask.dtype))
     return loss.to(_promote(loss_dtype, response_mask.dtype)), vf_clipfrac
 
@@ -137,8 +148,13 @@ def make_inputs(B, T, dtype, seed):
     new = old + randn(0.1)  # ratios near 1, a few percent of the tokens clipped
     values = randn()
     return SimpleNamespace(
-        old=old.to(dtype), new=new.to(dtype), adv=randn().to(dtype), mask=mask,
-        values=values.to(dtype), vpreds=(values + randn(0.2)).to(dtype), returns=randn().to(dtype),
+        old=old.to(dtype),
+        new=new.to(dtype),
+        adv=randn().to(dtype),
+        mask=mask,
+        values=values.to(dtype),
+        vpreds=(values + randn(0.2)).to(dtype),
+        returns=randn().to(dtype),
     )
 
 
@@ -182,8 +198,9 @@ def check_agree(name, ours, ref, dtype):
     (l1, m1, g1), (l2, m2, g2) = ours, ref
     rtol = {torch.float32: 1e-5, torch.float64: 1e-9}.get(dtype, 1e-2)
     torch.testing.assert_close(l1.double(), l2.double(), rtol=rtol, atol=rtol * 1e-2, msg=f"{name}: loss")
-    torch.testing.assert_close(g1.double(), g2.double(), rtol=rtol, atol=rtol * g2.abs().max().item(),
-                               msg=f"{name}: gradient")
+    torch.testing.assert_close(
+        g1.double(), g2.double(), rtol=rtol, atol=rtol * g2.abs().max().item(), msg=f"{name}: gradient"
+    )
     for k in m2:
         assert abs(m1[k] - m2[k]) <= 1e-5 * max(1.0, abs(m2[k])), (name, k, m1[k], m2[k])
 
@@ -194,8 +211,15 @@ def verl_functions():
         from verl.trainer.ppo import core_algos
     except Exception:  # veRL or its dependencies are absent
         return None
-    cfg = OmegaConf.create({"clip_ratio": CLIP_LOW, "clip_ratio_low": CLIP_LOW, "clip_ratio_high": CLIP_HIGH,
-                            "clip_ratio_c": CLIP_C, "global_batch_info": {}})
+    cfg = OmegaConf.create(
+        {
+            "clip_ratio": CLIP_LOW,
+            "clip_ratio_low": CLIP_LOW,
+            "clip_ratio_high": CLIP_HIGH,
+            "clip_ratio_c": CLIP_C,
+            "global_batch_info": {},
+        }
+    )
     return core_algos.compute_policy_loss_vanilla, core_algos.compute_value_loss, cfg
 
 
@@ -203,8 +227,10 @@ def run_case(loss, B, T, dtype_name, args, verl):
     dtype = DTYPES[dtype_name]
     sets = [make_inputs(B, T, dtype, seed) for seed in range(args.sets)]
     if loss == "policy":
-        variants = {"adapter": policy_call(pv.compute_policy_loss_vanilla, CONFIG),
-                    "op": policy_call(op_policy_loss_vanilla, CONFIG)}
+        variants = {
+            "adapter": policy_call(pv.compute_policy_loss_vanilla, CONFIG),
+            "op": policy_call(op_policy_loss_vanilla, CONFIG),
+        }
         if verl:
             variants["verl"] = policy_call(verl[0], verl[2])
     else:
@@ -217,20 +243,35 @@ def run_case(loss, B, T, dtype_name, args, verl):
         if name == "op" or (name == "verl" and dtype in (torch.float32, torch.float64)):
             check_agree(f"{loss} {name}", run(sets[0]), ref, dtype)
     del ref
-    times = measure(variants, sets, HostClock(), warmup=args.warmup, min_reps=args.min_reps,
-                    max_reps=args.max_reps, budget_s=args.budget)
+    times = measure(
+        variants,
+        sets,
+        HostClock(),
+        warmup=args.warmup,
+        min_reps=args.min_reps,
+        max_reps=args.max_reps,
+        budget_s=args.budget,
+    )
     method = "both" if rss_available() else "alloc"
     rows = []
     for name, run in variants.items():
         gc.collect()
         mem = peak_extra_bytes(run, sets[0], torch.device("cpu"), method)
-        rows.append({
-            "loss": loss, "B": B, "T": T, "dtype": dtype_name, "variant": name, "rounds": len(times[name]),
-            "median_ms": statistics.median(times[name]) * 1e3,
-            "ratio_to_adapter": paired_ratio(times[name], times["adapter"]),
-            "peak_alloc_bytes": mem.get("alloc"), "peak_rss_bytes": mem.get("rss"),
-            "saved_bytes": saved_bytes(run, sets[0]),
-        })
+        rows.append(
+            {
+                "loss": loss,
+                "B": B,
+                "T": T,
+                "dtype": dtype_name,
+                "variant": name,
+                "rounds": len(times[name]),
+                "median_ms": statistics.median(times[name]) * 1e3,
+                "ratio_to_adapter": paired_ratio(times[name], times["adapter"]),
+                "peak_alloc_bytes": mem.get("alloc"),
+                "peak_rss_bytes": mem.get("rss"),
+                "saved_bytes": saved_bytes(run, sets[0]),
+            }
+        )
     return rows
 
 
@@ -267,10 +308,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     verl = None if args.no_verl else verl_functions()
     info = machine()
-    print(f"# {info['cpu']}, {info['threads']} threads, torch {info['torch']}"
-          f"{'' if verl else ' (veRL not timed)'}")
-    print("| loss | B×T | dtype | variant | median ms | ratio to adapter | peak alloc MiB | peak rss MiB"
-          " | saved MiB |")
+    print(f"# {info['cpu']}, {info['threads']} threads, torch {info['torch']}{'' if verl else ' (veRL not timed)'}")
+    print("| loss | B×T | dtype | variant | median ms | ratio to adapter | peak alloc MiB | peak rss MiB | saved MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in args.shapes:
@@ -279,9 +318,12 @@ def main(argv=None) -> int:
             for loss in args.losses:
                 for r in run_case(loss, B, T, dtype_name, args, verl):
                     rows.append(r)
-                    print(f"| {loss} | {B}×{T} | {dtype_name} | {r['variant']} | {r['median_ms']:.2f} | "
-                          f"{r['ratio_to_adapter']:.2f} | {_mib(r['peak_alloc_bytes'])} | "
-                          f"{_mib(r['peak_rss_bytes'])} | {_mib(r['saved_bytes'])} |", flush=True)
+                    print(
+                        f"| {loss} | {B}×{T} | {dtype_name} | {r['variant']} | {r['median_ms']:.2f} | "
+                        f"{r['ratio_to_adapter']:.2f} | {_mib(r['peak_alloc_bytes'])} | "
+                        f"{_mib(r['peak_rss_bytes'])} | {_mib(r['saved_bytes'])} |",
+                        flush=True,
+                    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "argv": sys.argv[1:], "rows": rows}, f, indent=1)

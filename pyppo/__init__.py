@@ -1,11 +1,14 @@
 """pyppo: PPO for language models, with compiled hot paths.
 
 Importing pyppo loads the compiled extension ``pyppo._C``, which registers the operators
-``torch.ops.pyppo.*``; :mod:`pyppo.ops` wraps them with keyword arguments, autograd and fake
-(meta) kernels.
+``torch.ops.pyppo.*`` with their CPU, CUDA and Meta (fake) kernels; :mod:`pyppo.ops` wraps them
+with keyword arguments and registers their autograd. ``pyppo.PPOTrainer`` (the trainer with its run,
+:mod:`pyppo.run.trainer`) and
+``pyppo.PPOConfig`` are imported on first use, so that ``import pyppo`` stays light.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _pkg_version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _pkg_version
 
 import torch  # noqa: F401  (libtorch must be loaded before the extension that links to it)
 
@@ -26,7 +29,8 @@ def _check_torch_abi() -> None:
     if built != running:
         raise ImportError(
             f"pyppo was built against torch {built} but torch {running} is installed. "
-            "Rebuild pyppo against the installed torch with: pip install --no-build-isolation --force-reinstall --no-deps ."
+            "Rebuild pyppo against the installed torch with: "
+            "pip install --no-build-isolation --force-reinstall --no-deps ."
         )
 
 
@@ -52,4 +56,16 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 from . import ops  # noqa: E402,F401
 
-__all__ = ["ops", "__version__"]
+__all__ = ["PPOConfig", "PPOTrainer", "ops", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "PPOTrainer":
+        from .run.trainer import PPOTrainer
+
+        return PPOTrainer
+    if name == "PPOConfig":
+        from .config import PPOConfig
+
+        return PPOConfig
+    raise AttributeError(f"module 'pyppo' has no attribute {name!r}")

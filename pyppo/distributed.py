@@ -20,12 +20,30 @@ from typing import Any, Dict, Iterator, List, Mapping
 import torch
 from torch import nn
 
-from .config import resolve_device
 from .ops import masked_whiten
 
-__all__ = ["World", "local_device", "join", "wrap", "unwrap", "is_sharded", "gradient_sync", "full_state_dict",
-           "all_sum", "reduce_metrics", "whiten", "explained_variance", "barrier", "leave", "gather_objects",
-           "on_every_rank", "raised_on_every_rank", "mark_on_every_rank", "lost_a_peer"]
+__all__ = [
+    "World",
+    "local_device",
+    "join",
+    "wrap",
+    "unwrap",
+    "is_sharded",
+    "gradient_sync",
+    "full_state_dict",
+    "resolve_device",
+    "all_sum",
+    "reduce_metrics",
+    "whiten",
+    "explained_variance",
+    "barrier",
+    "leave",
+    "gather_objects",
+    "on_every_rank",
+    "raised_on_every_rank",
+    "mark_on_every_rank",
+    "lost_a_peer",
+]
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,20 @@ class World:
     @property
     def active(self) -> bool:
         return self.size > 1
+
+
+def resolve_device(device: str) -> torch.device:
+    """``torch.device`` for a config ``device`` value (``auto`` = CUDA when available).
+
+    Raises:
+        ValueError: a CUDA device is asked for and none is available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is available (torch {torch.__version__})")
+    return dev
 
 
 def local_device(device: str) -> torch.device:
@@ -83,8 +115,9 @@ def join(device: str) -> World:
     if not dist.is_initialized():
         dist.init_process_group(backend)
     elif dist.get_backend() != backend:
-        raise ValueError(f"device {device!r} needs the {backend} backend, but the process group uses "
-                         f"{dist.get_backend()}")
+        raise ValueError(
+            f"device {device!r} needs the {backend} backend, but the process group uses {dist.get_backend()}"
+        )
     return World(dist.get_rank(), dist.get_world_size(), device_)
 
 
@@ -116,8 +149,10 @@ def wrap(module: nn.Module, world: World, *, fsdp: bool) -> nn.Module:
         blocks = _block_classes(module)
         layers = [m for m in module.modules() if type(m).__name__ in blocks]
         if not layers:
-            raise ValueError(f"fsdp: no transformer blocks to shard in {type(module).__name__} "
-                             "(its model lists no _no_split_modules)")
+            raise ValueError(
+                f"fsdp: no transformer blocks to shard in {type(module).__name__} "
+                "(its model lists no _no_split_modules)"
+            )
         for layer in layers:
             fully_shard(layer)
         fully_shard(module)
@@ -164,7 +199,7 @@ def full_state_dict(module: nn.Module, *, prefix: str = "") -> Dict[str, torch.T
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,8 +243,14 @@ def reduce_metrics(metrics: Mapping[str, float], world: World) -> Dict[str, floa
         if how == "mean":
             t /= world.size
         out.update(zip(group, t.tolist()))
-    return {k: (int(out[k]) if isinstance(metrics[k], int) and not isinstance(metrics[k], bool)
-                and math.isfinite(out[k]) else out[k]) for k in metrics}
+    return {
+        k: (
+            int(out[k])
+            if isinstance(metrics[k], int) and not isinstance(metrics[k], bool) and math.isfinite(out[k])
+            else out[k]
+        )
+        for k in metrics
+    }
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, world: World) -> torch.Tensor:
@@ -334,8 +375,14 @@ def on_every_rank(fn, world: World, *args, **kwargs):
 
 
 # What gloo, NCCL and the TCP store say when another process of the group went away.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker",
-              "NCCL communicator was aborted", "Socket Timeout")
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
 
 
 def lost_a_peer(exc: BaseException) -> bool:

@@ -31,8 +31,10 @@ def read_objects(path: str | os.PathLike, *, expected: str = "a JSON object") ->
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
-                                 "line); save the file as UTF-8") from None
+                raise ValueError(
+                    f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
+                    "line); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

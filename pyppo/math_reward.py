@@ -26,9 +26,9 @@ _BOXED = re.compile(r"\\boxed\s*\{")
 # two), and a list such as "1,234, 5" keeps its comma; a decimal point needs a digit after it.
 _NUMBER_IN_TEXT = re.compile(
     r"(?:(?<![\w)\]])-)?"
-    r"(?:\d+/\d+(?!\d)"                          # 3/4
-    r"|\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!,?\d)"     # 1,234 and 1,234.5
-    r"|\d+(?:\.\d+)?)"                           # 12 and 2.50
+    r"(?:\d+/\d+(?!\d)"  # 3/4
+    r"|\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!,?\d)"  # 1,234 and 1,234.5
+    r"|\d+(?:\.\d+)?)"  # 12 and 2.50
 )
 
 # A whole string that is one number (the same forms, a sign, and ".5").
@@ -61,7 +61,7 @@ def _last_boxed(text: str) -> Optional[str]:
         for i in range(match.end(), len(text)):
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             if depth == 0:
-                return text[match.end():i]
+                return text[match.end() : i]
     return None
 
 

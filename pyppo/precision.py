@@ -52,8 +52,11 @@ def native_bf16(device: torch.device) -> Tuple[bool, str]:
         name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "CUDA"
         return ok, f"{name} {'supports' if ok else 'lacks'} bf16"
     if device.type == "cpu":
-        isas = [n for n, flag in (("AMX", "_is_amx_tile_supported"), ("AVX512_BF16", "_is_avx512_bf16_supported"))
-                if _cpu_flag(flag)]
+        isas = [
+            n
+            for n, flag in (("AMX", "_is_amx_tile_supported"), ("AVX512_BF16", "_is_avx512_bf16_supported"))
+            if _cpu_flag(flag)
+        ]
         if isas:
             return True, f"this CPU has {' and '.join(isas)}"
         return False, f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 matmul"

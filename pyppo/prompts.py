@@ -21,8 +21,17 @@ import numpy as np
 
 from .jsonl import read_objects
 
-__all__ = ["ARITHMETIC_EVAL_SIZE", "BUILTIN_PROMPT_SETS", "DEFAULT_PROMPTS", "PromptSampler", "arithmetic_prompts",
-           "load_prompt_records", "load_prompts", "prompt_columns", "prompt_fields"]
+__all__ = [
+    "ARITHMETIC_EVAL_SIZE",
+    "BUILTIN_PROMPT_SETS",
+    "DEFAULT_PROMPTS",
+    "PromptSampler",
+    "arithmetic_prompts",
+    "load_prompt_records",
+    "load_prompts",
+    "prompt_columns",
+    "prompt_fields",
+]
 
 DEFAULT_PROMPTS: list[str] = [
     # Descriptions
@@ -133,8 +142,11 @@ def arithmetic_prompts(split: str = "train", *, seed: int = 0) -> list[dict]:
         return hashlib.sha256(f"{seed}:{question(*problem)}".encode()).digest()
 
     held_out = set(sorted(problems, key=rank)[:ARITHMETIC_EVAL_SIZE])
-    return [{"prompt": question(a, op, b), "answer": str(a + b if op == "+" else a - b)}
-            for a, op, b in problems if ((a, op, b) in held_out) == (split == "eval")]
+    return [
+        {"prompt": question(a, op, b), "answer": str(a + b if op == "+" else a - b)}
+        for a, op, b in problems
+        if ((a, op, b) in held_out) == (split == "eval")
+    ]
 
 
 #: The prompt sets ``--prompts`` and ``--eval-prompts`` know by name (a file of that name needs a
@@ -158,14 +170,14 @@ def _checked_records(source: str | os.PathLike, flag: str) -> Iterator[Tuple[str
     empty = True
     for where, obj in read_objects(path, expected='a JSON object {"prompt": "..."}'):
         if "prompt" not in obj:
-            raise ValueError(f"{where}: missing key \"prompt\" (keys: {sorted(obj)})")
+            raise ValueError(f'{where}: missing key "prompt" (keys: {sorted(obj)})')
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r}")
+            raise ValueError(f'{where}: "prompt" must be a non-empty string, got {prompt!r}')
         empty = False
         yield where, obj
     if empty:
-        raise ValueError(f"{flag} {str(path)!r}: the file holds no prompt (one {{\"prompt\": ...}} per line)")
+        raise ValueError(f'{flag} {str(path)!r}: the file holds no prompt (one {{"prompt": ...}} per line)')
 
 
 def _names(fields) -> str:
@@ -200,9 +212,11 @@ def load_prompt_records(source: str | os.PathLike, *, flag: str = "--prompts") -
         if not records:
             first_where, first_fields = where, fields
         elif fields != first_fields:
-            raise ValueError(f"{where}: its fields besides \"prompt\" are {_names(fields)}, but {first_where}'s are "
-                             f"{_names(first_fields)}; every line needs the same fields (a reward receives each "
-                             "as a column)")
+            raise ValueError(
+                f'{where}: its fields besides "prompt" are {_names(fields)}, but {first_where}\'s are '
+                f"{_names(first_fields)}; every line needs the same fields (a reward receives each "
+                "as a column)"
+            )
         records.append(record)
     return records
 
@@ -264,8 +278,7 @@ class PromptSampler:
             raise ValueError("prompts must not be empty")
         for i, p in enumerate(prompts):
             if not (isinstance(p, str) or isinstance(p, Mapping) and isinstance(p.get("prompt"), str)):
-                raise ValueError(f"prompts[{i}] must be a str or a mapping with a str \"prompt\", "
-                                 f"got {type(p).__name__}")
+                raise ValueError(f'prompts[{i}] must be a str or a mapping with a str "prompt", got {type(p).__name__}')
         self.prompts = list(prompts)
         self.seed = int(seed)
         self.epoch = 0
@@ -286,7 +299,7 @@ class PromptSampler:
         while len(out) < k:
             perm = self._permutation()
             take = min(k - len(out), n - self.position)
-            out.extend(self.prompts[i] for i in perm[self.position:self.position + take])
+            out.extend(self.prompts[i] for i in perm[self.position : self.position + take])
             self.position += take
             if self.position == n:
                 self.epoch += 1
@@ -299,7 +312,7 @@ class PromptSampler:
         same ones) and rank ``rank`` of ``world_size`` takes its consecutive share, whole groups
         only. Both divisions must be exact (``PPOConfig`` checks them)."""
         per_rank = batch_size // world_size // group_size
-        prompts = self.sample(batch_size // group_size)[rank * per_rank:(rank + 1) * per_rank]
+        prompts = self.sample(batch_size // group_size)[rank * per_rank : (rank + 1) * per_rank]
         return [prompt for prompt in prompts for _ in range(group_size)]
 
     def state_dict(self) -> Dict[str, int]:

@@ -75,6 +75,7 @@ class RewardError(ValueError):
 class RewardTypeError(RewardError, TypeError):
     """:class:`RewardError` for a reward output of the wrong type (also a ``TypeError``)."""
 
+
 _analyzer = None
 _analyzer_lock = threading.Lock()
 
@@ -148,12 +149,17 @@ def validate_scores(scores, n: int, name: str) -> list[float]:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise RewardTypeError(
                 f"reward {name!r} returned a non-number at index {i}: {value!r} ({type(value).__name__})",
-                reward=name, index=i, value=value,
+                reward=name,
+                index=i,
+                value=value,
             )
         value = float(value)
         if not math.isfinite(value):
             raise RewardError(
-                f"reward {name!r} returned a non-finite score at index {i}: {value!r}", reward=name, index=i, value=value
+                f"reward {name!r} returned a non-finite score at index {i}: {value!r}",
+                reward=name,
+                index=i,
+                value=value,
             )
         out.append(value)
     return out
@@ -172,9 +178,9 @@ def _clip_text(text: str, n: int = 80) -> str:
 class _FieldParams(NamedTuple):
     """The prompt fields a reward takes, read from its signature."""
 
-    named: frozenset      # parameters after (prompts, responses) that can be passed by keyword
-    required: frozenset   # those of them without a default
-    any: bool             # a **kwargs parameter: every field
+    named: frozenset  # parameters after (prompts, responses) that can be passed by keyword
+    required: frozenset  # those of them without a default
+    any: bool  # a **kwargs parameter: every field
     positional: frozenset  # the names of its (prompts, responses) parameters: never passed as fields
 
 
@@ -224,8 +230,7 @@ def reward_takes_fields(reward_fn: RewardFn) -> bool:
     return params.any or bool(params.named)
 
 
-def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *,
-                        source: str = "the prompts") -> List[str]:
+def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *, source: str = "the prompts") -> List[str]:
     """Check, before anything is loaded, that the prompts have every field the reward requires.
 
     A reward requires a field when it has a parameter of that name, after ``(prompts,
@@ -250,13 +255,22 @@ def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *,
     if missing:
         name = reward_name(reward_fn)
         what = f"field {missing[0]!r}" if len(missing) == 1 else f"fields {', '.join(map(repr, missing))}"
-        raise RewardError(f"reward {name!r} needs the prompt {what}, missing from {source}, whose fields besides "
-                          f"\"prompt\" are: {', '.join(map(repr, sorted(names))) or 'none'}", reward=name)
+        raise RewardError(
+            f"reward {name!r} needs the prompt {what}, missing from {source}, whose fields besides "
+            f'"prompt" are: {", ".join(map(repr, sorted(names))) or "none"}',
+            reward=name,
+        )
     return sorted(names - params.positional if params.any else names & params.named)
 
 
-def score_responses(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], *, where: str,
-                    fields: Optional[Dict[str, List[Any]]] = None) -> list[float]:
+def score_responses(
+    reward_fn: RewardFn,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    *,
+    where: str,
+    fields: Optional[Dict[str, List[Any]]] = None,
+) -> list[float]:
     """Call ``reward_fn`` and check its output: one finite float per (prompt, response).
 
     The reward is called as ``reward_fn(prompts, responses, **{name: column})`` with the columns
@@ -280,8 +294,9 @@ def score_responses(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequ
     fields = fields or {}
     for field, column in fields.items():
         if len(column) != len(prompts):
-            raise ValueError(f"score_responses: field {field!r} has {len(column)} values for {len(prompts)} prompts "
-                             f"({where})")
+            raise ValueError(
+                f"score_responses: field {field!r} has {len(column)} values for {len(prompts)} prompts ({where})"
+            )
     try:
         passed = {field: list(fields[field]) for field in check_reward_fields(reward_fn, fields)}
         return validate_scores(reward_fn(list(prompts), list(responses), **passed), len(responses), name)
@@ -293,8 +308,10 @@ def score_responses(reward_fn: RewardFn, prompts: Sequence[str], responses: Sequ
             detail += f"; prompt {i}: {_clip_text(prompts[i])!r}, response: {_clip_text(responses[i])!r}"
         raise RewardError(f"{exc} ({detail})", reward=exc.reward, index=exc.index, value=exc.value) from exc
     except Exception as exc:
-        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} ({where}, scoring "
-                          f"{len(responses)} responses)", reward=name) from exc
+        raise RewardError(
+            f"reward {name!r} raised {type(exc).__name__}: {exc} ({where}, scoring {len(responses)} responses)",
+            reward=name,
+        ) from exc
 
 
 def _checked(fn: Callable, name: str) -> RewardFn:
@@ -305,7 +322,9 @@ def _checked(fn: Callable, name: str) -> RewardFn:
     @functools.wraps(fn)
     def reward(prompts: list[str], responses: list[str], **fields) -> list[float]:
         if len(prompts) != len(responses):
-            raise RewardError(f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses", reward=name)
+            raise RewardError(
+                f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses", reward=name
+            )
         return validate_scores(fn(list(prompts), list(responses), **fields), len(responses), name)
 
     reward.reward_name = name
@@ -351,19 +370,24 @@ class SequenceClassifierReward:
         # A causal LM loads as a classifier with a freshly initialised score head: random scores.
         architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
         if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-            raise ValueError(f"reward model {str(path)!r} is not a sequence-classification model "
-                             f"(architectures: {', '.join(architectures)}); its score head would be random")
+            raise ValueError(
+                f"reward model {str(path)!r} is not a sequence-classification model "
+                f"(architectures: {', '.join(architectures)}); its score head would be random"
+            )
         self.name = str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model, info = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True,
-                                                                              output_loading_info=True)
+        self.model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, local_files_only=True, output_loading_info=True
+        )
         if info.get("missing_keys"):
             # A checkpoint without a classifier head (a causal LM whose config names no
             # architecture, say) would get a freshly initialised one: random scores.
             missing = sorted(info["missing_keys"])
-            raise ValueError(f"reward model {str(path)!r}: its checkpoint has no weights for "
-                             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; "
-                             "they would be initialised at random, and so would the scores")
+            raise ValueError(
+                f"reward model {str(path)!r}: its checkpoint has no weights for "
+                f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; "
+                "they would be initialised at random, and so would the scores"
+            )
         self.model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.batch_size = batch_size
@@ -450,8 +474,9 @@ def _load_function(spec: str) -> Callable:
             raise AttributeError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
         kind = type(obj).__name__
-        raise TypeError(f"reward {spec!r}: {attr!r} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}, "
-                        "not a function")
+        raise TypeError(
+            f"reward {spec!r}: {attr!r} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}, not a function"
+        )
     return obj
 
 
@@ -490,6 +515,4 @@ def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.devic
         return _checked(SequenceClassifierReward(path, device=device), spec)
     if ":" in spec:
         return _checked(_load_function(spec), spec)
-    raise ValueError(
-        f"reward {spec!r} is not 'sentiment', 'math', an existing model directory, or 'module:function'"
-    )
+    raise ValueError(f"reward {spec!r} is not 'sentiment', 'math', an existing model directory, or 'module:function'")

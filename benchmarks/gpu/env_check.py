@@ -10,6 +10,7 @@ No arguments; GPU_CHECK_DEVICE must be set (gpu_check.sh passes its own; GPU_CHE
 the build step is selected, which also needs the build tools). A non-zero exit makes gpu_check.sh
 stop with status 1.
 """
+
 import importlib.util
 import os
 import sys
@@ -18,9 +19,20 @@ import torch
 
 # import name -> distribution: what pyppo imports at run time (build_support/torch_pin.py's
 # DEPENDENCIES), what the tests import, and, for the build step, the build tools.
-RUNTIME = {"numpy": "numpy", "transformers": "transformers", "accelerate": "accelerate", "peft": "peft",
-           "gguf": "gguf", "vaderSentiment": "vaderSentiment", "tqdm": "tqdm", "matplotlib": "matplotlib",
-           "tomli_w": "tomli-w", "pytest": "pytest", "hypothesis": "hypothesis", "psutil": "psutil"}
+RUNTIME = {
+    "numpy": "numpy",
+    "transformers": "transformers",
+    "accelerate": "accelerate",
+    "peft": "peft",
+    "gguf": "gguf",
+    "vaderSentiment": "vaderSentiment",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+    "tomli_w": "tomli-w",
+    "pytest": "pytest",
+    "hypothesis": "hypothesis",
+    "psutil": "psutil",
+}
 BUILD = {"scikit_build_core": "scikit-build-core", "pybind11": "pybind11", "cmake": "cmake", "ninja": "ninja"}
 
 
@@ -33,8 +45,11 @@ if __name__ == "__main__":
     print("python", sys.version.split()[0], "| torch", torch.__version__, "| torch CUDA", torch.version.cuda)
     missing = missing_packages(os.environ.get("GPU_CHECK_BUILDS") == "1")
     if missing:
-        sys.exit("gpu_check: missing Python packages: " + " ".join(missing)
-                 + " (put their wheels in build/gpu_wheels, or GPU_CHECK_WHEELS: scripts/gpu_rehearsal.sh builds them)")
+        sys.exit(
+            "gpu_check: missing Python packages: "
+            + " ".join(missing)
+            + " (put their wheels in build/gpu_wheels, or GPU_CHECK_WHEELS: scripts/gpu_rehearsal.sh builds them)"
+        )
     if os.environ["GPU_CHECK_DEVICE"] == "cuda":
         if torch.version.cuda is None:
             sys.exit("gpu_check: this torch has no CUDA")

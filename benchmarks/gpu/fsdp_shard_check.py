@@ -9,9 +9,12 @@ pyppo.distributed.wrap is the identity with one process, so this applies its FSD
 loss backward, an AdamW step and the full-state-dict gather of pyppo.run.checkpoint.training_state.
 Covers: FSDP2 hooks, DTensor parameters and the gathers on this device with pyppo's ops and
 autocast. Not covered: several ranks (real reduce-scatter, cross-rank reductions); those are in
-tests/trainer/test_distributed.py (gloo, CPU) and, on >= 2 GPUs, the fsdp step's trainer run.
+tests/test_distributed.py (gloo, CPU) and, on >= 2 GPUs, the fsdp step's trainer run.
 """
-import copy, os, sys
+
+import copy
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -19,8 +22,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from support.tiny_models import tiny_causal_lm
-
 from pyppo import distributed
 from pyppo.config import PPOConfig
 from pyppo.ops import ppo_policy_loss
@@ -29,6 +30,7 @@ from pyppo.rollout.hf_generate import generation_config
 from pyppo.run import checkpoint
 from pyppo.trainer.buffer import RolloutBuffer
 from pyppo.trainer.logprob_head import LogprobHead
+from support.tiny_models import tiny_causal_lm
 
 kind = sys.argv[1]
 if kind == "cuda":
@@ -68,8 +70,9 @@ for i in range(B):
     query_ids[i, :i] = 2
 response_mask = torch.arange(T) < torch.tensor([8, 5, 3, 1]).unsqueeze(1)
 response_ids = torch.where(response_mask, torch.randint(4, 99, (B, T), generator=g), torch.full((B, T), 2))
-mb = RolloutBuffer(query_ids=query_ids, query_mask=query_mask, response_ids=response_ids,
-                   response_mask=response_mask).to(device)
+mb = RolloutBuffer(
+    query_ids=query_ids, query_mask=query_mask, response_ids=response_ids, response_mask=response_mask
+).to(device)
 
 # Sampling through the sharded head, as the trainer's rollout does.
 gen = generation_config(PPOConfig(max_new_tokens=4), eos_token_id=2, pad_token_id=2)
@@ -95,12 +98,14 @@ loss.backward()
 grads = [p.grad for p in head.parameters() if p.grad is not None]
 local = [gr.to_local() if hasattr(gr, "to_local") else gr for gr in grads]
 if len(grads) != len(params) or not all(torch.isfinite(x).all() for x in local):
-    problems.append(f"gradients: {len(grads)}/{len(params)} present, finite: {all(torch.isfinite(x).all() for x in local)}")
+    problems.append(
+        f"gradients: {len(grads)}/{len(params)} present, finite: {all(torch.isfinite(x).all() for x in local)}"
+    )
 opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
 opt.step()
 
 weights, opt_state = checkpoint.training_state(head, opt, prefix="model.")
-names = {n[len("model."):] for n in start}
+names = {n[len("model.") :] for n in start}
 if set(weights) != names:
     problems.append(f"full state dict has {len(weights)} weights, expected {len(names)}")
 bad = [n for n, w in weights.items() if w.shape != start["model." + n].shape or not torch.isfinite(w).all()]
@@ -109,15 +114,23 @@ if bad:
     problems.append(f"{len(bad)} gathered weights with a wrong shape or non-finite values, e.g. {bad[0]}")
 if moved < len(weights) // 2:
     problems.append(f"the AdamW step moved only {moved}/{len(weights)} weights")
-moments = [v for st in opt_state.get("state", {}).values() for v in st.values()
-           if isinstance(v, torch.Tensor) and v.numel() > 1]
+moments = [
+    v
+    for st in opt_state.get("state", {}).values()
+    for v in st.values()
+    if isinstance(v, torch.Tensor) and v.numel() > 1
+]
 if not moments or not all(torch.isfinite(v).all() for v in moments):
-    problems.append(f"optimizer state: {len(moments)} moment tensors, finite: {all(torch.isfinite(v).all() for v in moments)}")
+    problems.append(
+        f"optimizer state: {len(moments)} moment tensors, finite: {all(torch.isfinite(v).all() for v in moments)}"
+    )
 
 dist.destroy_process_group()
 for p in problems:
     print("gpu_check: FAIL:", p)
-print(f"gpu_check: FSDP2 shard check on {device}: {len(layers)} blocks + root sharded, {n_dtensor} DTensor "
-      f"params; log-prob max |diff| vs unsharded {diff:.2g}; loss {float(loss):.4f}; AdamW moved "
-      f"{moved}/{len(weights)} gathered weights: {'pass' if not problems else 'FAIL'}")
+print(
+    f"gpu_check: FSDP2 shard check on {device}: {len(layers)} blocks + root sharded, {n_dtensor} DTensor "
+    f"params; log-prob max |diff| vs unsharded {diff:.2g}; loss {float(loss):.4f}; AdamW moved "
+    f"{moved}/{len(weights)} gathered weights: {'pass' if not problems else 'FAIL'}"
+)
 sys.exit(1 if problems else 0)

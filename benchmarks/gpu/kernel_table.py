@@ -10,7 +10,11 @@ cross-entropy, run here when installed, else ~104 ms). ``quick`` shrinks the sha
 gpu_check.sh's kernels step calls it as ``kernel_table.py "${OUT:-$WORK}/kernels.json"`` (not
 quick). Writes OUT_JSON after every row (a run cut short keeps the rows it measured; "complete" says whether
 it finished); exit 0 = every target met, 3 = a target missed. Needs CUDA."""
-import json, os, statistics, sys
+
+import json
+import os
+import statistics
+import sys
 
 import torch
 
@@ -25,8 +29,11 @@ rows, problems = [], []
 
 def save(complete=False):
     with open(out_path + ".tmp", "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "complete": complete,
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "complete": complete, "rows": rows},
+            f,
+            indent=1,
+        )
     os.replace(out_path + ".tmp", out_path)
 
 
@@ -59,8 +66,9 @@ def row(name, seconds, nbytes=None, copy_bw=None, target=None):
 
 
 shape = (8, 1024, 151936) if not quick else (2, 256, 151936)
-for dtype in (torch.bfloat16, torch.float32):
-    N = shape[0] * shape[1]
+
+
+def gather_logprobs_rows(dtype):
     z = torch.randn(*shape, device=d, dtype=dtype)
     labels = torch.randint(0, shape[2], shape[:2], device=d)
     nbytes = z.numel() * z.element_size()
@@ -75,8 +83,17 @@ for dtype in (torch.bfloat16, torch.float32):
     lp, ent, lse = P.gather_logprobs(z, labels, None, 1.0, -100, True)
     g1 = torch.ones_like(lp)
     t = timed(lambda: P.gather_logprobs_backward(g1, g1, z, labels, None, lse, ent, 1.0, -100))
-    row(f"gather_logprobs bwd (entropy) {tag}", t, 2 * nbytes, copy_bw, (">= 0.60 of copy", 2 * nbytes / t >= 0.6 * copy_bw))
-    del z, lp, ent, lse, g1
+    row(
+        f"gather_logprobs bwd (entropy) {tag}",
+        t,
+        2 * nbytes,
+        copy_bw,
+        (">= 0.60 of copy", 2 * nbytes / t >= 0.6 * copy_bw),
+    )
+
+
+for dtype in (torch.bfloat16, torch.float32):
+    gather_logprobs_rows(dtype)  # its tensors are freed when it returns
     torch.cuda.empty_cache()
 
 B, T = 256, 2048
@@ -112,8 +129,13 @@ try:
 except Exception as exc:  # noqa: BLE001 - Liger is optional here
     print(f"gpu_check: kernel: Liger-Kernel not run ({type(exc).__name__}: {exc}); comparing with {ref_ms:.0f} ms")
 t = timed(pyppo_linear, reps=3, warmup=1)
-row(f"linear_logprobs fwd+bwd+entropy bf16 M={M} H={H} V={V}", t, None, None,
-    (f"<= {ref_ms:.1f} ms ({ref_name})", t * 1e3 <= ref_ms))
+row(
+    f"linear_logprobs fwd+bwd+entropy bf16 M={M} H={H} V={V}",
+    t,
+    None,
+    None,
+    (f"<= {ref_ms:.1f} ms ({ref_name})", t * 1e3 <= ref_ms),
+)
 
 device = torch.cuda.get_device_name()
 save(complete=True)

@@ -2,12 +2,14 @@
 without entropy, temperature 1 and not) and backward, on V = 7, 4099 and 6144, contiguous, T-sliced
 and misaligned (every row one element off 16 bytes); linear_logprobs and linear_ppo_loss;
 kl_penalty, shape_rewards, gae (T = 5, 1024, 2500), masked_mean / masked_var / masked_whiten;
-group_advantages (B = 3 and 300: one tile of ids and two, groups of 1 to 7); every dtype. Each result is checked finite where it must be, so a wrong answer fails as well as a bad access.
+group_advantages (B = 3 and 300: one tile of ids and two, groups of 1 to 7); every dtype. Each result is
+checked finite where it must be, so a wrong answer fails as well as a bad access.
 
 gpu_check.sh's sanitize step runs it twice, with no arguments, under
 ``compute-sanitizer --tool memcheck|racecheck --error-exitcode 9 [--kernel-name kns=pyppo]
 python benchmarks/gpu/sanitize_workload.py``; exit 0 = every result finite, 1 = a non-finite one
 (the sanitizer's own finding exits 9). Needs CUDA."""
+
 import torch
 
 from pyppo import ops
@@ -37,8 +39,9 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
                 if not torch.isfinite(lp).all():
                     problems.append(f"gather_logprobs {dtype} V={V} {name}: non-finite log-probs")
                 ge = torch.ones_like(lp) if ent else None
-                gz = P.gather_logprobs_backward(torch.ones_like(lp), ge, z, labels, mask, lse, e if ent else None,
-                                                tau, -100)
+                gz = P.gather_logprobs_backward(
+                    torch.ones_like(lp), ge, z, labels, mask, lse, e if ent else None, tau, -100
+                )
                 if not torch.isfinite(gz).all():
                     problems.append(f"gather_logprobs_backward {dtype} V={V} {name}: non-finite gradient")
     h = torch.randn(2, 5, 16, device=d, generator=g).to(dtype)
@@ -46,12 +49,33 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
     y = torch.randint(0, 4099, (2, 5), device=d, generator=g)
     m = torch.ones(2, 5, dtype=torch.bool, device=d)
     lp, ent, lse = P.linear_logprobs(h, w, y, m, None, 1.0, -100, True, 3)
-    P.linear_logprobs_backward(torch.ones_like(lp), torch.ones_like(ent), h, w, y, m, None, lse, ent, 1.0, -100, 3,
-                               [True, True, False])
+    P.linear_logprobs_backward(
+        torch.ones_like(lp), torch.ones_like(ent), h, w, y, m, None, lse, ent, 1.0, -100, 3, [True, True, False]
+    )
     tw = ops.loss_token_weights(m)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    P.linear_ppo_loss(h, w, y, lp.to(acc), torch.randn(2, 5, device=d, generator=g).to(acc), m, tw, lp.to(acc), None,
-                      1.0, -100, 0.2, 0.2, None, 0.1, "k3", 0.01, True, 3, [True, True, False])
+    P.linear_ppo_loss(
+        h,
+        w,
+        y,
+        lp.to(acc),
+        torch.randn(2, 5, device=d, generator=g).to(acc),
+        m,
+        tw,
+        lp.to(acc),
+        None,
+        1.0,
+        -100,
+        0.2,
+        0.2,
+        None,
+        0.1,
+        "k3",
+        0.01,
+        True,
+        3,
+        [True, True, False],
+    )
     for T in (5, 1024, 2500):
         r = torch.randn(4, T, device=d, generator=g).to(dtype)
         v = torch.randn(4, T, device=d, generator=g).to(dtype)

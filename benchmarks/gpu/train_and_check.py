@@ -10,19 +10,25 @@ step; OUTPUT/policy loads with AutoModelForCausalLM.from_pretrained and gives fi
 gpu_check.sh's train, lora and vllm steps run it directly (STEPS 3), its fsdp step under
 ``torchrun --nproc-per-node N`` (STEPS 2, --fsdp --lora-rank 8); the ranks' exit codes and peak
 memory (CUDA allocator, else max RSS) are gathered to rank 0."""
-import json, math, resource, statistics, sys
+
+import json
+import math
+import resource
+import statistics
+import sys
 
 mode, out, steps, table = sys.argv[1:5]
 assert sys.argv[5] == "--"
 argv = ["train", *sys.argv[6:], "--output", out, "--steps", steps]
-import torch
-from pyppo.cli import main
+import torch  # noqa: E402
+
+from pyppo.cli import main  # noqa: E402
 
 rc = main(argv)
 cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
 rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 rcs, peaks = [rc], [(cuda_peak, rss_peak)]
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: E402
 
 if dist.is_available() and dist.is_initialized():  # under torchrun with several processes
     n = dist.get_world_size()
@@ -38,6 +44,7 @@ problems = [f"pyppo train exited {r} (rank {i})" for i, r in enumerate(rcs) if r
 s_per_step = math.nan
 if not problems:
     from pathlib import Path
+
     out = Path(out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if len(rows) != int(steps):
@@ -59,11 +66,14 @@ if not problems:
             if not all(isinstance(d, (int, float)) and math.isfinite(d) for d in diffs):
                 problems.append(f"mismatch_logprob_diff_max is missing or not finite: {diffs!r}")
             else:
-                print(f"gpu_check: {mode}: mismatch_logprob_diff_max per step {diffs}, mismatch_kl_k3 "
-                      f"{[r.get('mismatch_kl_k3') for r in rows]}, time_weight_sync "
-                      f"{[r.get('time_weight_sync') for r in rows]}")
+                print(
+                    f"gpu_check: {mode}: mismatch_logprob_diff_max per step {diffs}, mismatch_kl_k3 "
+                    f"{[r.get('mismatch_kl_k3') for r in rows]}, time_weight_sync "
+                    f"{[r.get('time_weight_sync') for r in rows]}"
+                )
     try:
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(out / "policy")
         with torch.no_grad():
             logits = model(input_ids=torch.arange(4, 12).unsqueeze(0)).logits

@@ -81,7 +81,11 @@ def environment(devices: list[torch.device]) -> dict:
     }
     if any(d.type == "cuda" for d in devices):
         props = torch.cuda.get_device_properties(0)
-        env.update(cuda_device=props.name, cuda_sm=f"{props.major}{props.minor}",
-                   cuda_memory_bytes=int(props.total_memory), cuda_version=torch.version.cuda,
-                   pyppo_cuda_archs=_C.cuda_archs)
+        env.update(
+            cuda_device=props.name,
+            cuda_sm=f"{props.major}{props.minor}",
+            cuda_memory_bytes=int(props.total_memory),
+            cuda_version=torch.version.cuda,
+            pyppo_cuda_archs=_C.cuda_archs,
+        )
     return env

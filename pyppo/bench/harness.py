@@ -9,11 +9,12 @@ import gc
 import math
 import statistics
 import sys
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from .case import Case, Inputs
+from .case import Case, Inputs, RowLabels
 from .check import max_error
 from .environment import cache_bytes, environment, load_average
 from .memory import peak_extra_bytes, rss_available
@@ -77,23 +78,45 @@ def _memory(case: Case, inp: Inputs, device: torch.device, memory: str, input_by
     return row
 
 
-def run_case(case: Case, device: torch.device, *, timing: Timing, memory: str, seed: int = 0,
-             check: bool = True) -> dict:
+def _row_start(
+    case: RowLabels, device: torch.device, sets: list[Inputs], input_bytes: int, **names: str
+) -> dict[str, Any]:
+    """A row's first fields (of the bench's and the peer bench's alike): ``names``, what the row
+    compares, then where it ran and on how much input."""
+    return {
+        **names,
+        "shape": list(case.shape),
+        "shape_str": case.shape_str,
+        "dtype": case.dtype_str,
+        "device": str(device),
+        "input_bytes": input_bytes,
+        "input_sets": len(sets),
+    }
+
+
+def run_case(
+    case: Case, device: torch.device, *, timing: Timing, memory: str, seed: int = 0, check: bool = True
+) -> dict:
     """One row: the check, the timings, the peak memory (``memory`` a method of
     :func:`~pyppo.bench.memory.peak_extra_bytes`, or ``"off"``) and the targets."""
     sets = _input_sets(case, device, seed)
     inp = sets[0]
-    row: dict[str, Any] = {
-        "op": case.op, "label": case.label, "eager": case.eager_name, "floor": case.floor_name,
-        "shape": list(case.shape), "shape_str": case.shape_str, "dtype": case.dtype_str,
-        "device": str(device), "input_bytes": int(case.input_bytes(inp)), "input_sets": len(sets),
-    }
+    row = _row_start(
+        case,
+        device,
+        sets,
+        int(case.input_bytes(inp)),
+        op=case.op,
+        label=case.label,
+        eager=case.eager_name,
+        floor=case.floor_name,
+    )
     if check:
         err = max_error(case.pyppo(inp), (case.compare_eager or case.eager)(inp))
         row.update(max_error=err, tol=case.tol, agree=bool(err <= case.tol))
-    times = measure({"pyppo": case.pyppo, "eager": case.eager, "floor": case.floor}, sets, clock_for(device),
-                    warmup=timing.warmup, min_reps=timing.min_reps, max_reps=timing.max_reps,
-                    budget_s=timing.budget_s)
+    times = measure(
+        {"pyppo": case.pyppo, "eager": case.eager, "floor": case.floor}, sets, clock_for(device), **asdict(timing)
+    )
     row.update(
         pyppo_ms=statistics.median(times["pyppo"]) * 1e3,
         eager_ms=statistics.median(times["eager"]) * 1e3,
@@ -108,17 +131,29 @@ def run_case(case: Case, device: torch.device, *, timing: Timing, memory: str, s
     if memory != "off":
         row.update(_memory(case, inp, device, memory, row["input_bytes"]))
     row["targets"] = [
-        {"name": t.name, "metric": t.metric, "value": row[t.metric], "cmp": t.cmp, "bound": t.bound,
-         "goal": t.goal, "met": t.met(row[t.metric]), "goal_met": t.goal_met(row[t.metric])}
-        for t in case.targets if row.get(t.metric) is not None
+        {
+            "name": t.name,
+            "metric": t.metric,
+            "value": row[t.metric],
+            "cmp": t.cmp,
+            "bound": t.bound,
+            "goal": t.goal,
+            "met": t.met(row[t.metric]),
+            "goal_met": t.goal_met(row[t.metric]),
+        }
+        for t in case.targets
+        if row.get(t.metric) is not None
     ]
     return row
 
 
 def _log(row: dict) -> None:
-    print(f"  {row['suite']:<6} {row['label']:<30} {row['shape_str']:<14} {row['dtype']:<9} {row['device']:<5} "
-          f"pyppo {row['pyppo_ms']:9.3f} ms  eager {row['eager_ms']:9.3f} ms  x{row['speedup']:.1f}",
-          file=sys.stderr, flush=True)
+    print(
+        f"  {row['suite']:<6} {row['label']:<30} {row['shape_str']:<14} {row['dtype']:<9} {row['device']:<5} "
+        f"pyppo {row['pyppo_ms']:9.3f} ms  eager {row['eager_ms']:9.3f} ms  x{row['speedup']:.1f}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _sweep_points(sweep, device, suite: Suite, seed: int) -> list[dict]:
@@ -127,20 +162,39 @@ def _sweep_points(sweep, device, suite: Suite, seed: int) -> list[dict]:
     for value, case in zip(sweep.values, sweep.cases):
         row = run_case(case, device, timing=timing, memory="off", seed=seed, check=False)
         _INPUT_CACHE.clear()
-        points.append({"value": value, **{k: row[k] for k in ("shape", "pyppo_ms", "eager_ms", "floor_ms",
-                                                               "speedup", "floor_ratio")}})
+        points.append(
+            {
+                "value": value,
+                **{k: row[k] for k in ("shape", "pyppo_ms", "eager_ms", "floor_ms", "speedup", "floor_ratio")},
+            }
+        )
     return points
 
 
-def run_suites(suites: list[Suite], devices: list[torch.device], *, sizes: str, ops: list[str] | None = None,
-               memory: str = "auto", seed: int = 0, sweeps: bool = True, verbose: bool = True) -> dict:
+def run_suites(
+    suites: list[Suite],
+    devices: list[torch.device],
+    *,
+    sizes: str,
+    ops: list[str] | None = None,
+    memory: str = "auto",
+    seed: int = 0,
+    sweeps: bool = True,
+    verbose: bool = True,
+) -> dict:
     """Run ``suites`` on ``devices`` (a CUDA-only suite on the CUDA ones alone); returns
     ``{"created", "sizes", "suites", "env", "rows", "sweeps"}``, each row naming its suite."""
     memory = resolve_memory_method(memory)
     env = environment(devices)
     env["memory_method"] = memory
-    result: dict[str, Any] = {"created": _dt.datetime.now().isoformat(timespec="seconds"), "sizes": sizes,
-                              "suites": [s.name for s in suites], "env": env, "rows": [], "sweeps": []}
+    result: dict[str, Any] = {
+        "created": _dt.datetime.now().isoformat(timespec="seconds"),
+        "sizes": sizes,
+        "suites": [s.name for s in suites],
+        "env": env,
+        "rows": [],
+        "sweeps": [],
+    }
     for suite in suites:
         cases = [c for c in suite.cases if not ops or c.op in ops]
         for device in (d for d in devices if d.type == "cuda" or not suite.cuda_only):
@@ -152,9 +206,16 @@ def run_suites(suites: list[Suite], devices: list[torch.device], *, sizes: str, 
             for sweep in suite.sweeps if sweeps else ():
                 if ops and sweep.cases[0].op not in ops:
                     continue
-                result["sweeps"].append({"suite": suite.name, "name": sweep.name, "axis": sweep.axis,
-                                         "device": str(device), "eager": sweep.cases[0].eager_name,
-                                         "points": _sweep_points(sweep, device, suite, seed)})
+                result["sweeps"].append(
+                    {
+                        "suite": suite.name,
+                        "name": sweep.name,
+                        "axis": sweep.axis,
+                        "device": str(device),
+                        "eager": sweep.cases[0].eager_name,
+                        "points": _sweep_points(sweep, device, suite, seed),
+                    }
+                )
         _INPUT_CACHE.clear()
     env["load_average_after"] = load_average()
     return result

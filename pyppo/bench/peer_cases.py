@@ -28,8 +28,21 @@ from pyppo.integrations._flash_attn_stub import flash_attn_is_stub, install_flas
 from .case import Inputs, RowLabels
 from .inputs import bt_inputs, nbytes
 
-__all__ = ["PeerCase", "PEERS", "PINS", "SHAPES", "cases", "functions", "logits_shape", "input_sets",
-           "clear_inputs", "peer_available", "import_peer", "install_flash_attn_stub", "flash_attn_state"]
+__all__ = [
+    "PeerCase",
+    "PEERS",
+    "PINS",
+    "SHAPES",
+    "cases",
+    "functions",
+    "logits_shape",
+    "input_sets",
+    "clear_inputs",
+    "peer_available",
+    "import_peer",
+    "install_flash_attn_stub",
+    "flash_attn_state",
+]
 
 PEERS = ("verl", "openrlhf", "trl")
 
@@ -176,8 +189,10 @@ def logits_shape(sizes: str, device: torch.device) -> tuple[tuple[int, ...], str
         b //= 2
     if b == B:
         return (B, T, V), ""
-    return (b, T, V), (f"B={b}, not {B}: the peers' peak at B={B} would be ~{need(B) / 2**30:.0f} GiB, "
-                       f"{available / 2**30:.0f} GiB available")
+    return (b, T, V), (
+        f"B={b}, not {B}: the peers' peak at B={B} would be ~{need(B) / 2**30:.0f} GiB, "
+        f"{available / 2**30:.0f} GiB available"
+    )
 
 
 def _available_bytes(device: torch.device) -> int | None:
@@ -215,45 +230,83 @@ def _actor_config():
 
 def _logprobs_row(module: str, name: str, note: str = "") -> tuple:
     """A ``(logits, labels) -> log-probs`` row (each peer has one, under its own name)."""
-    return (module, name, ("fwd", "fwd+bwd"), "logits", lambda f, i: f(i["logits"], i["labels"]), note,
-            ("logits", "labels"), ("logits",))
+    return (module, name, "logits", lambda f, i: f(i["logits"], i["labels"]), note, ("logits", "labels"), ("logits",))
 
 
 def _entropy_row(module: str, name: str, note: str = "") -> tuple:
     """A ``logits -> entropy`` row."""
-    return (module, name, ("fwd", "fwd+bwd"), "logits", lambda f, i: f(i["logits"]), note, ("logits",), ("logits",))
+    return (module, name, "logits", lambda f, i: f(i["logits"]), note, ("logits",), ("logits",))
 
 
 def _verl() -> list[tuple]:
     core, tf = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"
     config: list = []
+    policy_inputs = ("old_logprobs", "logprobs", "advantages", "mask")  # both policy losses' tensors
 
     def vanilla(f, i):
         if not config:
             config.append(_actor_config())
-        return f(i["old_logprobs"], i["logprobs"], i["advantages"], i["mask"], loss_agg_mode="token-mean",
-                 config=config[0])
+        return f(
+            i["old_logprobs"], i["logprobs"], i["advantages"], i["mask"], loss_agg_mode="token-mean", config=config[0]
+        )
 
     return [
-        (core, "compute_gae_advantage_return", ("fwd",), "rollout",
-         lambda f, i: f(i["rewards"], i["values"], i["mask"], gamma=0.99, lam=0.95),
-         "gamma=0.99, lam=0.95", ("rewards", "values", "mask"), ()),
-        (core, "kl_penalty", ("fwd", "fwd+bwd"), "rollout",
-         lambda f, i: f(i["logprobs"], i["ref_logprobs"], kl_penalty="low_var_kl"),
-         "kl_penalty='low_var_kl'", ("logprobs", "ref_logprobs"), ("logprobs",)),
-        (core, "agg_loss", ("fwd",), "rollout",
-         lambda f, i: f(loss_mat=i["x"], loss_mask=i["mask"], loss_agg_mode="token-mean"),
-         "loss_agg_mode='token-mean'", ("x", "mask"), ()),
-        (core, "compute_policy_loss", ("fwd", "fwd+bwd"), "rollout",
-         lambda f, i: f(i["old_logprobs"], i["logprobs"], i["advantages"], i["mask"], cliprange=0.2),
-         "cliprange=0.2 (deprecated API)", ("old_logprobs", "logprobs", "advantages", "mask"), ("logprobs",)),
-        (core, "compute_policy_loss_vanilla", ("fwd", "fwd+bwd"), "rollout", vanilla,
-         "ActorConfig(clip_ratio=0.2)", ("old_logprobs", "logprobs", "advantages", "mask"), ("logprobs",)),
-        (core, "compute_value_loss", ("fwd", "fwd+bwd"), "rollout",
-         lambda f, i: f(i["vpreds"], i["returns"], i["values"], i["mask"], cliprange_value=0.5),
-         "cliprange_value=0.5", ("vpreds", "returns", "values", "mask"), ("vpreds",)),
-        (tf, "masked_whiten", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
-        (tf, "masked_mean", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
+        (
+            core,
+            "compute_gae_advantage_return",
+            "rollout",
+            lambda f, i: f(i["rewards"], i["values"], i["mask"], gamma=0.99, lam=0.95),
+            "gamma=0.99, lam=0.95",
+            ("rewards", "values", "mask"),
+            (),
+        ),
+        (
+            core,
+            "kl_penalty",
+            "rollout",
+            lambda f, i: f(i["logprobs"], i["ref_logprobs"], kl_penalty="low_var_kl"),
+            "kl_penalty='low_var_kl'",
+            ("logprobs", "ref_logprobs"),
+            ("logprobs",),
+        ),
+        (
+            core,
+            "agg_loss",
+            "rollout",
+            lambda f, i: f(loss_mat=i["x"], loss_mask=i["mask"], loss_agg_mode="token-mean"),
+            "loss_agg_mode='token-mean'",
+            ("x", "mask"),
+            (),
+        ),
+        (
+            core,
+            "compute_policy_loss",
+            "rollout",
+            lambda f, i: f(i["old_logprobs"], i["logprobs"], i["advantages"], i["mask"], cliprange=0.2),
+            "cliprange=0.2 (deprecated API)",
+            policy_inputs,
+            ("logprobs",),
+        ),
+        (
+            core,
+            "compute_policy_loss_vanilla",
+            "rollout",
+            vanilla,
+            "ActorConfig(clip_ratio=0.2)",
+            policy_inputs,
+            ("logprobs",),
+        ),
+        (
+            core,
+            "compute_value_loss",
+            "rollout",
+            lambda f, i: f(i["vpreds"], i["returns"], i["values"], i["mask"], cliprange_value=0.5),
+            "cliprange_value=0.5",
+            ("vpreds", "returns", "values", "mask"),
+            ("vpreds",),
+        ),
+        (tf, "masked_whiten", "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
+        (tf, "masked_mean", "rollout", lambda f, i: f(i["x"], i["mask"]), "", ("x", "mask"), ()),
         _logprobs_row(tf, "logprobs_from_logits"),
         _entropy_row(tf, "entropy_from_logits"),
     ]
@@ -262,14 +315,25 @@ def _verl() -> list[tuple]:
 def _openrlhf() -> list[tuple]:
     m = "openrlhf.models.utils"
     return [
-        (m, "compute_approx_kl", ("fwd", "fwd+bwd"), "rollout",
-         lambda f, i: f(i["logprobs"], i["ref_logprobs"], kl_estimator="k3"),
-         "kl_estimator='k3'", ("logprobs", "ref_logprobs"), ("logprobs",)),
-        (m, "compute_reward", ("fwd",), "rollout",
-         lambda f, i: f(i["scores"], 0.01, i["kl"], action_mask=i["mask"]),
-         "kl_coef=0.01", ("scores", "kl", "mask"), ()),
-        (m, "masked_mean", ("fwd",), "rollout", lambda f, i: f(i["x"], i["mask"], dim=-1), "dim=-1",
-         ("x", "mask"), ()),
+        (
+            m,
+            "compute_approx_kl",
+            "rollout",
+            lambda f, i: f(i["logprobs"], i["ref_logprobs"], kl_estimator="k3"),
+            "kl_estimator='k3'",
+            ("logprobs", "ref_logprobs"),
+            ("logprobs",),
+        ),
+        (
+            m,
+            "compute_reward",
+            "rollout",
+            lambda f, i: f(i["scores"], 0.01, i["kl"], action_mask=i["mask"]),
+            "kl_coef=0.01",
+            ("scores", "kl", "mask"),
+            (),
+        ),
+        (m, "masked_mean", "rollout", lambda f, i: f(i["x"], i["mask"], dim=-1), "dim=-1", ("x", "mask"), ()),
         _logprobs_row(m, "log_probs_from_logits"),
         _entropy_row(m, "compute_entropy", "(torch.compile'd by OpenRLHF)"),
     ]
@@ -289,13 +353,28 @@ _LOSSES = {"compute_policy_loss", "compute_policy_loss_vanilla", "compute_value_
 
 
 def cases(peer: str, bt_shape: tuple[int, int], logits: tuple[int, int, int]) -> list[PeerCase]:
-    """Every row of ``peer``: each function forward, and forward+backward where it is differentiable."""
+    """Every row of ``peer``: each function forward, and forward+backward where it is differentiable
+    (where the spec names inputs to take gradients of)."""
     out = []
-    for module, name, modes, kind, call, args, reads, wrt in _SPECS[peer]():
+    for module, name, kind, call, args, reads, wrt in _SPECS[peer]():
         shape, dtype = (bt_shape, F32) if kind == "rollout" else (logits, BF16)
-        for mode in modes:
-            out.append(PeerCase(peer, module, name, mode, kind, tuple(shape), dtype, call, args, reads,
-                                wrt if mode == "fwd+bwd" else (), loss_first=name in _LOSSES))
+        for mode in ("fwd", "fwd+bwd") if wrt else ("fwd",):
+            out.append(
+                PeerCase(
+                    peer,
+                    module,
+                    name,
+                    mode,
+                    kind,
+                    tuple(shape),
+                    dtype,
+                    call,
+                    args,
+                    reads,
+                    wrt if mode == "fwd+bwd" else (),
+                    loss_first=name in _LOSSES,
+                )
+            )
     return out
 
 
@@ -322,5 +401,7 @@ def import_peer(peer: str) -> None:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise ImportError(f"--peer {peer}: cannot import {module} ({exc}); `{PINS[peer][2]}` installs "
-                              f"the release the adapters reproduce") from None
+            raise ImportError(
+                f"--peer {peer}: cannot import {module} ({exc}); `{PINS[peer][2]}` installs "
+                f"the release the adapters reproduce"
+            ) from None

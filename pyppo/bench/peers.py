@@ -33,6 +33,7 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,10 +41,10 @@ import torch
 
 from . import peer_cases as pc
 from .environment import cache_bytes, environment, load_average
-from .harness import resolve_memory_method
+from .harness import _row_start, resolve_memory_method
 from .memory import peak_extra_bytes
 from .suites import Timing
-from .table import _header, fmt_bytes
+from .table import _grid, _header, fmt_bytes
 from .timing import clock_for, measure, paired_ratio
 
 __all__ = ["run_peers", "format_peer_table", "write_peer_json", "resolve_peers", "function_filter"]
@@ -79,7 +80,9 @@ def function_filter(text: str | None, peers: list[str]) -> list[str] | None:
     known = {f for p in peers for f in pc.functions(p)}
     unknown = sorted(set(names) - known)
     if unknown:
-        raise ValueError(f"--ops with --peer: unknown function(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"--ops with --peer: unknown function(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     return names
 
 
@@ -167,8 +170,11 @@ def compare(peer_out, pyppo_out) -> dict[str, Any]:
     dtype ('' when nothing). Non-finite values must sit at the same places with the same values."""
     a, b = _leaves(pyppo_out), _leaves(peer_out)
     if [p for p, _ in a] != [p for p, _ in b]:
-        return {"max_abs_error": math.inf, "max_error": math.inf,
-                "mismatch": f"outputs {[p for p, _ in a]} vs the peer's {[p for p, _ in b]}"}
+        return {
+            "max_abs_error": math.inf,
+            "max_error": math.inf,
+            "mismatch": f"outputs {[p for p, _ in a]} vs the peer's {[p for p, _ in b]}",
+        }
     worst_abs = worst = 0.0
     for (path, x), (_, y) in zip(a, b):
         if not isinstance(y, torch.Tensor) or not isinstance(x, torch.Tensor):
@@ -176,8 +182,11 @@ def compare(peer_out, pyppo_out) -> dict[str, Any]:
                 return {"max_abs_error": math.inf, "max_error": math.inf, "mismatch": f"output{path}: {x!r} vs {y!r}"}
             continue
         if x.shape != y.shape or x.dtype != y.dtype:
-            return {"max_abs_error": math.inf, "max_error": math.inf,
-                    "mismatch": f"output{path}: {x.dtype} {list(x.shape)} vs the peer's {y.dtype} {list(y.shape)}"}
+            return {
+                "max_abs_error": math.inf,
+                "max_error": math.inf,
+                "mismatch": f"output{path}: {x.dtype} {list(x.shape)} vs the peer's {y.dtype} {list(y.shape)}",
+            }
         err = scale = 0.0
         # In blocks, and in float32 for 16- and 32-bit outputs (exact for bf16, and its rounding
         # is far below the float32 tolerance): a float64 copy of full-size logits' gradients
@@ -189,9 +198,13 @@ def compare(peer_out, pyppo_out) -> dict[str, Any]:
             if not math.isfinite(d):  # NaN or inf somewhere: they must sit at the same places
                 finite = torch.isfinite(yb)
                 if not bool((torch.isfinite(xb) == finite).all()) or not bool(
-                        (xb[~finite].nan_to_num(0.0) == yb[~finite].nan_to_num(0.0)).all()):
-                    return {"max_abs_error": math.inf, "max_error": math.inf,
-                            "mismatch": f"output{path}: non-finite values differ"}
+                    (xb[~finite].nan_to_num(0.0) == yb[~finite].nan_to_num(0.0)).all()
+                ):
+                    return {
+                        "max_abs_error": math.inf,
+                        "max_error": math.inf,
+                        "mismatch": f"output{path}: non-finite values differ",
+                    }
                 xb, yb = xb[finite], yb[finite]
                 d = float((xb - yb).abs().max()) if xb.numel() else 0.0
             if yb.numel():
@@ -229,25 +242,33 @@ def _memory_and_outputs(runs: dict[str, Callable], inp, device, memory: str, big
     return row, outputs
 
 
-def run_case(case: pc.PeerCase, peer_fn: Callable, adapter: Callable, device: torch.device, *, sizes: str,
-             memory: str, seed: int) -> dict:
+def run_case(
+    case: pc.PeerCase, peer_fn: Callable, adapter: Callable, device: torch.device, *, sizes: str, memory: str, seed: int
+) -> dict:
     """One row (see the module doc); an exception in either callable is recorded in ``error``."""
     timing = TIMING[case.kind][sizes]
     sets = pc.input_sets(case, device, seed, cache_bytes(device))
     inp = sets[0]
-    row: dict[str, Any] = {
-        "peer": case.peer, "module": case.module, "function": case.name, "mode": case.mode, "args": case.args,
-        "shape": list(case.shape), "shape_str": case.shape_str, "dtype": case.dtype_str, "device": str(device),
-        "input_bytes": int(pc.nbytes(*case.reads)(inp)), "input_sets": len(sets), "tol": case.tol,
-    }
+    row = _row_start(
+        case,
+        device,
+        sets,
+        int(pc.nbytes(*case.reads)(inp)),
+        peer=case.peer,
+        module=case.module,
+        function=case.name,
+        mode=case.mode,
+        args=case.args,
+    )
+    row["tol"] = case.tol
     runs = {"peer": _runner(case, peer_fn), "pyppo": _runner(case, adapter)}
     try:
-        times = measure(runs, sets, clock_for(device), warmup=timing.warmup, min_reps=timing.min_reps,
-                        max_reps=timing.max_reps, budget_s=timing.budget_s)
+        times = measure(runs, sets, clock_for(device), **asdict(timing))
         mem, outputs = _memory_and_outputs(runs, inp, device, memory, case.kind == "logits")
     except Exception as exc:  # a broken adapter is a row that says so, not a lost run
-        row.update(error=f"{type(exc).__name__}: {exc}".splitlines()[0], agree=False,
-                   traceback=traceback.format_exc(limit=-4))
+        row.update(
+            error=f"{type(exc).__name__}: {exc}".splitlines()[0], agree=False, traceback=traceback.format_exc(limit=-4)
+        )
         return row
     row.update(
         peer_ms=statistics.median(times["peer"]) * 1e3,
@@ -274,19 +295,27 @@ def _log(row: dict) -> None:
         if os.environ.get("PYPPO_DEBUG") and row.get("traceback"):
             text += "\n" + row["traceback"]
     else:
-        text = (f"peer {row['peer_ms']:10.3f} ms  pyppo {row['pyppo_ms']:9.3f} ms  x{row['speedup']:.2f}"
-                + ("" if row["agree"] else "  MISMATCH"))
-    print(f"  {row['peer']:<8} {row['function']:<34} {row['mode']:<7} {row['shape_str']:<16} {text}"
-          + (f"  ({row['seconds']:.0f} s)" if "seconds" in row else ""),
-          file=sys.stderr, flush=True)
+        text = f"peer {row['peer_ms']:10.3f} ms  pyppo {row['pyppo_ms']:9.3f} ms  x{row['speedup']:.2f}" + (
+            "" if row["agree"] else "  MISMATCH"
+        )
+    print(
+        f"  {row['peer']:<8} {row['function']:<34} {row['mode']:<7} {row['shape_str']:<16} {text}"
+        + (f"  ({row['seconds']:.0f} s)" if "seconds" in row else ""),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _peer_env(peer: str, spec) -> dict[str, Any]:
     dist, pinned, pip = pc.PINS[peer]
     version = importlib.metadata.version(dist)
     written = list(getattr(spec, "versions", ()) or (pinned,))
-    return {"version": version, "adapters_written_for": written, "adapters": f"pyppo.integrations.{peer}",
-            "install": pip}
+    return {
+        "version": version,
+        "adapters_written_for": written,
+        "adapters": f"pyppo.integrations.{peer}",
+        "install": pip,
+    }
 
 
 def _cpu_flags() -> list[str]:
@@ -299,17 +328,26 @@ def _cpu_flags() -> list[str]:
     return [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16") if f in flags]
 
 
-def run_peers(peers: list[str], devices: list[torch.device], *, sizes: str, functions: list[str] | None = None,
-              memory: str = "auto", seed: int = 0, verbose: bool = True) -> dict:
-    """Run the rows of ``peers`` on ``devices``; returns ``{"created", "kind": "peer", "sizes",
+def run_peers(
+    peers: list[str], devices: list[torch.device], *, sizes: str, functions=None, memory="auto", seed=0, verbose=True
+) -> dict:
+    """Run the rows of ``peers`` on ``devices`` (those of the peer functions named in the list
+    ``functions`` alone, when given); returns ``{"created", "kind": "peer", "sizes",
     "peers", "env", "shapes", "rows"}``, the dict ``pyppo bench --peer`` writes as JSON."""
     memory = resolve_memory_method(memory)
     env = environment(devices)
     env["memory_method"] = memory
     env["cpu_flags"] = _cpu_flags()
     env["peers"] = {}
-    result: dict[str, Any] = {"created": _dt.datetime.now().isoformat(timespec="seconds"), "kind": "peer",
-                              "sizes": sizes, "peers": list(peers), "env": env, "shapes": {}, "rows": []}
+    result: dict[str, Any] = {
+        "created": _dt.datetime.now().isoformat(timespec="seconds"),
+        "kind": "peer",
+        "sizes": sizes,
+        "peers": list(peers),
+        "env": env,
+        "shapes": {},
+        "rows": [],
+    }
     start = time.perf_counter()
     # Once, before any logits exist: sized per peer, the first peer's cached logits would shrink
     # the next peer's B, and the peers' rows would not be comparable.
@@ -338,14 +376,29 @@ def run_peers(peers: list[str], devices: list[torch.device], *, sizes: str, func
                     if adapter is None:
                         adapter = getattr(adapter_module, case.name, None)
                     if adapter is None:
-                        row = {"peer": peer, "module": case.module, "function": case.name, "mode": case.mode,
-                               "args": case.args, "shape_str": case.shape_str, "dtype": case.dtype_str,
-                               "device": str(device), "agree": False,
-                               "error": f"no adapter for {case.module}.{case.name} in pyppo.integrations.{peer}"}
+                        row = {
+                            "peer": peer,
+                            "module": case.module,
+                            "function": case.name,
+                            "mode": case.mode,
+                            "args": case.args,
+                            "shape_str": case.shape_str,
+                            "dtype": case.dtype_str,
+                            "device": str(device),
+                            "agree": False,
+                            "error": f"no adapter for {case.module}.{case.name} in pyppo.integrations.{peer}",
+                        }
                     else:
                         t0 = time.perf_counter()
-                        row = run_case(case, _peer_function(case, adapter, spec), adapter, device, sizes=sizes,
-                                       memory=memory, seed=seed)
+                        row = run_case(
+                            case,
+                            _peer_function(case, adapter, spec),
+                            adapter,
+                            device,
+                            sizes=sizes,
+                            memory=memory,
+                            seed=seed,
+                        )
                         row["seconds"] = time.perf_counter() - t0
                         row["patched"] = patched
                         if not patched:
@@ -362,8 +415,22 @@ def run_peers(peers: list[str], devices: list[torch.device], *, sizes: str, func
 # --------------------------------------------------------------------------- output
 
 
-COLUMNS = ("function", "mode", "shape", "dtype", "device", "peer ms", "pyppo ms", "speed-up", "peer extra",
-           "pyppo extra", "extra ratio", "max abs err", "check", "args")
+COLUMNS = (
+    "function",
+    "mode",
+    "shape",
+    "dtype",
+    "device",
+    "peer ms",
+    "pyppo ms",
+    "speed-up",
+    "peer extra",
+    "pyppo extra",
+    "extra ratio",
+    "max abs err",
+    "check",
+    "args",
+)
 _LEFT = {"function", "mode", "shape", "dtype", "device", "check", "args"}
 
 
@@ -372,33 +439,34 @@ def _ms(x: float) -> str:
 
 
 def _cells(r: dict) -> dict[str, str]:
-    cells = {"function": r["function"], "mode": r["mode"], "shape": r["shape_str"], "dtype": r["dtype"],
-             "device": r["device"], "args": r.get("args", "")}
+    cells = {
+        "function": r["function"],
+        "mode": r["mode"],
+        "shape": r["shape_str"],
+        "dtype": r["dtype"],
+        "device": r["device"],
+        "args": r.get("args", ""),
+    }
     if "error" in r:
         return {**{c: "-" for c in COLUMNS}, **cells, "check": "ERROR: " + r["error"]}
     ratio = r.get("memory_ratio")
-    cells.update({
-        "peer ms": _ms(r["peer_ms"]), "pyppo ms": _ms(r["pyppo_ms"]), "speed-up": f"{r['speedup']:.2f}x",
-        "peer extra": fmt_bytes(r.get("peer_extra_bytes")), "pyppo extra": fmt_bytes(r.get("pyppo_extra_bytes")),
-        "extra ratio": "-" if ratio is None else f"{ratio:.3f}",
-        "max abs err": f"{r['max_abs_error']:.2g}",
-        "check": "ok" if r["agree"] else ("FAIL: " + (r["mismatch"] or f"{r['max_error']:.2g} > {r['tol']:g}")),
-    })
+    cells.update(
+        {
+            "peer ms": _ms(r["peer_ms"]),
+            "pyppo ms": _ms(r["pyppo_ms"]),
+            "speed-up": f"{r['speedup']:.2f}x",
+            "peer extra": fmt_bytes(r.get("peer_extra_bytes")),
+            "pyppo extra": fmt_bytes(r.get("pyppo_extra_bytes")),
+            "extra ratio": "-" if ratio is None else f"{ratio:.3f}",
+            "max abs err": f"{r['max_abs_error']:.2g}",
+            "check": "ok" if r["agree"] else ("FAIL: " + (r["mismatch"] or f"{r['max_error']:.2g} > {r['tol']:g}")),
+        }
+    )
     return cells
 
 
-def _section(rows: list[dict], markdown: bool) -> list[str]:
-    cells = [_cells(r) for r in rows]
-    if markdown:
-        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" if c in _LEFT else "---:" for c in COLUMNS) + "|"]
-        return lines + ["| " + " | ".join(row[c].replace("|", "\\|") for c in COLUMNS) + " |" for row in cells]
-    widths = {c: max([len(c)] + [len(row[c]) for row in cells]) for c in COLUMNS}
-
-    def fmt(values: dict[str, str]) -> str:
-        return "  ".join(values[c].ljust(widths[c]) if c in _LEFT else values[c].rjust(widths[c])
-                         for c in COLUMNS).rstrip()
-
-    return [fmt({c: c for c in COLUMNS}), fmt({c: "-" * widths[c] for c in COLUMNS})] + [fmt(row) for row in cells]
+def _section(rows: list[dict]) -> list[str]:
+    return _grid(COLUMNS, [_cells(r) for r in rows], _LEFT)
 
 
 def _peer_title(result: dict, peer: str) -> str:
@@ -413,21 +481,27 @@ def _peer_title(result: dict, peer: str) -> str:
 def _notes(result: dict) -> list[str]:
     lines = []
     for device, s in result.get("shapes", {}).items():
-        lines.append(f"shapes ({device}): rollout [B, T] {'x'.join(map(str, s['rollout']))} float32 (int64 masks with "
-                     f"padding and observation-token holes), logits [B, T, V] {'x'.join(map(str, s['logits']))} "
-                     "bfloat16" + (f" ({s['logits_note']})" if s.get("logits_note") else ""))
+        lines.append(
+            f"shapes ({device}): rollout [B, T] {'x'.join(map(str, s['rollout']))} float32 (int64 masks with "
+            f"padding and observation-token holes), logits [B, T, V] {'x'.join(map(str, s['logits']))} "
+            "bfloat16" + (f" ({s['logits_note']})" if s.get("logits_note") else "")
+        )
     env = result["env"]
     if env.get("cpu_flags") is not None:
-        lines.append(f"cpu flags: {' '.join(env['cpu_flags']) or 'none of avx2/avx512'}"
-                     + (f"  ran in {result['seconds']:.0f} s" if "seconds" in result else ""))
+        lines.append(
+            f"cpu flags: {' '.join(env['cpu_flags']) or 'none of avx2/avx512'}"
+            + (f"  ran in {result['seconds']:.0f} s" if "seconds" in result else "")
+        )
     if "flash_attn" in result["env"]:
         lines.append("openrlhf: " + result["env"]["flash_attn"])
     return lines
 
 
-LEGEND = ("speed-up = peer / pyppo (median of back-to-back ratios); extra = peak memory beyond the inputs, outputs "
-          "and gradients included; extra ratio = pyppo's / peer's; max abs err = max |pyppo - peer| over all "
-          "outputs and gradients, check = that within tol of max(1, |peer|), same shapes and dtypes")
+LEGEND = (
+    "speed-up = peer / pyppo (median of back-to-back ratios); extra = peak memory beyond the inputs, outputs "
+    "and gradients included; extra ratio = pyppo's / peer's; max abs err = max |pyppo - peer| over all "
+    "outputs and gradients, check = that within tol of max(1, |peer|), same shapes and dtypes"
+)
 
 
 def format_peer_table(result: dict) -> str:
@@ -437,14 +511,8 @@ def format_peer_table(result: dict) -> str:
     lines += [f"  {s}" for s in result.get("skipped", [])]
     for peer in result["peers"]:
         rows = [r for r in result["rows"] if r["peer"] == peer]
-        lines += ["", _peer_title(result, peer) + ":"] + (_section(rows, False) if rows else ["  (no rows ran)"])
+        lines += ["", _peer_title(result, peer) + ":"] + (_section(rows) if rows else ["  (no rows ran)"])
     return "\n".join(lines + ["", LEGEND])
-
-
-def format_peer_markdown(result: dict, peer: str) -> str:
-    """One peer's rows as a markdown table, under a heading naming the versions."""
-    rows = [r for r in result["rows"] if r["peer"] == peer]
-    return "\n".join([f"### {_peer_title(result, peer)}", ""] + _section(rows, True))
 
 
 def write_peer_json(result: dict, output_dir: Path, json_path: Path | None = None) -> Path:

@@ -43,11 +43,14 @@ def plot(result: dict, path: Path) -> Path | None:
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.2 * nrows), squeeze=False)
     for ax, name in zip(axes.flat, names):
         _panel(ax, name, [s for s in sweeps if s["name"] == name])
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     env = result["env"]
-    fig.suptitle(f"pyppo bench ({result['sizes']}): {', '.join(env['devices'])}, {env['torch_threads']} threads, "
-                 f"{env['cpu_capability']}", fontsize=10)
+    fig.suptitle(
+        f"pyppo bench ({result['sizes']}): {', '.join(env['devices'])}, {env['torch_threads']} threads, "
+        f"{env['cpu_capability']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

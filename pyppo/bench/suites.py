@@ -30,7 +30,8 @@ SIZES = ("full", "quick", "tiny")
 
 @dataclass(frozen=True)
 class Timing:
-    """How long to time each case: untimed warm-up samples, rounds, seconds of rounds."""
+    """How long to time each case: untimed warm-up samples, rounds, seconds of rounds (the
+    keyword arguments of :func:`~pyppo.bench.timing.measure`, which it is passed as)."""
 
     warmup: int
     min_reps: int
@@ -85,37 +86,55 @@ def _op_cases(logits_shape, bt_shape, linear_shape, group_shape, with_targets: b
 
 def _sweeps(logits_lead: tuple[int, int], vs: list[int], B: int, ts: list[int]) -> list[Sweep]:
     sweeps = [Sweep("gather_logprobs fwd fp32", "V", [gather_logprobs.fwd((*logits_lead, v), F32) for v in vs], vs)]
-    for name, make in (("gae (holes) fp32", gae.case), ("shape_rewards fp32", kl.shape_rewards_case),
-                       ("masked_whiten fp32", masked.masked_whiten_case)):
+    for name, make in (
+        ("gae (holes) fp32", gae.case),
+        ("shape_rewards fp32", kl.shape_rewards_case),
+        ("masked_whiten fp32", masked.masked_whiten_case),
+    ):
         sweeps.append(Sweep(name, "T", [make((B, t), F32) for t in ts], ts))
     return sweeps
 
 
 def _ops(sizes: str) -> Suite:
     if sizes == "full":
-        return Suite("ops", _op_cases((4, 512, 49152), (64, 1024), (2048, 576, 49152), GROUP_SHAPE[sizes], True),
-                     _TIMING[sizes],
-                     _sweeps((4, 512), [4096, 16384, 32768, 49152, 65536, 131072, 152064], 64,
-                             [64, 128, 256, 512, 1024, 2048, 4096]))
+        return Suite(
+            "ops",
+            _op_cases((4, 512, 49152), (64, 1024), (2048, 576, 49152), GROUP_SHAPE[sizes], True),
+            _TIMING[sizes],
+            _sweeps(
+                (4, 512), [4096, 16384, 32768, 49152, 65536, 131072, 152064], 64, [64, 128, 256, 512, 1024, 2048, 4096]
+            ),
+        )
     if sizes == "quick":
-        return Suite("ops", _op_cases((4, 512, 49152), (64, 1024), (1024, 576, 49152), GROUP_SHAPE[sizes], True),
-                     _TIMING[sizes],
-                     _sweeps((2, 256), [4096, 32768, 131072], 64, [128, 512, 2048]))
-    return Suite("ops", _op_cases((2, 8, 1000), (4, 32), (16, 8, 1000), GROUP_SHAPE[sizes], False), _TIMING[sizes],
-                 _sweeps((2, 8), [256, 1024], 4, [16, 64]))
+        return Suite(
+            "ops",
+            _op_cases((4, 512, 49152), (64, 1024), (1024, 576, 49152), GROUP_SHAPE[sizes], True),
+            _TIMING[sizes],
+            _sweeps((2, 256), [4096, 32768, 131072], 64, [128, 512, 2048]),
+        )
+    return Suite(
+        "ops",
+        _op_cases((2, 8, 1000), (4, 32), (16, 8, 1000), GROUP_SHAPE[sizes], False),
+        _TIMING[sizes],
+        _sweeps((2, 8), [256, 1024], 4, [16, 64]),
+    )
 
 
 def _gpu(sizes: str) -> Suite:
     gl = gather_logprobs
     big = sizes != "tiny"
-    logits, bt, linear = ((4, 512, 49152), (256, 4096), (8192, 576, 49152)) if big else \
-        ((2, 8, 1000), (4, 32), (16, 8, 1000))
+    logits, bt, linear = (
+        ((4, 512, 49152), (256, 4096), (8192, 576, 49152)) if big else ((2, 8, 1000), (4, 32), (16, 8, 1000))
+    )
     t = (lambda *xs: xs) if big else (lambda *xs: ())
     cases = []
     for dtype in (F32, BF16):
         cases.append(gl.fwd(logits, dtype, floor="copy", targets=t(gl.COPY_BANDWIDTH)))
-        cases.append(gl.fwd(logits, dtype, eager_name="trl selective_log_softmax", floor="copy",
-                            targets=t(gl.NOT_SLOWER_THAN_TRL)))
+        cases.append(
+            gl.fwd(
+                logits, dtype, eager_name="trl selective_log_softmax", floor="copy", targets=t(gl.NOT_SLOWER_THAN_TRL)
+            )
+        )
     cases += [
         gl.fwd_entropy(logits, F32),
         gl.fwd_bwd(logits, F32),

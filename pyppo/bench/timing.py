@@ -62,8 +62,16 @@ def clock_for(device: torch.device) -> Clock:
     return CudaEventClock() if device.type == "cuda" else HostClock()
 
 
-def measure(variants: dict[str, Callable], sets: Sequence[Any], clock: Clock, *, warmup: int,
-            min_reps: int, max_reps: int, budget_s: float) -> dict[str, list[float]]:
+def measure(
+    variants: dict[str, Callable],
+    sets: Sequence[Any],
+    clock: Clock,
+    *,
+    warmup: int,
+    min_reps: int,
+    max_reps: int,
+    budget_s: float,
+) -> dict[str, list[float]]:
     """Seconds per call of each variant: ``warmup`` untimed samples each (they also size the
     samples and the number of rounds), then rounds in which every variant is timed once,
     order rotated each round, as many rounds as fit ``budget_s`` (within ``[min_reps, max_reps]``)."""

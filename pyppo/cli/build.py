@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Union
 
-from .. import models, prompts as prompt_sets, rewards
+from .. import models, rewards
+from .. import prompts as prompt_sets
 from ..config import PPOConfig
 from ..distributed import local_device
-from ..trainer import PPOTrainer
+from ..run.trainer import PPOTrainer
 
 __all__ = ["check_sources", "build_trainer"]
 
@@ -45,14 +46,16 @@ def _check_fields(reward_fn, records: Optional[List[dict]], source: Optional[str
         rewards.check_reward_fields(reward_fn, prompt_sets.prompt_fields(records or []), source=where)
     except rewards.RewardError as exc:
         eval_set = flag == "--eval-prompts"
-        fitting = [name for name in prompt_sets.BUILTIN_PROMPT_SETS
-                   if name.endswith("-eval") == eval_set and name != source and _fits(reward_fn, name)]
+        fitting = [
+            name
+            for name in prompt_sets.BUILTIN_PROMPT_SETS
+            if name.endswith("-eval") == eval_set and name != source and _fits(reward_fn, name)
+        ]
         hint = f"; the built-in set {flag} {fitting[0]} has what it needs" if fitting else ""
         raise rewards.RewardError(f"{exc}{hint}", reward=exc.reward) from None
 
 
-def check_sources(model: str, reward: str, prompts: Optional[str], device: str,
-                  eval_prompts: Optional[str] = None):
+def check_sources(model: str, reward: str, prompts: Optional[str], device: str, eval_prompts: Optional[str] = None):
     """The cheap checks, before anything large is loaded: the model source exists, the prompts
     parse, the reward loads and the prompts have the fields it requires. Returns ``(reward_fn,
     prompts, eval prompts or None)``, the prompts as the trainer takes them: strings, or records
@@ -75,9 +78,15 @@ def check_sources(model: str, reward: str, prompts: Optional[str], device: str,
     return reward_fn, prompt_list, _for_trainer(eval_records) if eval_records else None
 
 
-def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, reward: str = "sentiment",
-                  prompts: Optional[str] = None, eval_prompts: Optional[str] = None,
-                  before_loading: Optional[Callable[[], None]] = None) -> PPOTrainer:
+def build_trainer(
+    config: PPOConfig,
+    *,
+    model: str = models.DEFAULT_MODEL,
+    reward: str = "sentiment",
+    prompts: Optional[str] = None,
+    eval_prompts: Optional[str] = None,
+    before_loading: Optional[Callable[[], None]] = None,
+) -> PPOTrainer:
     """Load everything a run needs and build its trainer.
 
     Args:
@@ -100,5 +109,6 @@ def build_trainer(config: PPOConfig, *, model: str = models.DEFAULT_MODEL, rewar
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).
     policy, tokenizer = models.load_model_and_tokenizer(model)
     # An exported adapter names `model` as its base.
-    return PPOTrainer(config, policy, None, None, tokenizer, reward_fn, prompt_list, eval_prompts=eval_list,
-                      base_model_source=model)
+    return PPOTrainer(
+        config, policy, None, None, tokenizer, reward_fn, prompt_list, eval_prompts=eval_list, base_model_source=model
+    )

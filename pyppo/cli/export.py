@@ -13,7 +13,6 @@ new merge setting the run's ``config.toml`` is updated to match what ``policy/``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,10 +23,18 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="DIR", help="a pyppo run directory (its config.toml and checkpoint/)")
-    p.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=None,
-                   help="with LoRA: write the merged model, or the adapter alone (default: the run's merge_lora)")
-    p.add_argument("--device", default="cpu", metavar="DEVICE",
-                   help="where the policy is built for the export (default: cpu; the run's own device is not needed)")
+    p.add_argument(
+        "--merge-lora",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with LoRA: write the merged model, or the adapter alone (default: the run's merge_lora)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        help="where the policy is built for the export (default: cpu; the run's own device is not needed)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,12 +49,22 @@ def run(args: argparse.Namespace) -> int:
         reason = "no such directory" if not run_dir.path.is_dir() else "it has no checkpoint/ to export"
         raise CLIError(f"{args.run_dir!r}: {reason}")
     flags = {} if args.merge_lora is None else {"merge_lora": args.merge_lora}
-    resume = argparse.Namespace(resume=str(run_dir.path), config=None, output=None, model=None, reward=None,
-                                prompts=None, eval_prompts=None, **flags)
+    resume = argparse.Namespace(
+        resume=str(run_dir.path),
+        config=None,
+        output=None,
+        model=None,
+        reward=None,
+        prompts=None,
+        eval_prompts=None,
+        **flags,
+    )
     # The run's settings, checked as they were trained (with as many processes as wrote it).
-    sources, trained, _, _, step = resolve_train_config(resume, world_size=saved_world_size(found))
-    # One process on `--device`, sampling with transformers: the export needs no more.
-    config = dataclasses.replace(trained, device=args.device, fsdp=False, rollout_engine="transformers")
+    plan = resolve_train_config(resume, world_size=saved_world_size(found))
+    sources, trained, step = plan.run, plan.config, plan.resume_step
+    # One process on `--device`, sampling with transformers (the vLLM knobs go with vLLM): the
+    # export needs no more.
+    config = trained.with_changes(device=args.device, fsdp=False, rollout_engine="transformers")
     print(f"{PROG}: writing {run_dir.policy} from the checkpoint of step {step} ...", file=sys.stderr)
     from ..run.quiet import quiet_libraries
 

@@ -7,8 +7,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-__all__ = ["CLIError", "PROG", "USER_ERRORS", "add_config_flags", "add_source_flags", "config_flag_values", "field_defaults",
-           "flag_name", "make_config"]
+__all__ = [
+    "CLIError",
+    "PROG",
+    "USER_ERRORS",
+    "add_config_flags",
+    "add_source_flags",
+    "config_flag_values",
+    "field_defaults",
+    "flag_name",
+    "make_config",
+    "shown_as_flag",
+]
 
 PROG = "pyppo"
 
@@ -75,39 +85,66 @@ def field_defaults(preset: dict) -> dict:
     return {f.name: f.default for f in dataclasses.fields(PPOConfig)} | preset
 
 
-def make_config(settings: dict):
+def shown_as_flag(name: str, value) -> str:
+    """A setting as the flag that gives it: ``--lora-alpha 8.0``, ``--no-merge-lora``, ``--target-kl none``."""
+    if isinstance(value, bool):
+        return flag_name(name) if value else "--no-" + name.replace("_", "-")
+    return f"{flag_name(name)} {'none' if value is None else value}"
+
+
+def make_config(settings: dict, flags: dict | None = None):
     """``PPOConfig(**settings)`` (its checks take a TOML integer where a float is expected).
+    ``flags``: the settings given as flags, which a message names as the flag.
 
     Raises:
-        CLIError: an invalid value (the config's message, naming the key).
+        CLIError: an invalid value (the config's message, naming the key, or the flag that set it).
     """
-    from pyppo.config import PPOConfig
+    from pyppo.config import InertSettings, PPOConfig
 
     try:
         return PPOConfig(**settings)
+    except InertSettings as exc:
+        given = flags or {}
+        raise CLIError(
+            "invalid configuration: "
+            + exc.describe(lambda key, value: shown_as_flag(key, value) if key in given else f"{key} = {value!r}")
+        ) from None
     except (TypeError, ValueError) as exc:
         raise CLIError(f"invalid configuration: {exc}") from None
 
 
-def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = False,
-                     eval_prompts: bool = True) -> None:
+def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = False, eval_prompts: bool = True) -> None:
     """``--model``, ``--reward``, ``--prompts`` (what to train; shared with ``pyppo profile``) and,
     with ``eval_prompts``, ``--eval-prompts``."""
     from pyppo.models import DEFAULT_MODEL
 
     src = p.add_argument_group("what to train")
-    src.add_argument("--model", metavar="NAME|DIR|FILE.gguf", default=DEFAULT_MODEL if required_defaults else None,
-                     help=f"policy to start from: {DEFAULT_MODEL!r} (default), a local HF model dir or a .gguf file")
-    src.add_argument("--reward", metavar="SPEC", default="sentiment" if required_defaults else None,
-                     help="'sentiment' (default, VADER compound of the response), 'math' (1.0 when the response's "
-                          "final answer, its last \\boxed{} or number, equals the prompt's \"answer\", else 0.0), "
-                          "'module:function', 'file.py:function' (a function of (prompts, responses) and any prompt "
-                          "fields it names), or a local HF sequence-classification model dir")
-    src.add_argument("--prompts", metavar="FILE.jsonl|NAME",
-                     help='prompts, one {"prompt": ..., <fields for the reward>} per line, or a built-in set: '
-                          "'arithmetic' (sums and differences of numbers from 1 to 20, with an \"answer\" for "
-                          "--reward math) (default: open-ended prompts for the sentiment reward)")
+    src.add_argument(
+        "--model",
+        metavar="NAME|DIR|FILE.gguf",
+        default=DEFAULT_MODEL if required_defaults else None,
+        help=f"policy to start from: {DEFAULT_MODEL!r} (default), a local HF model dir or a .gguf file",
+    )
+    src.add_argument(
+        "--reward",
+        metavar="SPEC",
+        default="sentiment" if required_defaults else None,
+        help="'sentiment' (default, VADER compound of the response), 'math' (1.0 when the response's "
+        'final answer, its last \\boxed{} or number, equals the prompt\'s "answer", else 0.0), '
+        "'module:function', 'file.py:function' (a function of (prompts, responses) and any prompt "
+        "fields it names), or a local HF sequence-classification model dir",
+    )
+    src.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl|NAME",
+        help='prompts, one {"prompt": ..., <fields for the reward>} per line, or a built-in set: '
+        "'arithmetic' (sums and differences of numbers from 1 to 20, with an \"answer\" for "
+        "--reward math) (default: open-ended prompts for the sentiment reward)",
+    )
     if eval_prompts:
-        src.add_argument("--eval-prompts", metavar="FILE.jsonl|NAME",
-                         help="held-out prompts (same format, or 'arithmetic-eval': arithmetic problems that "
-                              "'arithmetic' holds out), evaluated every --eval-every steps and after the last")
+        src.add_argument(
+            "--eval-prompts",
+            metavar="FILE.jsonl|NAME",
+            help="held-out prompts (same format, or 'arithmetic-eval': arithmetic problems that "
+            "'arithmetic' holds out), evaluated every --eval-every steps and after the last",
+        )

@@ -101,7 +101,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     cuda = _on_off(info["cuda"])
     if info["cuda"]:
-        cuda += f" (archs {info['cuda_archs'] or '?'}; device {'available' if info['cuda_available'] else 'not available'})"
+        cuda += (
+            f" (archs {info['cuda_archs'] or '?'}; device {'available' if info['cuda_available'] else 'not available'})"
+        )
     torch_line = info["torch_running"]
     if info["torch_built_against"] != info["torch_running"]:
         torch_line += f"  (MISMATCH: built against {info['torch_built_against']})"
@@ -117,16 +119,29 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("platform", info["platform"]),
     ]
     vllm = info["vllm"]
-    rows.append(("rollout engines", "transformers, " + (
-        f"vllm ({vllm['package']} {vllm['version']})" if vllm else
-        "vllm not installed (pip install 'pyppo[vllm]', or scripts/install_vllm.sh)")))
+    rows.append(
+        (
+            "rollout engines",
+            "transformers, "
+            + (
+                f"vllm ({vllm['package']} {vllm['version']})"
+                if vllm
+                else "vllm not installed (pip install 'pyppo[vllm]', or scripts/install_vllm.sh)"
+            ),
+        )
+    )
     alloc = info["allocator"]
     installed = ", ".join(n for n, path in alloc["installed"].items() if path) or "neither jemalloc nor tcmalloc"
     if alloc["train"] is None:
         rows.append(("allocator", f"{alloc['active']} here; pyppo train/profile refuse to start: {alloc['error']}"))
     else:
-        rows.append(("allocator", f"{alloc['active']} here; pyppo train/profile run on {alloc['train']} "
-                                  f"(PYPPO_ALLOCATOR={alloc['setting']}; installed: {installed})"))
+        rows.append(
+            (
+                "allocator",
+                f"{alloc['active']} here; pyppo train/profile run on {alloc['train']} "
+                f"(PYPPO_ALLOCATOR={alloc['setting']}; installed: {installed})",
+            )
+        )
     for device, auto in info["dtype_auto"].items():
         rows.append((f"dtype auto ({device})", f"{auto['dtype']} ({auto['reason']})"))
     for peer, st in info["integrations"].items():

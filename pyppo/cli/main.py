@@ -8,7 +8,7 @@ Subcommands:
   FILE.toml``, then the flags. The resolved settings are written to ``<output>/config.toml`` before
   training starts, so every run can be reproduced or resumed from its own directory.
 * ``pyppo info``: versions and build flags of the installed pyppo.
-* ``pyppo bench``: pyppo's ops against the peers' eager code (:mod:`pyppo.bench`);
+* ``pyppo bench``: pyppo's ops against the peers' eager code (:mod:`pyppo.cli.bench`, on :mod:`pyppo.bench`);
 * ``pyppo profile``: where one PPO step's time and FLOPs go (:mod:`pyppo.cli.profile`).
 * ``pyppo export DIR``: a run's ``policy/`` written again from its checkpoint (:mod:`pyppo.cli.export`).
 
@@ -35,17 +35,23 @@ import os
 import sys
 from pathlib import Path
 
-from .. import bench
-from . import export, profile
+from . import bench, export, nproc, profile
 from .flags import PROG, USER_ERRORS
 from .info import cmd_info
-from .train import add_train_arguments, cmd_train
+from .train import add_train_arguments, cmd_train, resolve_train_config
 
 __all__ = ["build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
-    """Argument errors as one ``pyppo: error: ...`` line (with where to look), not a usage dump."""
+    """Argument errors as one ``pyppo: error: ...`` line (with where to look), not a usage dump;
+    no abbreviated flags. The subcommands' parsers are of this class too (``parser_class``)."""
+
+    def __init__(self, *args, **kwargs):
+        # An abbreviation is a guess at the flag meant: `pyppo train --grpo` would be
+        # --grpo-std-normalize (already the default) and silently train GAE-PPO.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
@@ -55,8 +61,13 @@ def _add_command(sub, name: str, module) -> None:
     """``pyppo <name>`` from a module with ``add_arguments(parser)`` and ``run(args)``; its
     docstring's first line is the help."""
     doc = (module.__doc__ or "").strip()
-    p = sub.add_parser(name, help=doc.splitlines()[0] if doc else None, description=doc or None,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        name,
+        help=doc.splitlines()[0] if doc else None,
+        description=doc or None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     module.add_arguments(p)
     p.set_defaults(func=module.run)
 
@@ -64,21 +75,26 @@ def _add_command(sub, name: str, module) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
+        allow_abbrev=False,
         description="PPO for language models, with compiled ops.",
         epilog="Run `pyppo train` with no arguments for the embedded default (SmolLM2-135M, sentiment reward).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p_train = sub.add_parser("train", help="train a policy with PPO",
-                             description="Train a causal LM with PPO. Flags override --config, which overrides "
-                                         "--resume's config. Every setting is explained in docs/trainer.md. "
-                                         "--batch-size alone (no --mini-batch-size) trains on the whole batch "
-                                         "at once when the preset mini-batch size does not divide it.")
+    p_train = sub.add_parser(
+        "train",
+        help="train a policy with PPO",
+        description="Train a causal LM with PPO. Flags override --config, which overrides "
+        "--resume's config. Every setting is explained in docs/trainer.md. "
+        "--batch-size alone (no --mini-batch-size) trains on the whole batch "
+        "at once when the preset mini-batch size does not divide it.",
+        allow_abbrev=False,
+    )
     add_train_arguments(p_train)
-    p_train.set_defaults(func=cmd_train)
+    p_train.set_defaults(func=_train_command)
 
-    p_info = sub.add_parser("info", help="versions and build flags")
+    p_info = sub.add_parser("info", help="versions and build flags", allow_abbrev=False)
     p_info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_info.set_defaults(func=cmd_info)
 
@@ -86,6 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(sub, "profile", profile)
     _add_command(sub, "export", export)
     return parser
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    """``pyppo train``: its settings resolved first (with ``--nproc N``, for N processes), then
+    launched in N processes (:mod:`.nproc`) or trained in this one (:mod:`.train`). Neither module
+    imports the other: this is where they meet."""
+    if args.nproc is not None:
+        nproc.check_launch(args.nproc)
+        return nproc.launch(args, resolve_train_config(args, world_size=args.nproc))
+    try:
+        plan = resolve_train_config(args)
+    except USER_ERRORS as exc:  # the settings are the same on every rank, and so is their error
+        from ..distributed import mark_on_every_rank
+
+        raise mark_on_every_rank(exc)
+    return cmd_train(args, plan)
 
 
 # Printed as one line, exit status 2 (flags.USER_ERRORS says which and why).
@@ -173,6 +205,7 @@ def _quiet_when_output_closes(entry):
             if not _output_closed():
                 raise
             return CLOSED_OUTPUT_STATUS
+
     return run
 
 
@@ -203,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("PYPPO_DEBUG") or int(os.environ.get("WORLD_SIZE", "1")) < 2 or not lost_a_peer(exc):
             raise
         # gloo's "Connection closed by peer" says nothing that the other process's own error does not.
-        status = _report("another process stopped, so this one cannot go on (that process's own error says why; "
-                         "PYPPO_DEBUG=1 shows this one's traceback)", exc, 1)
+        status = _report(
+            "another process stopped, so this one cannot go on (that process's own error says why; "
+            "PYPPO_DEBUG=1 shows this one's traceback)",
+            exc,
+            1,
+        )
     if argv is None:  # the command line: a signal while the process exits ends it quietly
         _exit_on_signals(int(status or 0))
     return int(status or 0)

@@ -3,11 +3,12 @@
 
 ``torchrun --nproc-per-node N -m pyppo train ...`` runs the same processes; what this adds:
 
-* **Checks first.** The settings are resolved for N processes before anything starts
-  (:func:`pyppo.cli.train.resolve_train_config`): a size that N processes cannot share, or a
-  checkpoint written by another number of processes, is one line and exit status 2. The run
-  directory is fixed here (``--output`` is passed on), so every process and the printed resume
-  command name the same one.
+* **Checks first.** The settings are resolved for N processes before anything starts (the
+  command's dispatcher, :mod:`pyppo.cli.main`, resolves them with
+  :func:`pyppo.cli.train.resolve_train_config` and hands :func:`launch` the plan): a size that N
+  processes cannot share, or a checkpoint written by another number of processes, is one line and
+  exit status 2. The run directory is fixed here (``--output`` is passed on), so every process
+  and the printed resume command name the same one.
 * **Signals go to the workers, not to torchrun.** torchrun runs in a session of its own, so a
   Ctrl-C reaches only this process, which forwards each SIGINT / SIGTERM once to every worker,
   whose handlers count them (:mod:`pyppo.run.stopping`). torchrun never gets one: its own handling
@@ -36,21 +37,20 @@ from typing import List, Optional
 
 from .flags import PROG, CLIError
 
-__all__ = ["launch", "agent", "worker_words", "worker_pids"]
+__all__ = ["check_launch", "launch", "agent", "worker_words", "worker_pids"]
 
 
 def worker_words(argv: List[str], output: Optional[str]) -> List[str]:
-    """The workers' command line: ``argv`` (``train ...``, as given) without ``--nproc N`` (or an
-    abbreviation of it, which argparse accepts), and with ``--output output`` appended when
-    ``output`` is not ``None``."""
+    """The workers' command line: ``argv`` (``train ...``, as given) without ``--nproc N`` or
+    ``--nproc=N`` (pyppo's parsers take no abbreviation of it), and with ``--output output``
+    appended when ``output`` is not ``None``."""
     words, skip = [], False
     for word in argv:
-        flag = word.split("=", 1)[0]
         if skip:
             skip = False
-        elif len(flag) >= 4 and "--nproc".startswith(flag):
-            skip = "=" not in word
-        else:
+        elif word == "--nproc":
+            skip = True
+        elif not word.startswith("--nproc="):
             words.append(word)
     return words + (["--output", output] if output is not None else [])
 
@@ -76,32 +76,36 @@ def worker_pids(agent_pid: int) -> List[int]:
     return pids
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Run ``pyppo train`` (``args``, parsed from ``args.argv``) in ``args.nproc`` processes under
-    torchrun and wait for them (see the module docstring). Returns the exit status.
+def check_launch(nproc: int) -> None:
+    """What ``--nproc N`` needs before the settings are resolved for N processes.
 
     Raises:
-        CLIError: ``--nproc`` < 1, inside torchrun already, or any error of the settings for that
-            many processes (:func:`pyppo.cli.train.resolve_train_config`).
+        CLIError: N < 1, or this process runs under torchrun already.
     """
-    from .train import resolve_train_config
-
-    nproc = args.nproc
     if nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {nproc}")
     if "RANK" in os.environ:
         raise CLIError("--nproc inside torchrun: launch either with torchrun or with --nproc, not both")
-    plan = resolve_train_config(args, world_size=nproc)
+
+
+def launch(args: argparse.Namespace, plan) -> int:
+    """Run ``pyppo train`` (``args``, parsed from ``args.argv``) in ``args.nproc`` processes under
+    torchrun and wait for them (see the module docstring); ``plan`` is its settings resolved for
+    that many processes (:class:`pyppo.cli.train.TrainPlan`, after :func:`check_launch`). Returns
+    the exit status."""
+    nproc = args.nproc
     argv = getattr(args, "argv", None)
-    words = worker_words(sys.argv[1:] if argv is None else list(argv),
-                         str(plan.output) if args.output is None else None)
+    words = worker_words(
+        sys.argv[1:] if argv is None else list(argv), str(plan.output) if args.output is None else None
+    )
     env = dict(os.environ)
     # torchrun would set 1 (and say so): the processes share the machine's cores instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     torchrun = ["--standalone", "--nproc-per-node", str(nproc), "-m", "pyppo", *words]
     print(f"{PROG}: running torchrun {shlex.join(torchrun)}", file=sys.stderr)
-    agent_process = subprocess.Popen([sys.executable, "-m", "pyppo.cli.nproc", *torchrun], env=env,
-                                     start_new_session=True)
+    agent_process = subprocess.Popen(
+        [sys.executable, "-m", "pyppo.cli.nproc", *torchrun], env=env, start_new_session=True
+    )
 
     def forward(signum, _frame):
         if agent_process.poll() is not None:

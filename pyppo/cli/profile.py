@@ -74,17 +74,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``PPOConfig`` field (as ``pyppo train``), and the profiler's own options."""
     add_source_flags(parser, required_defaults=True, eval_prompts=False)
     prof = parser.add_argument_group("profiler")
-    prof.add_argument("--warmup-steps", type=int, default=1, metavar="N",
-                      help="unprofiled steps first, so one-time costs stay out (default 1)")
-    prof.add_argument("--threads", type=int, default=None, metavar="N",
-                      help="torch.set_num_threads(N) first (default: torch's choice)")
-    prof.add_argument("--peak-size", type=int, default=2048, metavar="N",
-                      help="the MFU's peak: torch.mm of N x N matrices, measured around the step (default 2048; "
-                           "0 = no peak, no MFU)")
+    prof.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="unprofiled steps first, so one-time costs stay out (default 1)",
+    )
+    prof.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch.set_num_threads(N) first (default: torch's choice)",
+    )
+    prof.add_argument(
+        "--peak-size",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="the MFU's peak: torch.mm of N x N matrices, measured around the step (default 2048; 0 = no peak, no MFU)",
+    )
     prof.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
     prof.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
-    prof.add_argument("--output", metavar="DIR", default=".",
-                      help="where trace.json and profile.json go (default: the current directory)")
+    prof.add_argument(
+        "--output",
+        metavar="DIR",
+        default=".",
+        help="where trace.json and profile.json go (default: the current directory)",
+    )
     add_config_flags(parser, field_defaults(PROFILE_DEFAULTS))
 
 
@@ -111,15 +129,26 @@ def run(args: argparse.Namespace) -> int:
     settings = {**PROFILE_DEFAULTS, **flags, "steps": args.warmup_steps + 1}
     if "mini_batch_size" not in flags:  # one minibatch: the whole profiled batch
         settings["mini_batch_size"] = settings["batch_size"]
-    config = make_config(settings)
+    config = make_config(settings, flags)
     output = Path(args.output).expanduser()
     check_output_dir(output)  # before the model loads, not after the profiled step
 
-    trainer = build_trainer(config, model=args.model, reward=args.reward, prompts=args.prompts,
-                            before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr))
+    trainer = build_trainer(
+        config,
+        model=args.model,
+        reward=args.reward,
+        prompts=args.prompts,
+        before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr),
+    )
     print(f"pyppo profile: {args.warmup_steps} warm-up step(s), then one profiled step ...", file=sys.stderr)
-    table = profile_step(trainer, output, warmup_steps=args.warmup_steps,
-                         record_shapes=args.record_shapes, with_stack=args.with_stack, peak_size=args.peak_size)
+    table = profile_step(
+        trainer,
+        output,
+        warmup_steps=args.warmup_steps,
+        record_shapes=args.record_shapes,
+        with_stack=args.with_stack,
+        peak_size=args.peak_size,
+    )
 
     device = trainer.device
     env = {
@@ -129,10 +158,12 @@ def run(args: argparse.Namespace) -> int:
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": _C.cpu_capability(),
     }
-    header = (f"pyppo profile: {args.model} on {env['device']}, {env['torch_threads']} threads "
-              f"({env['cpu_capability']}); batch {config.batch_size}, mini-batch {config.mini_batch_size}, "
-              f"{config.ppo_epochs} epoch(s), max {config.max_new_tokens} new tokens "
-              f"(mean response {table['metrics'].get('response_length_mean', float('nan')):.1f})")
+    header = (
+        f"pyppo profile: {args.model} on {env['device']}, {env['torch_threads']} threads "
+        f"({env['cpu_capability']}); batch {config.batch_size}, mini-batch {config.mini_batch_size}, "
+        f"{config.ppo_epochs} epoch(s), max {config.max_new_tokens} new tokens "
+        f"(mean response {table['metrics'].get('response_length_mean', float('nan')):.1f})"
+    )
     result = {
         "created": _dt.datetime.now().isoformat(timespec="seconds"),
         "model": args.model,

@@ -17,11 +17,28 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from ..run.rundir import OUTPUT_FILES, RunDir, check_output_dir
-from .flags import (PROG, USER_ERRORS, CLIError, add_config_flags, add_source_flags, config_flag_values, field_defaults,
-                    flag_name, make_config)
+from .flags import (
+    PROG,
+    USER_ERRORS,
+    CLIError,
+    add_config_flags,
+    add_source_flags,
+    config_flag_values,
+    field_defaults,
+    flag_name,
+    make_config,
+)
 
-__all__ = ["TRAIN_DEFAULTS", "RUN_KEYS", "add_train_arguments", "cmd_train", "resolve_train_config", "TrainPlan",
-           "write_resolved_config", "resume_command"]
+__all__ = [
+    "TRAIN_DEFAULTS",
+    "RUN_KEYS",
+    "add_train_arguments",
+    "cmd_train",
+    "resolve_train_config",
+    "TrainPlan",
+    "write_resolved_config",
+    "resume_command",
+]
 
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
 RUN_KEYS = ("model", "reward", "prompts", "eval_prompts")
@@ -44,6 +61,7 @@ TRAIN_DEFAULTS = {
     # interrupted run loses at most 10 steps (~6 min).
     "save_every": 10,
 }
+
 
 def _read_toml(path: Path, what: str) -> dict:
     try:
@@ -110,12 +128,16 @@ class TrainPlan(NamedTuple):
     output: Path
     resume_dir: Optional[Path]
     resume_step: Optional[int]
+    #: The settings a resume may change that differ from its checkpoint's
+    #: (:class:`pyppo.config.ResumeChange`): applied, and said when the run starts.
+    changes: tuple = ()
 
 
 def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = None) -> TrainPlan:
     """Merge, in increasing priority: the field defaults, :data:`TRAIN_DEFAULTS`, ``--resume``'s
-    config.toml, ``--config`` and the flags; then find the checkpoint to resume from. Reads
-    nothing larger than the config files and the checkpoint's small ``trainer_state.pt``.
+    config.toml, ``--config`` and the flags; then find the checkpoint to resume from and check
+    the resolved settings against its own (:func:`pyppo.config.resume_conflicts`). Reads nothing
+    larger than the config files and the checkpoint's small ``trainer_state.pt``.
 
     Args:
         world_size: the number of processes the run will have (default: torchrun's
@@ -123,16 +145,22 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
 
     Raises:
         CLIError: unknown key, missing file, invalid value (PPOConfig's validation message), a
-            size that ``world_size`` processes cannot share, or a checkpoint to resume that was
-            written by another number of processes.
+            size that ``world_size`` processes cannot share, a checkpoint to resume that was
+            written by another number of processes, or a resume that changes its model, reward,
+            prompts or a setting that a resume cannot change (all of those named in one line).
     """
     from pyppo.models import DEFAULT_MODEL
     from pyppo.prompts import BUILTIN_PROMPT_SETS
     from pyppo.rewards import BUILTIN_REWARDS
 
-    merged: dict = {"model": DEFAULT_MODEL, "reward": "sentiment", "prompts": None, "eval_prompts": None,
-                    **TRAIN_DEFAULTS}
-    resume_dir, resumed = None, {}
+    merged: dict = {
+        "model": DEFAULT_MODEL,
+        "reward": "sentiment",
+        "prompts": None,
+        "eval_prompts": None,
+        **TRAIN_DEFAULTS,
+    }
+    resume_dir, resumed, saved_state, from_file = None, {}, None, {}
     if args.resume is not None:
         resume_dir = Path(args.resume).expanduser()
         if not resume_dir.is_dir():
@@ -143,28 +171,38 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         resumed = _check_keys(_read_toml(resumed_config, "--resume config"), str(resumed_config))
         merged.update(resumed)
         _check_python_run_sources(args, resumed_config, resumed)
+        saved_state = _checkpoint_state(resume_dir)
     if args.config is not None:
         path = Path(args.config).expanduser()
-        merged.update(_check_keys(_read_toml(path, "--config"), str(path)))
+        from_file = _check_keys(_read_toml(path, "--config"), str(path))
+        merged.update(from_file)
     for key in RUN_KEYS:
-        value = getattr(args, key)
-        if value is None:
-            continue
-        # A resumed run continues the same model, reward and prompts: switching them mid-run
-        # would make its checkpoint and its config.toml describe different experiments.
-        if resume_dir is not None and key in resumed and not _same_source(value, resumed[key]):
-            raise CLIError(f"--{key} {value!r} differs from the resumed run's {key} {resumed[key]!r}; "
-                           "start a new run (--output) to change it")
-        merged[key] = value
+        for source, value in ((f"{args.config}: {key} =", from_file.get(key)), (f"--{key}", getattr(args, key))):
+            # A resumed run continues the same model, reward and prompts: switching them mid-run
+            # would make its checkpoint and its config.toml describe different experiments.
+            if value is not None and key in resumed and not _same_source(value, resumed[key]):
+                raise CLIError(
+                    f"{source} {value!r} differs from the resumed run's {key} {resumed[key]!r}; "
+                    "start a new run (--output) to change it"
+                )
+        if getattr(args, key) is not None:
+            merged[key] = getattr(args, key)
     flags = config_flag_values(args)
-    if resume_dir is not None and flags.get("dtype") == "auto" and "dtype" in resumed:
-        del flags["dtype"]  # `auto` was resolved when the run started: it goes on in that dtype
-    _check_resume_flags(flags, resumed if resume_dir is not None else None)
     merged.update(flags)
+    if resume_dir is not None and merged.get("dtype", "auto") == "auto":
+        # `auto` was resolved when the run started (its checkpoint and config.toml say to what):
+        # it goes on in that dtype, whatever this machine would choose.
+        started = ((saved_state or {}).get("config") or resumed).get("dtype", "auto")
+        if started != "auto":
+            merged["dtype"] = started
     # `--batch-size 8` alone should work: when the mini-batch size is still TRAIN_DEFAULTS' and does
     # not divide the batch, train on the whole batch at once.
-    if ("batch_size" in flags and merged.get("mini_batch_size") == TRAIN_DEFAULTS["mini_batch_size"]
-            and "mini_batch_size" not in flags and flags["batch_size"] % TRAIN_DEFAULTS["mini_batch_size"] != 0):
+    if (
+        "batch_size" in flags
+        and merged.get("mini_batch_size") == TRAIN_DEFAULTS["mini_batch_size"]
+        and "mini_batch_size" not in flags
+        and flags["batch_size"] % TRAIN_DEFAULTS["mini_batch_size"] != 0
+    ):
         merged["mini_batch_size"] = flags["batch_size"]
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
@@ -180,7 +218,9 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
     if model_path.exists():
         run["model"] = str(model_path.resolve())
     if not isinstance(run["reward"], str) or not run["reward"]:
-        raise CLIError(f"--reward must be 'sentiment', 'math', a model directory or 'module:function', got {run['reward']!r}")
+        raise CLIError(
+            f"--reward must be 'sentiment', 'math', a model directory or 'module:function', got {run['reward']!r}"
+        )
     reward_path = Path(run["reward"]).expanduser()
     # A built-in reward's name ("math") stays one, even beside a directory of that name.
     if reward_path.is_dir() and run["reward"] not in BUILTIN_REWARDS:
@@ -189,24 +229,12 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         file, _, function = run["reward"].rpartition(":")
         if Path(file).expanduser().is_file():
             run["reward"] = f"{Path(file).expanduser().resolve()}:{function}"
-    ppo_config = make_config(merged)
-    if not ppo_config.lora_rank:
-        useless = [flag_name(k) for k in ("lora_alpha", "lora_target_modules") if k in flags]
-        if "merge_lora" in flags:  # a boolean flag: named as it was given
-            useless.append("--merge-lora" if flags["merge_lora"] else "--no-merge-lora")
-        if useless:
-            verb = "applies" if len(useless) == 1 else "apply"
-            raise CLIError(f"{' and '.join(useless)} only {verb} with --lora-rank N > 0 (LoRA is off)")
+    ppo_config = make_config(merged, flags)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
         ppo_config.check_world_size(world)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    if ppo_config.fsdp and world == 1:
-        import warnings
-
-        warnings.warn("fsdp has no effect in a single process (it shards over torchrun's processes: "
-                      "--nproc N or torchrun --nproc-per-node N)", UserWarning, stacklevel=2)
     if ppo_config.eval_every and not run["eval_prompts"]:
         raise CLIError(f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts)")
     if args.output is not None:
@@ -226,24 +254,58 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
             f"continue it with --resume {str(output)!r} or choose another --output"
         )
     resume_step = output_step if in_place else RunDir(resume_dir).checkpoint_step() if resume_dir is not None else None
+    changes: tuple = ()
     if resume_step is not None:
-        _check_resumed_world_size(resume_dir, world)
-    return TrainPlan(run, ppo_config, output, resume_dir, resume_step)
+        from ..config import resume_conflicts
+
+        _check_resumed_world_size(resume_dir, saved_state, world)
+        try:
+            # A checkpoint from before it held its config is checked against its config.toml.
+            changes = tuple(
+                resume_conflicts(
+                    saved_state.get("config", resumed),
+                    ppo_config,
+                    where=f"--resume {str(resume_dir)!r}: its checkpoint",
+                    new_run="start a new run (--output) to change them",
+                )
+            )
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
+    return TrainPlan(run, ppo_config, output, resume_dir, resume_step, changes)
 
 
-def _check_resumed_world_size(resume_dir: Path, world: int) -> None:
+def _checkpoint_state(resume_dir: Path) -> Optional[dict]:
+    """The small ``trainer_state.pt`` of the checkpoint in ``resume_dir`` (``None``: it has none):
+    what the checkpoint was trained with is checked before any model loads.
+
+    Raises:
+        CLIError: the file cannot be read, naming it.
+    """
+    found = RunDir(resume_dir).find_checkpoint()
+    if found is None:
+        return None
+    import torch
+
+    path = found / "trainer_state.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CLIError(f"checkpoint file {str(path)!r} cannot be read: {exc}") from None
+
+
+def _check_resumed_world_size(resume_dir: Path, state: dict, world: int) -> None:
     """A checkpoint resumes exactly only with the number of processes that wrote it (every rank's
-    RNG state is in it): said here, before anything loads.
+    RNG state is in it, and ``state`` is its ``trainer_state.pt``): said here, before anything loads.
 
     Raises:
         CLIError: another number, naming both and the command that resumes it.
     """
-    from ..run.checkpoint import saved_world_size
-
-    saved = saved_world_size(RunDir(resume_dir).find_checkpoint())
+    saved = int(state.get("world_size", 1))
     if saved != world:
-        raise CLIError(f"--resume {str(resume_dir)!r}: its checkpoint was written by {saved} process(es), this run "
-                       f"has {world}; resume it with: {resume_command(resume_dir, saved)}")
+        raise CLIError(
+            f"--resume {str(resume_dir)!r}: its checkpoint was written by {saved} process(es), this run "
+            f"has {world}; resume it with: {resume_command(resume_dir, saved)}"
+        )
 
 
 def resume_command(directory: Path, world_size: int) -> str:
@@ -275,36 +337,10 @@ def _check_python_run_sources(args: argparse.Namespace, config_path: Path, resum
     missing = [key for key in ("model", "reward", "prompts") if key not in resumed and getattr(args, key) is None]
     if missing:
         flags = " ".join(f"{flag_name(key)} ..." for key in missing)
-        raise CLIError(f"--resume {args.resume!r}: the run was started from Python, and its config.toml does not "
-                       f"name its {', '.join(missing)}; pass {flags} (what it started with)")
-
-
-#: What a checkpoint's trained weights depend on: a resumed run cannot change them.
-_LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules", "value_lora")
-
-
-def _check_resume_flags(flags: dict, resumed: dict | None) -> None:
-    """A resumed run's LoRA settings are those its checkpoint was trained with, and so is whether
-    it has a value model (``advantage_estimator = "gae"`` or a critic-free one) and its compute
-    dtype (its config.toml describes every step of the run).
-
-    Raises:
-        CLIError: a LoRA flag or ``--dtype`` that differs from the resumed run's config.toml, or an
-            estimator of the other kind.
-    """
-    if resumed is None:
-        return
-    new, old = flags.get("advantage_estimator"), resumed.get("advantage_estimator", "gae")
-    if new is not None and (new == "gae") != (old == "gae"):
-        raise CLIError(f"--advantage-estimator {new!r}: the resumed run's is {old!r}, and its checkpoint "
-                       f"{'has a' if old == 'gae' else 'has no'} value model; start a new run (--output) to change it")
-    if "dtype" in flags and "dtype" in resumed and flags["dtype"] != resumed["dtype"]:
-        raise CLIError(f"--dtype {flags['dtype']!r} differs from the resumed run's dtype {resumed['dtype']!r}: a run "
-                       "computes in one dtype; start a new run (--output) to change it")
-    for key in _LORA_KEYS:
-        if key in flags and key in resumed and flags[key] != resumed[key]:
-            raise CLIError(f"{flag_name(key)} {flags[key]!r} differs from the resumed run's {key} {resumed[key]!r}: "
-                           "its checkpoint holds weights trained with it; start a new run (--output) to change it")
+        raise CLIError(
+            f"--resume {args.resume!r}: the run was started from Python, and its config.toml does not "
+            f"name its {', '.join(missing)}; pass {flags} (what it started with)"
+        )
 
 
 def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
@@ -316,51 +352,57 @@ def write_resolved_config(path: Path, run: dict, ppo_config) -> None:
     write_config(path, run, ppo_config)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc is not None:
-        from .nproc import launch
-
-        return launch(args)
+def cmd_train(args: argparse.Namespace, plan: TrainPlan) -> int:
+    """Run ``plan`` (:func:`resolve_train_config` of ``args``) in this process: under torchrun,
+    this rank's share of it. Returns the exit status."""
     from ..run.stopping import GracefulStop
 
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes or talks
     stop = GracefulStop(say=main_rank, single_process=int(os.environ.get("WORLD_SIZE", "1")) == 1)
     with stop.installed(keep=getattr(args, "command_line", False)):
-        return _train(args, stop, main_rank)
+        return _train(plan, stop, main_rank)
 
 
-def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
+def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
     import gc
 
     from .. import distributed
+    from ..models.export import is_export
     from ..run.nonfinite import NonFiniteUpdateError
     from ..run.plotting import plot_metrics
-    from ..run.export import is_export
     from .build import build_trainer
 
     say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
-    try:
-        run, config, output, resume_dir, done = resolve_train_config(args)
-    except USER_ERRORS as exc:  # the settings are the same on every rank, and so is their error
-        raise distributed.mark_on_every_rank(exc)
+    run, config, output, resume_dir, done = plan.run, plan.config, plan.output, plan.resume_dir, plan.resume_step
     # resolve_train_config refused an output with a checkpoint that is not resumed.
     run_dir = RunDir(output)
     restart = done is None and run_dir.holds_a_run()
     if done is not None and done >= config.steps:
-        missing = ("" if is_export(RunDir(resume_dir).policy) else
-                   f"; its policy/ is missing: write it with: pyppo export {shlex.quote(str(resume_dir))}")
-        say(f"{PROG}: {str(resume_dir)!r} is at step {done} (its checkpoint), steps = {config.steps}: nothing "
-            f"left to run; pass --steps N with N > {done} to train further{missing}")
+        missing = (
+            ""
+            if is_export(RunDir(resume_dir).policy)
+            else f"; its policy/ is missing: write it with: pyppo export {shlex.quote(str(resume_dir))}"
+        )
+        say(
+            f"{PROG}: {str(resume_dir)!r} is at step {done} (its checkpoint), steps = {config.steps}: nothing "
+            f"left to run; pass --steps N with N > {done} to train further{missing}"
+        )
         return 0
+    if plan.changes:
+        say(f"{PROG}: resuming with {', '.join(map(str, plan.changes))}")
     if resume_dir is not None:
-        say(f"{PROG}: resuming {str(resume_dir)!r} from step {done} of {config.steps}" if done is not None else
-            f"{PROG}: {str(resume_dir)!r} has no checkpoint yet: starting it over in place from step 0 "
-            "with its config.toml")
+        say(
+            f"{PROG}: resuming {str(resume_dir)!r} from step {done} of {config.steps}"
+            if done is not None
+            else f"{PROG}: {str(resume_dir)!r} has no checkpoint yet: starting it over in place from step 0 "
+            "with its config.toml"
+        )
     elif restart:
         say(f"{PROG}: {str(output)!r} holds a run stopped before its first checkpoint: starting it over in place")
+
     def before_loading():  # once the sources are checked: a refused input stays a one-line error
         if config.dtype == "auto":
-            from ..config import resolve_device
+            from ..distributed import resolve_device
             from ..precision import resolve_dtype
 
             say("{}: dtype auto -> {} ({})".format(PROG, *resolve_dtype("auto", resolve_device(config.device))))
@@ -411,11 +453,15 @@ def _train(args: argparse.Namespace, stop, main_rank: bool) -> int:
         plot_metrics(run_dir.metrics, run_dir.curves)
     if not finished:
         if step == 0:
-            hint = (f"no step finished, so there is nothing to keep: the same command, or "
-                    f"{resume_command(output, world.size)}, starts it over in place")
+            hint = (
+                f"no step finished, so there is nothing to keep: the same command, or "
+                f"{resume_command(output, world.size)}, starts it over in place"
+            )
         else:
-            hint = (f"its checkpoint is at step {step} of {config.steps}; continue with: "
-                    f"{resume_command(output, world.size)}")
+            hint = (
+                f"its checkpoint is at step {step} of {config.steps}; continue with: "
+                f"{resume_command(output, world.size)}"
+            )
         say(f"{PROG}: stopped by {stop.signal_name}; {hint}")
         return stop.exit_status
     print(f"pyppo: run written to {output}")
@@ -433,8 +479,10 @@ def _kept_after(exc: BaseException, run_dir: RunDir, steps: int, world_size: int
     if kept is None:
         return None
     if kept >= steps:
-        return (f"every step is done and checkpointed (step {kept}); (re)write policy/ from it with: "
-                f"pyppo export {shlex.quote(str(run_dir.path))}")
+        return (
+            f"every step is done and checkpointed (step {kept}); (re)write policy/ from it with: "
+            f"pyppo export {shlex.quote(str(run_dir.path))}"
+        )
     return f"its checkpoint is at step {kept} of {steps}; continue with: {resume_command(run_dir.path, world_size)}"
 
 
@@ -444,7 +492,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--config", metavar="FILE.toml", help="settings file (flat keys, as the flags; flags override it)")
     io.add_argument("--output", metavar="DIR", help="run directory (default: runs/<timestamp>, or the --resume dir)")
     io.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint/ and config.toml")
-    io.add_argument("--nproc", metavar="N", type=int,
-                    help="run N processes on this machine (torchrun --nproc-per-node N -m pyppo train ..., with the "
-                         "settings checked first and each Ctrl-C forwarded to every process)")
+    io.add_argument(
+        "--nproc",
+        metavar="N",
+        type=int,
+        help="run N processes on this machine (torchrun --nproc-per-node N -m pyppo train ..., with the "
+        "settings checked first and each Ctrl-C forwarded to every process)",
+    )
     add_config_flags(p, field_defaults(TRAIN_DEFAULTS))

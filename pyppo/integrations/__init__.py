@@ -60,6 +60,9 @@ def peer_status() -> dict[str, dict[str, object]]:
             installed = importlib.metadata.version(spec.distribution)
         except importlib.metadata.PackageNotFoundError:
             installed = None
-        status[peer] = {"installed": installed, "written_for": list(spec.versions),
-                        "supported": installed in spec.versions}
+        status[peer] = {
+            "installed": installed,
+            "written_for": list(spec.versions),
+            "supported": installed in spec.versions,
+        }
     return status

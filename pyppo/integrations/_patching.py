@@ -26,7 +26,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PeerVersionWarning", "Target", "targets", "Peer", "Replacement", "Patch", "patch", "unpatch", "patched", "active"]
+__all__ = [
+    "PeerVersionWarning",
+    "Target",
+    "targets",
+    "Peer",
+    "Replacement",
+    "Patch",
+    "patch",
+    "unpatch",
+    "patched",
+    "active",
+]
 
 
 class PeerVersionWarning(UserWarning):
@@ -59,6 +70,11 @@ class Peer:
     versions: tuple[str, ...]  # releases the adapters were written against
     targets: tuple[Target, ...]
     import_help: str = ""  # appended to the error when a defining module fails to import
+
+    @classmethod
+    def named(cls, name: str, versions: tuple[str, ...], targets: tuple[Target, ...], import_help: str = "") -> Peer:
+        """The peer ``name`` whose pip distribution and import package are both called ``name``."""
+        return cls(name, name, name, versions, targets, import_help)
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,9 @@ def _same_signature(original: Callable[..., Any], adapter: Callable[..., Any]) -
 
 def _package_modules(package: str) -> list[Any]:
     prefix = package + "."
-    return [m for name, m in list(sys.modules.items()) if m is not None and (name == package or name.startswith(prefix))]
+    return [
+        m for name, m in list(sys.modules.items()) if m is not None and (name == package or name.startswith(prefix))
+    ]
 
 
 def _find_references(modules: list[Any], original: Callable[..., Any]) -> Iterator[tuple[str, Any, Any, bool]]:
@@ -272,8 +290,7 @@ def unpatch(peer: Peer) -> Patch | None:
             _put(container, attr, is_attribute, originals[key])
     if moved:
         warnings.warn(
-            f"pyppo.integrations.{peer.name}.unpatch: left as found, re-assigned after patch(): "
-            + ", ".join(moved),
+            f"pyppo.integrations.{peer.name}.unpatch: left as found, re-assigned after patch(): " + ", ".join(moved),
             PeerVersionWarning,
             stacklevel=3,
         )

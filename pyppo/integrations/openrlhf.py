@@ -355,7 +355,8 @@ def group_rewards(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
     ``ValueError`` (OpenRLHF divides by ``n − 1 = 0``, or takes the std of one sample, and every
     reward becomes NaN); a group whose rewards are all equal gets exactly 0 (OpenRLHF's float32
     mean can be an ulp off the equal rewards and its std is then of the order of that ulp, so
-    ``group_norm`` gives rewards of order 1: eight rewards of 2.9 all become 0.93); a non-finite reward raises ``ValueError`` (OpenRLHF: NaN for its
+    ``group_norm`` gives rewards of order 1: eight rewards of 2.9 all become 0.93); a non-finite reward
+    raises ``ValueError`` (OpenRLHF: NaN for its
     group, or for the batch with ``flash_reinforce``); an unknown estimator raises
     ``ValueError`` here (OpenRLHF leaves the rewards alone and raises later, when it computes the
     returns).
@@ -377,8 +378,11 @@ def group_rewards(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
             + ", ".join(repr(e) for e in _UNSHAPED_ESTIMATORS)
         )
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2 or not rewards.is_floating_point():
-        got = (f"shape {tuple(rewards.shape)}, dtype {rewards.dtype}" if isinstance(rewards, torch.Tensor)
-               else type(rewards).__name__)
+        got = (
+            f"shape {tuple(rewards.shape)}, dtype {rewards.dtype}"
+            if isinstance(rewards, torch.Tensor)
+            else type(rewards).__name__
+        )
         raise ValueError(
             f"group_rewards: rewards must be a 2-D float tensor [num_prompts, n_samples_per_prompt], got {got}"
         )
@@ -398,17 +402,22 @@ def group_rewards(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
     mask = torch.ones((), dtype=torch.bool, device=rewards.device).expand(scores.shape[0], 1)
     with torch.no_grad():
         shaped = group_advantages(
-            scores.to(torch.float64), mask, group_size=group_size,
+            scores.to(torch.float64),
+            mask,
+            group_size=group_size,
             estimator="rloo" if estimator == "rloo" else "grpo",
-            eps=_GROUP_NORM_EPS, std_normalize=estimator == "group_norm",
+            eps=_GROUP_NORM_EPS,
+            std_normalize=estimator == "group_norm",
         )
     return shaped.reshape(rewards.shape).to(rewards.dtype)
 
 
-PEER = _patching.Peer(
-    name="openrlhf", distribution="openrlhf", package="openrlhf", versions=("0.11.2",),
-    targets=_patching.targets("openrlhf.models.utils", compute_approx_kl, compute_reward, log_probs_from_logits,
-                              compute_entropy, masked_mean),
+PEER = _patching.Peer.named(
+    "openrlhf",
+    versions=("0.11.2",),
+    targets=_patching.targets(
+        "openrlhf.models.utils", compute_approx_kl, compute_reward, log_probs_from_logits, compute_entropy, masked_mean
+    ),
     import_help=(
         "openrlhf.models imports flash_attn at module level (openrlhf/models/ring_attn_utils.py); "
         "install flash-attn, or on a machine without CUDA call "

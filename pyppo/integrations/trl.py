@@ -22,7 +22,6 @@ from . import _patching
 from ._logits import NO_IGNORE_INDEX, check_temperature, gather_raw, positive_index, zero_labels
 from ._patching import Patch
 
-
 __all__ = [
     "selective_log_softmax",
     "entropy_from_logits",
@@ -101,10 +100,7 @@ def _top_k(fn, logits, index, temperature, keep, want_entropy):
 
 
 def selective_log_softmax(
-    logits: torch.Tensor,
-    index: torch.Tensor,
-    temperature: float = 1.0,
-    row_mask: torch.Tensor | None = None,
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, row_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     r"""``log_softmax(logits / temperature)`` gathered at ``index``. Matches TRL 1.16.0
     ``trl.trainer.utils.selective_log_softmax``.
@@ -227,10 +223,12 @@ def selective_log_softmax_and_entropy(
     return logps.to(logits.dtype), entropy.to(logits.dtype)
 
 
-PEER = _patching.Peer(
-    name="trl", distribution="trl", package="trl", versions=("1.16.0",),
-    targets=_patching.targets("trl.trainer.utils", selective_log_softmax, entropy_from_logits,
-                              selective_log_softmax_and_entropy),
+PEER = _patching.Peer.named(
+    "trl",
+    versions=("1.16.0",),
+    targets=_patching.targets(
+        "trl.trainer.utils", selective_log_softmax, entropy_from_logits, selective_log_softmax_and_entropy
+    ),
 )
 
 

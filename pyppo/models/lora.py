@@ -37,8 +37,7 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, targets: str) -> nn.M
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:  # pragma: no cover - peft is a dependency
         raise ImportError("LoRA needs peft: pip install peft") from exc
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules(targets),
-                        bias="none")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules(targets), bias="none")
     try:
         with warnings.catch_warnings():
             # peft asks transformers a deprecated question about checkpointing; nothing for the user.

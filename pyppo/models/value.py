@@ -110,10 +110,7 @@ class ValueModel(nn.Module):
         if position_ids is None and attention_mask is not None:
             position_ids = position_ids_from_mask(attention_mask)
         out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         # The head runs in its own dtype (float32 unless the whole module was cast), so a bf16
@@ -146,10 +143,18 @@ def share_frozen_weights(source: nn.Module, target: nn.Module) -> int:
     with torch.no_grad():
         for name, param in target.named_parameters():
             other = kept.get(name)
-            if (other is None or param.requires_grad or other.requires_grad
-                    or type(param.data) is not torch.Tensor or type(other.data) is not torch.Tensor
-                    or param.shape != other.shape or param.dtype != other.dtype or param.device != other.device
-                    or param.data_ptr() == other.data_ptr() or not torch.equal(param, other)):
+            if (
+                other is None
+                or param.requires_grad
+                or other.requires_grad
+                or type(param.data) is not torch.Tensor
+                or type(other.data) is not torch.Tensor
+                or param.shape != other.shape
+                or param.dtype != other.dtype
+                or param.device != other.device
+                or param.data_ptr() == other.data_ptr()
+                or not torch.equal(param, other)
+            ):
                 continue
             param.data = other.data
             saved += param.numel() * param.element_size()

@@ -21,8 +21,8 @@ from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
 from .linear_logprobs import linear_logprobs
 from .linear_ppo_loss import linear_ppo_loss
 from .losses import LOSS_AGG_MODES, aggregate_loss, loss_token_weights, ppo_policy_loss, ppo_value_loss
-from .policy_losses import POLICY_LOSSES, cispo_policy_loss, gspo_policy_loss
 from .masked import masked_mean, masked_var, masked_whiten
+from .policy_losses import POLICY_LOSSES, cispo_policy_loss, gspo_policy_loss
 
 # Outputs that PPO treats as constants: marked non-differentiable rather than left without an
 # autograd kernel, so a requires_grad input gives a clean constant, not a deprecation warning.

@@ -44,4 +44,3 @@ def gae(
         RuntimeError: inputs on different devices.
     """
     return torch.ops.pyppo.gae.default(rewards, values, response_mask, float(gamma), float(lam), last_values)
-

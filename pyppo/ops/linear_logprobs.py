@@ -88,8 +88,19 @@ def _backward(ctx, grad_logprobs, grad_entropy, grad_lse):
         grad_entropy = None
     want = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[4]]
     gh, gw, gb = torch.ops.pyppo.linear_logprobs_backward.default(
-        grad_logprobs, grad_entropy, hidden, weight, labels, mask, bias, lse, entropy,
-        temperature, ignore_index, chunk_size, want,
+        grad_logprobs,
+        grad_entropy,
+        hidden,
+        weight,
+        labels,
+        mask,
+        bias,
+        lse,
+        entropy,
+        temperature,
+        ignore_index,
+        chunk_size,
+        want,
     )
     return (
         gh if want[0] else None,

@@ -24,8 +24,12 @@ def _named(fn):
 
 
 def linear_ppo_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # what linear_logprobs takes
-    old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,  # what the loss takes
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,  # what linear_logprobs takes
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,  # what the loss takes
     *,
     policy_loss: str = "ppo",
     bias: torch.Tensor | None = None,
@@ -134,25 +138,50 @@ def linear_ppo_loss(
     kl_on, ent_on = float(kl_loss_coef) > 0, float(entropy_coef) > 0
     f64 = torch.float64 in (hidden.dtype, old_logprobs.dtype, advantages.dtype)
     response_mask = _named(_as_bool_mask)(response_mask, "response_mask")
-    weights = _named(loss_token_weights)(response_mask, loss_agg, loss_agg_norm, normalizer,
-                                         dtype=torch.float64 if f64 else torch.float32)
+    weights = _named(loss_token_weights)(
+        response_mask, loss_agg, loss_agg_norm, normalizer, dtype=torch.float64 if f64 else torch.float32
+    )
     grad_on = torch.is_grad_enabled()
     want = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     op_loss, logprobs, entropy, *_ = torch.ops.pyppo.linear_ppo_loss.default(
-        hidden, weight, labels, old_logprobs, advantages, response_mask, weights, ref_logprobs, bias,
-        float(temperature), -100, float(cliprange_low), float(cliprange_high),
-        None if dual_clip is None else float(dual_clip), float(kl_loss_coef), kl_loss_estimator,
-        float(entropy_coef), bool(return_entropy), 0 if chunk_size is None else int(chunk_size), want,
+        hidden,
+        weight,
+        labels,
+        old_logprobs,
+        advantages,
+        response_mask,
+        weights,
+        ref_logprobs,
+        bias,
+        float(temperature),
+        -100,
+        float(cliprange_low),
+        float(cliprange_high),
+        None if dual_clip is None else float(dual_clip),
+        float(kl_loss_coef),
+        kl_loss_estimator,
+        float(entropy_coef),
+        bool(return_entropy),
+        0 if chunk_size is None else int(chunk_size),
+        want,
         policy_loss,
     )
-    agg = _named(functools.partial(aggregate_loss, loss_agg=loss_agg, loss_agg_norm=loss_agg_norm,
-                                   normalizer=normalizer))
+    agg = _named(
+        functools.partial(aggregate_loss, loss_agg=loss_agg, loss_agg_norm=loss_agg_norm, normalizer=normalizer)
+    )
     clip = dict(dual_clip=dual_clip) if policy_loss == "ppo" else {}
     with torch.no_grad():
         loss, stats = _named(policy_loss_fn(policy_loss))(
-            logprobs, old_logprobs, advantages, response_mask, cliprange_low=cliprange_low,
-            cliprange_high=cliprange_high, loss_agg=loss_agg, loss_agg_norm=loss_agg_norm,
-            normalizer=normalizer, **clip,
+            logprobs,
+            old_logprobs,
+            advantages,
+            response_mask,
+            cliprange_low=cliprange_low,
+            cliprange_high=cliprange_high,
+            loss_agg=loss_agg,
+            loss_agg_norm=loss_agg_norm,
+            normalizer=normalizer,
+            **clip,
         )
         stats["policy_loss"] = loss.float()
         if kl_on:

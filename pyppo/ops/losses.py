@@ -101,8 +101,10 @@ def _as_bool_mask(mask: torch.Tensor, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype == torch.bool:
         return mask
-    if mask.is_floating_point() or mask.is_complex() or mask.dtype in (
-        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    if (
+        mask.is_floating_point()
+        or mask.is_complex()
+        or mask.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
     ):
         # A mask of arbitrary weights would silently become a weighting; insist on 0/1 (where the
         # values can be read: not while tracing).
@@ -307,18 +309,10 @@ def _masked_stat_mean(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torc
 
 @named_errors
 def ppo_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    cliprange_low: float = 0.2,
-    cliprange_high: float = 0.2,
-    dual_clip: Optional[float] = None,
-    loss_agg: str = "token-mean",
-    loss_agg_norm: Optional[float] = None,
-    normalizer: Optional[float] = None,
-) -> Tuple[torch.Tensor, Stats]:
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+    cliprange_low: float = 0.2, cliprange_high: float = 0.2, dual_clip: Optional[float] = None,
+    loss_agg: str = "token-mean", loss_agg_norm: Optional[float] = None, normalizer: Optional[float] = None,
+) -> Tuple[torch.Tensor, Stats]:  # fmt: skip
     """Clipped-surrogate PPO policy loss (Schulman et al. 2017, eq. 7), with optional dual clip.
 
     Per valid token, with ``δ = clamp(logprobs − old_logprobs, −20, 20)`` (:data:`LOG_RATIO_CLAMP`),
@@ -384,9 +378,55 @@ def ppo_policy_loss(
             ``dual_clip <= 1``, unknown ``loss_agg``, bad ``loss_agg_norm`` / ``normalizer``, or
             no valid token without ``normalizer``.
     """
+    token_loss = functools.partial(_ppo_token_loss, dual_clip=dual_clip)
+    clip, agg = (cliprange_low, cliprange_high, dual_clip), (loss_agg, loss_agg_norm, normalizer)
+    return _policy_loss(token_loss, logprobs, old_logprobs, advantages, response_mask, clip, agg)
+
+
+def _ppo_token_loss(
+    logprobs: torch.Tensor,
+    zero: torch.Tensor,
+    m: torch.Tensor,
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    cliprange_low: float,
+    cliprange_high: float,
+    *,
+    dual_clip: Optional[float],
+):
+    """:func:`ppo_policy_loss`'s per-token terms, as :func:`_policy_loss` takes them."""
+    ratio = torch.exp(log_ratio)
+    pg_clip, clipped = _clipped_surrogate(adv, ratio, cliprange_low, cliprange_high)
+    if dual_clip is None:
+        return pg_clip, ratio, clipped, torch.zeros_like(m)
+    pg_bound = -adv * dual_clip
+    lower_active = (adv < 0) & (pg_bound < pg_clip)
+    return torch.where(adv < 0, torch.minimum(pg_clip, pg_bound), pg_clip), ratio, clipped, lower_active
+
+
+def _clipped_surrogate(adv: torch.Tensor, ratio: torch.Tensor, cliprange_low: float, cliprange_high: float):
+    """``(max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)), clipped)``: PPO's clipped surrogate (the
+    negated objective, so ``min`` becomes ``max``) and where the clipped term is strictly larger."""
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    return torch.maximum(pg_unclipped, pg_clipped), pg_clipped > pg_unclipped
+
+
+def _policy_loss(
+    token_loss, logprobs, old_logprobs, advantages, response_mask, clip, agg
+) -> Tuple[torch.Tensor, Stats]:
+    """What every policy loss does around its per-token terms: the argument checks, the clamped
+    token log-ratio (:func:`_token_log_ratio`), the aggregation and :func:`policy_stats`.
+    ``clip`` is ``(cliprange_low, cliprange_high, dual_clip)`` (``dual_clip`` None for the losses
+    without one), ``agg`` is ``(loss_agg, loss_agg_norm, normalizer)`` as :func:`aggregate_loss`
+    takes them. ``token_loss(logprobs, zero, m, log_ratio, adv, cliprange_low, cliprange_high)``
+    (``zero`` a 0-d zero of the compute dtype, ``log_ratio`` and ``adv`` 0 at masked positions)
+    returns ``(loss_mat, ratio, clipped, lower_active)``: the per-token loss, the ratio the stats
+    report and the masks ``clipfrac`` and ``clipfrac_lower`` count."""
+    cliprange_low, cliprange_high, dual_clip = clip
+    loss_agg, loss_agg_norm, normalizer = agg
     _check_float_2d(
-        {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages},
-        "response_mask", response_mask,
+        {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}, "response_mask", response_mask
     )
     if not (isinstance(cliprange_low, (int, float)) and 0 <= cliprange_low < 1):
         raise ValueError(f"cliprange_low must be in [0, 1), got {cliprange_low!r}")
@@ -397,28 +437,15 @@ def ppo_policy_loss(
     _check_loss_agg(loss_agg, loss_agg_norm)
     m = _as_bool_mask(response_mask, "response_mask")
 
-    dt, zero, raw_log_ratio, log_ratio, adv = _token_log_ratio(logprobs, old_logprobs, advantages, m)
-    ratio = torch.exp(log_ratio)
-
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
-    pg_clip = torch.maximum(pg_unclipped, pg_clipped)
-    clipped = pg_clipped > pg_unclipped
-    if dual_clip is not None:
-        pg_bound = -adv * dual_clip
-        lower_active = (adv < 0) & (pg_bound < pg_clip)
-        pg_loss_mat = torch.where(adv < 0, torch.minimum(pg_clip, pg_bound), pg_clip)
-    else:
-        lower_active = torch.zeros_like(m)
-        pg_loss_mat = pg_clip
-
-    loss = aggregate_loss(pg_loss_mat, m, loss_agg, loss_agg_norm, normalizer)
-
+    _, zero, raw_log_ratio, log_ratio, adv = _token_log_ratio(logprobs, old_logprobs, advantages, m)
+    loss_mat, ratio, clipped, lower_active = token_loss(
+        logprobs, zero, m, log_ratio, adv, cliprange_low, cliprange_high
+    )
+    loss = aggregate_loss(loss_mat, m, loss_agg, loss_agg_norm, normalizer)
     return loss, policy_stats(m, raw_log_ratio, log_ratio, ratio, clipped, lower_active)
 
 
-def _token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     m: torch.Tensor):
+def _token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, m: torch.Tensor):
     """``(dt, zero, raw, log_ratio, adv)``: the compute dtype, a 0-d zero of it, the raw token
     log-ratio ``logprobs − old_logprobs``, the same clamped to ±:data:`LOG_RATIO_CLAMP` and 0 at
     masked positions, and the advantages, 0 at masked positions."""
@@ -431,8 +458,14 @@ def _token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     return dt, zero, raw_log_ratio, log_ratio, torch.where(m, advantages.to(dt), zero)
 
 
-def policy_stats(m: torch.Tensor, raw_log_ratio: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor,
-                 clipped: torch.Tensor, lower_active: torch.Tensor) -> Stats:
+def policy_stats(
+    m: torch.Tensor,
+    raw_log_ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    clipped: torch.Tensor,
+    lower_active: torch.Tensor,
+) -> Stats:
     """The statistics every policy loss reports (see :func:`ppo_policy_loss`), over the valid
     tokens of ``m``: ``approx_kl`` and ``logratio_clampfrac`` from the token log-ratios (raw and
     clamped), ``ratio_mean`` / ``ratio_max`` of the ratio the loss used, ``clipfrac`` /
@@ -451,12 +484,12 @@ def policy_stats(m: torch.Tensor, raw_log_ratio: torch.Tensor, log_ratio: torch.
             "clipfrac_lower": _masked_stat_mean(lower_active.to(dt), m, n),
             "approx_kl": _masked_stat_mean(k3, m, n),
             "ratio_mean": _masked_stat_mean(r, m, n),
-            "logratio_clampfrac": _masked_stat_mean(
-                (raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).to(dt), m, n
-            ),
+            "logratio_clampfrac": _masked_stat_mean((raw_log_ratio.detach().abs() > LOG_RATIO_CLAMP).to(dt), m, n),
             "ratio_max": torch.where(
                 n > 0, torch.where(m, r, torch.full((), -math.inf, dtype=dt, device=r.device)).max(), zero
-            ).float() if r.numel() else torch.zeros((), dtype=torch.float32, device=r.device),
+            ).float()
+            if r.numel()
+            else torch.zeros((), dtype=torch.float32, device=r.device),
         }
 
 
@@ -501,9 +534,7 @@ def ppo_value_loss(
     Raises:
         ValueError: as :func:`ppo_policy_loss`, or ``cliprange_value`` not positive and finite.
     """
-    _check_float_2d(
-        {"values": values, "old_values": old_values, "returns": returns}, "response_mask", response_mask
-    )
+    _check_float_2d({"values": values, "old_values": old_values, "returns": returns}, "response_mask", response_mask)
     if cliprange_value is not None and not (
         isinstance(cliprange_value, (int, float)) and 0 < cliprange_value < math.inf
     ):

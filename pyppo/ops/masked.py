@@ -46,12 +46,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    shift_mean: bool = True,
-    unbiased: bool = True,
-    eps: float = 1e-8,
+    x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, unbiased: bool = True, eps: float = 1e-8
 ) -> torch.Tensor:
     r"""Normalise ``x`` to zero mean and unit variance over its masked-in elements.
 

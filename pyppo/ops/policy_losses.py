@@ -14,20 +14,14 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from .losses import (
-    Stats,
-    _as_bool_mask,
-    _check_float_2d,
-    _check_loss_agg,
-    _token_log_ratio,
-    aggregate_loss,
-    named_errors,
-    policy_stats,
-    ppo_policy_loss,
-)
+from .losses import Stats, _clipped_surrogate, _policy_loss, named_errors, ppo_policy_loss
 
 __all__ = [
-    "GSPO_LOG_RATIO_MAX", "POLICY_LOSSES", "cispo_policy_loss", "gspo_policy_loss", "policy_loss_fn",
+    "GSPO_LOG_RATIO_MAX",
+    "POLICY_LOSSES",
+    "cispo_policy_loss",
+    "gspo_policy_loss",
+    "policy_loss_fn",
     "sequence_log_ratio",
 ]
 
@@ -35,19 +29,7 @@ __all__ = [
 # far past any clip range, so only a sequence the policy has left entirely loses its gradient.
 GSPO_LOG_RATIO_MAX = 10.0
 
-
-def _check_policy_args(logprobs, old_logprobs, advantages, response_mask, cliprange_low, cliprange_high,
-                       loss_agg, loss_agg_norm) -> torch.Tensor:
-    _check_float_2d(
-        {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages},
-        "response_mask", response_mask,
-    )
-    if not (isinstance(cliprange_low, (int, float)) and 0 <= cliprange_low < 1):
-        raise ValueError(f"cliprange_low must be in [0, 1), got {cliprange_low!r}")
-    if not (isinstance(cliprange_high, (int, float)) and 0 < cliprange_high < float("inf")):
-        raise ValueError(f"cliprange_high must be a positive finite number, got {cliprange_high!r}")
-    _check_loss_agg(loss_agg, loss_agg_norm)
-    return _as_bool_mask(response_mask, "response_mask")
+PolicyLossFn = Callable[..., Tuple[torch.Tensor, Stats]]
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -59,19 +41,45 @@ def sequence_log_ratio(log_ratio: torch.Tensor, m: torch.Tensor) -> torch.Tensor
     return (log_ratio.detach().sum(dim=-1, keepdim=True) / n).expand_as(log_ratio)
 
 
-@named_errors
-def gspo_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    cliprange_low: float = 0.2,
-    cliprange_high: float = 0.2,
-    loss_agg: str = "token-mean",
-    loss_agg_norm: Optional[float] = None,
-    normalizer: Optional[float] = None,
-) -> Tuple[torch.Tensor, Stats]:
+def _gspo_token_loss(logprobs, zero, m, log_ratio, adv, cliprange_low, cliprange_high):
+    """:func:`gspo_policy_loss`'s per-token terms, as :func:`~pyppo.ops.losses._policy_loss` takes them."""
+    lp = logprobs.to(zero.dtype)
+    # lp − sg(lp) is exactly 0 for finite lp: the value is log s_i, the gradient that of lp.
+    log_r = torch.where(m, lp - lp.detach(), zero) + sequence_log_ratio(log_ratio, m)
+    ratio = torch.exp(torch.clamp(log_r, max=GSPO_LOG_RATIO_MAX))
+    pg_loss, clipped = _clipped_surrogate(adv, ratio, cliprange_low, cliprange_high)
+    return pg_loss, ratio, clipped, torch.zeros_like(m)
+
+
+def _cispo_token_loss(logprobs, zero, m, log_ratio, adv, cliprange_low, cliprange_high):
+    """:func:`cispo_policy_loss`'s per-token terms, as :func:`~pyppo.ops.losses._policy_loss` takes them."""
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high).detach()
+    loss_mat = -weight * adv * torch.where(m, logprobs.to(zero.dtype), zero)
+    return loss_mat, ratio, ratio != weight, torch.zeros_like(m)
+
+
+def _policy_loss_without_dual_clip(name: str, token_loss: Callable[..., tuple], doc: str) -> PolicyLossFn:
+    """The public policy loss ``name``, documented by ``doc``: :data:`POLICY_LOSSES`' signature
+    without ``dual_clip``, computed by :func:`~pyppo.ops.losses._policy_loss` around
+    ``token_loss``, its errors named as :func:`~pyppo.ops.losses.named_errors` names them."""
+
+    def loss_fn(
+        logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+        cliprange_low: float = 0.2, cliprange_high: float = 0.2,
+        loss_agg: str = "token-mean", loss_agg_norm: Optional[float] = None, normalizer: Optional[float] = None,
+    ) -> Tuple[torch.Tensor, Stats]:  # fmt: skip
+        clip, agg = (cliprange_low, cliprange_high, None), (loss_agg, loss_agg_norm, normalizer)
+        return _policy_loss(token_loss, logprobs, old_logprobs, advantages, response_mask, clip, agg)
+
+    loss_fn.__name__ = loss_fn.__qualname__ = name
+    loss_fn.__doc__ = doc
+    return named_errors(loss_fn)
+
+
+gspo_policy_loss = _policy_loss_without_dual_clip(
+    "gspo_policy_loss",
+    _gspo_token_loss,
     """GSPO's clipped surrogate with a sequence-level ratio (Zheng et al. 2025, "Group Sequence
     Policy Optimization", eq. 5-7, in its GSPO-token form, eq. 13-14).
 
@@ -105,33 +113,12 @@ def gspo_policy_loss(
 
     Raises:
         ValueError: as :func:`~pyppo.ops.ppo_policy_loss` (there is no ``dual_clip``).
-    """
-    m = _check_policy_args(logprobs, old_logprobs, advantages, response_mask, cliprange_low, cliprange_high,
-                           loss_agg, loss_agg_norm)
-    dt, zero, raw_log_ratio, log_ratio, adv = _token_log_ratio(logprobs, old_logprobs, advantages, m)
-    lp = logprobs.to(dt)
-    # lp − sg(lp) is exactly 0 for finite lp: the value is log s_i, the gradient that of lp.
-    log_r = torch.where(m, lp - lp.detach(), zero) + sequence_log_ratio(log_ratio, m)
-    ratio = torch.exp(torch.clamp(log_r, max=GSPO_LOG_RATIO_MAX))
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
-    loss = aggregate_loss(torch.maximum(pg_unclipped, pg_clipped), m, loss_agg, loss_agg_norm, normalizer)
-    return loss, policy_stats(m, raw_log_ratio, log_ratio, ratio, pg_clipped > pg_unclipped, torch.zeros_like(m))
+    """,
+)
 
-
-@named_errors
-def cispo_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    cliprange_low: float = 0.2,
-    cliprange_high: float = 0.2,
-    loss_agg: str = "token-mean",
-    loss_agg_norm: Optional[float] = None,
-    normalizer: Optional[float] = None,
-) -> Tuple[torch.Tensor, Stats]:
+cispo_policy_loss = _policy_loss_without_dual_clip(
+    "cispo_policy_loss",
+    _cispo_token_loss,
     """CISPO: REINFORCE with a clipped, detached importance weight (MiniMax 2025, "MiniMax-M1",
     eq. 4-5).
 
@@ -148,27 +135,14 @@ def cispo_policy_loss(
     Args, Returns and Raises: as :func:`gspo_policy_loss`, with ``clipfrac`` the fraction of
     tokens whose weight was clipped (``r_t ≠ clip(r_t)``, as veRL counts it) and ``ratio_mean``
     / ``ratio_max`` of ``r_t``.
-    """
-    m = _check_policy_args(logprobs, old_logprobs, advantages, response_mask, cliprange_low, cliprange_high,
-                           loss_agg, loss_agg_norm)
-    dt, zero, raw_log_ratio, log_ratio, adv = _token_log_ratio(logprobs, old_logprobs, advantages, m)
-    ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high).detach()
-    loss_mat = -weight * adv * torch.where(m, logprobs.to(dt), zero)
-    loss = aggregate_loss(loss_mat, m, loss_agg, loss_agg_norm, normalizer)
-    return loss, policy_stats(m, raw_log_ratio, log_ratio, ratio, ratio != weight, torch.zeros_like(m))
+    """,
+)
 
-
-PolicyLossFn = Callable[..., Tuple[torch.Tensor, Stats]]
 
 #: Every policy loss by name, as ``PPOConfig.policy_loss`` and ``linear_ppo_loss`` take it. Each is
 #: ``fn(logprobs, old_logprobs, advantages, response_mask, *, cliprange_low, cliprange_high,
 #: loss_agg, loss_agg_norm, normalizer) -> (loss, stats)``; ``"ppo"`` also takes ``dual_clip``.
-POLICY_LOSSES: Dict[str, PolicyLossFn] = {
-    "ppo": ppo_policy_loss,
-    "gspo": gspo_policy_loss,
-    "cispo": cispo_policy_loss,
-}
+POLICY_LOSSES: Dict[str, PolicyLossFn] = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}
 
 
 def policy_loss_fn(name: str) -> PolicyLossFn:

@@ -14,8 +14,18 @@ import torch
 from torch import nn
 
 from ..trainer.step_stats import current_phase
-from .flops import (Flops, TransformerShape, UnsupportedConfig, backward_flops, block_flops, check_against_model,
-                    head_flops, measure_matmul_flops, recompute_flops, transformer_shape)
+from .flops import (
+    Flops,
+    TransformerShape,
+    UnsupportedConfig,
+    backward_flops,
+    block_flops,
+    check_against_model,
+    head_flops,
+    measure_matmul_flops,
+    recompute_flops,
+    transformer_shape,
+)
 from .phases import phase_table
 
 __all__ = ["ShapeRecorder", "count_phases", "flop_table", "measure_peak", "profile_step", "square_peaks"]
@@ -100,12 +110,16 @@ def _counted_model(name: str, config, body: nn.Module, head: Optional[nn.Module]
     weight = getattr(head, "weight", None)
     layers, adapter_params = _lora_layers(body)
     return CountedModel(
-        name=name, shape=shape, note=note,
+        name=name,
+        shape=shape,
+        note=note,
         weights_trained=any(p.requires_grad for n, p in body.named_parameters() if "lora_" not in n),
         head_trained=bool(weight is not None and weight.requires_grad),
         head_size=(int(weight.shape[1]), int(weight.shape[0])) if isinstance(weight, torch.Tensor) else (0, 0),
-        lora_layers=layers, adapter_params=adapter_params,
-        scores_recomputed=getattr(config, "_attn_implementation", None) != "eager")
+        lora_layers=layers,
+        adapter_params=adapter_params,
+        scores_recomputed=getattr(config, "_attn_implementation", None) != "eager",
+    )
 
 
 def _decoder(model: nn.Module) -> Optional[nn.Module]:
@@ -134,12 +148,13 @@ class ShapeRecorder:
         self.models: Dict[str, CountedModel] = {}
         self._targets: list = []  # (module, hook, with_kwargs)
         self._handles: list = []
-        self._add_lm("policy", trainer.policy, trainer.policy_logprobs)
-        if trainer.ref_policy is not None:
-            ref_head = trainer.ref_logprobs if isinstance(trainer.ref_logprobs, nn.Module) else None
-            self._add_lm("reference", trainer.ref_policy, ref_head)
-        if trainer.value_model is not None:
-            self._add_value(trainer.value_model)
+        models = trainer.models
+        self._add_lm("policy", models.policy, models.policy_logprobs)
+        if models.reference is not None:
+            ref_head = models.ref_logprobs if isinstance(models.ref_logprobs, nn.Module) else None
+            self._add_lm("reference", models.reference, ref_head)
+        if models.critic is not None:
+            self._add_value(models.critic.model)
 
     def _add_lm(self, name: str, model: nn.Module, logprob_head: Optional[nn.Module]) -> None:
         base = _unwrap_peft(model)
@@ -161,8 +176,14 @@ class ShapeRecorder:
         backbone = getattr(value_model, "backbone", None)
         head = getattr(value_model, "head", None)
         if not isinstance(backbone, nn.Module):
-            self.models["value"] = CountedModel("value", None, f"{type(value_model).__name__} has no .backbone (not a "
-                                                "pyppo ValueModel): not counted", False, False, (0, 0))
+            self.models["value"] = CountedModel(
+                "value",
+                None,
+                f"{type(value_model).__name__} has no .backbone (not a pyppo ValueModel): not counted",
+                False,
+                False,
+                (0, 0),
+            )
             return
         body = _unwrap_peft(backbone)
         config = getattr(value_model, "config", None) or getattr(body, "config", None)
@@ -196,8 +217,18 @@ class ShapeRecorder:
         else:
             cache = kwargs.get("past_key_values", kwargs.get("cache"))
             kv = q + (int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0)
-        self.calls.append(Call(phase, name, "blocks", batch=b, q_len=q, kv_len=kv, grad=torch.is_grad_enabled(),
-                               adapter_params=self.models[name].enabled_adapter_params()))
+        self.calls.append(
+            Call(
+                phase,
+                name,
+                "blocks",
+                batch=b,
+                q_len=q,
+                kv_len=kv,
+                grad=torch.is_grad_enabled(),
+                adapter_params=self.models[name].enabled_adapter_params(),
+            )
+        )
 
     def _on_head(self, name, module, args) -> None:
         phase = current_phase()
@@ -205,8 +236,17 @@ class ShapeRecorder:
         if phase is None or not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.shape[-1]:
             return
         out_features, in_features = module.weight.shape
-        self.calls.append(Call(phase, name, "head", positions=x.numel() // x.shape[-1], in_features=int(in_features),
-                               out_features=int(out_features), grad=torch.is_grad_enabled()))
+        self.calls.append(
+            Call(
+                phase,
+                name,
+                "head",
+                positions=x.numel() // x.shape[-1],
+                in_features=int(in_features),
+                out_features=int(out_features),
+                grad=torch.is_grad_enabled(),
+            )
+        )
 
     def _on_logprob_head(self, name, head, module, args, kwargs) -> None:
         phase = current_phase()
@@ -217,14 +257,25 @@ class ShapeRecorder:
         # gradients in its forward instead: the same products, none twice.
         fused = bool(getattr(kwargs.get("objective"), "fused", False))
         out_features, in_features = head.weight.shape
-        self.calls.append(Call(phase, name, "head", positions=len(mb) * mb.response_length,
-                               in_features=int(in_features), out_features=int(out_features),
-                               grad=torch.is_grad_enabled(), recomputed=not fused))
+        self.calls.append(
+            Call(
+                phase,
+                name,
+                "head",
+                positions=len(mb) * mb.response_length,
+                in_features=int(in_features),
+                out_features=int(out_features),
+                grad=torch.is_grad_enabled(),
+                recomputed=not fused,
+            )
+        )
 
 
-def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpointing: bool = False,
-                 causal: bool = True) -> Dict[str, dict]:
-    """Per phase: ``forward``, ``backward`` (all in ``update``, where every backward runs) and ``recompute`` :class:`~pyppo.profile.flops.Flops`
+def count_phases(
+    calls: List[Call], models: Dict[str, CountedModel], *, checkpointing: bool = False, causal: bool = True
+) -> Dict[str, dict]:
+    """Per phase: ``forward``, ``backward`` (all in ``update``, where every backward runs) and
+    ``recompute`` :class:`~pyppo.profile.flops.Flops`
     (recompute: :func:`~pyppo.profile.flops.recompute_flops` of the trained blocks, and the logits
     ``linear_logprobs`` recomputes in its backward), ``omitted`` (the models whose config is not understood; the
     phase's FLOPs are then unknown), ``positions`` (name -> positions fed to that model's
@@ -233,8 +284,19 @@ def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpoi
     out: Dict[str, dict] = {}
 
     def phase_row(phase: str) -> dict:
-        return out.setdefault(phase, {"forward": Flops(), "backward": Flops(), "recompute": Flops(), "omitted": set(),
-                                      "positions": {}, "forwards": 0, "prefill": 0, "sampled": 0})
+        return out.setdefault(
+            phase,
+            {
+                "forward": Flops(),
+                "backward": Flops(),
+                "recompute": Flops(),
+                "omitted": set(),
+                "positions": {},
+                "forwards": 0,
+                "prefill": 0,
+                "sampled": 0,
+            },
+        )
 
     for call in calls:
         row = phase_row(call.phase)
@@ -249,11 +311,22 @@ def count_phases(calls: List[Call], models: Dict[str, CountedModel], *, checkpoi
             row["omitted"].add(call.model)
             continue
         if call.kind == "blocks":
-            fwd = block_flops(model.shape, batch=call.batch, q_len=call.q_len, kv_len=call.kv_len,
-                              adapter_params=call.adapter_params, causal=causal)
+            fwd = block_flops(
+                model.shape,
+                batch=call.batch,
+                q_len=call.q_len,
+                kv_len=call.kv_len,
+                adapter_params=call.adapter_params,
+                causal=causal,
+            )
             bwd = backward_flops(fwd, weights_trained=model.weights_trained, head_trained=False)
-            again = recompute_flops(fwd, model.shape, call.batch * call.q_len, checkpointing=checkpointing,
-                                    scores_recomputed=model.scores_recomputed)
+            again = recompute_flops(
+                fwd,
+                model.shape,
+                call.batch * call.q_len,
+                checkpointing=checkpointing,
+                scores_recomputed=model.scores_recomputed,
+            )
         else:
             fwd = head_flops(call.positions, call.in_features, call.out_features)
             bwd = backward_flops(fwd, weights_trained=False, head_trained=model.head_trained)
@@ -282,8 +355,9 @@ def square_peaks(trainer, size: int = 2048) -> Dict[str, float]:
     return peaks
 
 
-def measure_peak(trainer, batch, models: Dict[str, CountedModel], size: int = 2048,
-                 before: Optional[Dict[str, float]] = None) -> dict:
+def measure_peak(
+    trainer, batch, models: Dict[str, CountedModel], size: int = 2048, before: Optional[Dict[str, float]] = None
+) -> dict:
     """The matmul peak the MFU divides by, measured here: :func:`square_peaks` now and, given,
     ``before`` (the same measured before the step), keeping the higher of the two: on a shared
     machine the other load changes while the step runs, and a peak taken in a busier moment than
@@ -294,19 +368,35 @@ def measure_peak(trainer, batch, models: Dict[str, CountedModel], size: int = 20
     device, dtype = trainer.device, trainer.dtype
     after = square_peaks(trainer, size)
     by_dtype = {k: max(v, (before or {}).get(k, 0.0)) for k, v in after.items()}
-    peak = {"size": size, "dtype": _dtype_name(dtype), "flops_per_s": by_dtype[_dtype_name(dtype)],
-            "by_dtype": by_dtype, "before_step": before, "after_step": after,
-            "threads": torch.get_num_threads(), "device": str(device), "model_shapes": []}
+    peak = {
+        "size": size,
+        "dtype": _dtype_name(dtype),
+        "flops_per_s": by_dtype[_dtype_name(dtype)],
+        "by_dtype": by_dtype,
+        "before_step": before,
+        "after_step": after,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "model_shapes": [],
+    }
     shape = models["policy"].shape
     if shape is not None:
         B, P, T = len(batch), batch.prompt_length, batch.response_length
         b = min(B, trainer.micro_batch_size)
-        for what, m, k, n in (("blocks, a training micro-batch", b * (P + T), shape.hidden, shape.intermediate),
-                              ("blocks, a decode step", B, shape.hidden, shape.intermediate),
-                              ("LM head, a micro-batch's responses", b * T, shape.hidden, shape.vocab)):
-            peak["model_shapes"].append({"what": what, "m": m, "k": k, "n": n,
-                                         "flops_per_s": measure_matmul_flops(m, k, n, dtype=dtype, device=device,
-                                                                             max_seconds=1.0)})
+        for what, m, k, n in (
+            ("blocks, a training micro-batch", b * (P + T), shape.hidden, shape.intermediate),
+            ("blocks, a decode step", B, shape.hidden, shape.intermediate),
+            ("LM head, a micro-batch's responses", b * T, shape.hidden, shape.vocab),
+        ):
+            peak["model_shapes"].append(
+                {
+                    "what": what,
+                    "m": m,
+                    "k": k,
+                    "n": n,
+                    "flops_per_s": measure_matmul_flops(m, k, n, dtype=dtype, device=device, max_seconds=1.0),
+                }
+            )
     return peak
 
 
@@ -331,24 +421,45 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
     for row in table["phases"]:
         phase, seconds = row["phase"], row["seconds"]
         n = counted.get(phase)
-        cols = dict.fromkeys(("flops", "forward_flops", "backward_flops", "recompute_flops", "flops_per_s", "mfu",
-                              "hfu", "tokens", "padding_tokens", "tokens_per_s"))
+        cols = dict.fromkeys(
+            (
+                "flops",
+                "forward_flops",
+                "backward_flops",
+                "recompute_flops",
+                "flops_per_s",
+                "mfu",
+                "hfu",
+                "tokens",
+                "padding_tokens",
+                "tokens_per_s",
+            )
+        )
         if n is not None:
             flops = None if n["omitted"] else n["forward"].total + n["backward"].total
             recompute = None if n["omitted"] else n["recompute"].total
             if phase == "generate":
                 tokens, padding = n["sampled"], n["sampled"] - real_response
-                cols.update(prefill_tokens=n["prefill"], prefill_padding_tokens=max(0, n["prefill"] - real_prompt),
-                            decode_forwards=max(0, n["forwards"] - 1))
+                cols.update(
+                    prefill_tokens=n["prefill"],
+                    prefill_padding_tokens=max(0, n["prefill"] - real_prompt),
+                    decode_forwards=max(0, n["forwards"] - 1),
+                )
                 sampled_total = (tokens, padding)
             else:
                 passes = c.ppo_epochs if phase == "update" else 1
                 tokens = max(n["positions"].values(), default=0)
                 padding = max(0, tokens - passes * (real_prompt + real_response))
-            cols.update(flops=flops, forward_flops=None if flops is None else n["forward"].total,
-                        backward_flops=None if flops is None else n["backward"].total, recompute_flops=recompute,
-                        flops_per_s=_ratio(flops, seconds), tokens=tokens, padding_tokens=padding,
-                        tokens_per_s=_ratio(tokens, seconds))
+            cols.update(
+                flops=flops,
+                forward_flops=None if flops is None else n["forward"].total,
+                backward_flops=None if flops is None else n["backward"].total,
+                recompute_flops=recompute,
+                flops_per_s=_ratio(flops, seconds),
+                tokens=tokens,
+                padding_tokens=padding,
+                tokens_per_s=_ratio(tokens, seconds),
+            )
             cols["mfu"] = _ratio(cols["flops_per_s"], peak_fps)
             cols["hfu"] = None if flops is None else _ratio(_ratio(flops + recompute, seconds), peak_fps)
             if flops is None:
@@ -360,26 +471,44 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
     step_s = table["step_seconds"]
     step_flops = total if known else None
     tokens, padding = sampled_total or (None, None)
-    step = {"flops": step_flops, "recompute_flops": recompute_total if known else None,
-            "flops_per_s": _ratio(step_flops, step_s), "tokens": tokens, "padding_tokens": padding,
-            "tokens_per_s": _ratio(tokens, step_s)}
+    step = {
+        "flops": step_flops,
+        "recompute_flops": recompute_total if known else None,
+        "flops_per_s": _ratio(step_flops, step_s),
+        "tokens": tokens,
+        "padding_tokens": padding,
+        "tokens_per_s": _ratio(tokens, step_s),
+    }
     step["mfu"] = _ratio(step["flops_per_s"], peak_fps)
     step["hfu"] = None if step_flops is None else _ratio(_ratio(step_flops + recompute_total, step_s), peak_fps)
 
-    notes = [f"FLOPs/MFU omitted for the {m.name} model: its config is not understood ({m.note})"
-             for m in models.values() if m.note]
-    notes += [f"{row['title']}: MFU above 100 %: the step ran at more than the measured peak (other load on the "
-              "machine changed between the measurements and the step?)" for row in table["phases"]
-              if (row.get("mfu") or 0) > 1]
-    notes += [f"{row['title']}: the hooks saw no model call in its {1e3 * row['seconds']:.1f} ms, so none is counted"
-              for row in table["phases"] if row["phase"] in MODEL_PHASES and row["phase"] not in counted
-              and row["seconds"] > _UNSEEN_PHASE_SECONDS]
+    notes = [
+        f"FLOPs/MFU omitted for the {m.name} model: its config is not understood ({m.note})"
+        for m in models.values()
+        if m.note
+    ]
+    notes += [
+        f"{row['title']}: MFU above 100 %: the step ran at more than the measured peak (other load on the "
+        "machine changed between the measurements and the step?)"
+        for row in table["phases"]
+        if (row.get("mfu") or 0) > 1
+    ]
+    notes += [
+        f"{row['title']}: the hooks saw no model call in its {1e3 * row['seconds']:.1f} ms, so none is counted"
+        for row in table["phases"]
+        if row["phase"] in MODEL_PHASES and row["phase"] not in counted and row["seconds"] > _UNSEEN_PHASE_SECONDS
+    ]
     return {
-        "step": step, "peak": peak, "attention": "causal", "ppo_epochs": c.ppo_epochs,
+        "step": step,
+        "peak": peak,
+        "attention": "causal",
+        "ppo_epochs": c.ppo_epochs,
         "gradient_checkpointing": c.gradient_checkpointing,
         "models": {m.name: (m.shape.describe() if m.shape else None) for m in models.values()},
-        "trained": {m.name: {"weights": m.weights_trained, "head": m.head_trained, "lora_params": m.adapter_params}
-                    for m in models.values()},
+        "trained": {
+            m.name: {"weights": m.weights_trained, "head": m.head_trained, "lora_params": m.adapter_params}
+            for m in models.values()
+        },
         "notes": notes,
     }
 
@@ -388,8 +517,15 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
 # the run
 
 
-def profile_step(trainer, output_dir: Path, *, warmup_steps: int = 1, record_shapes: bool = False,
-                 with_stack: bool = False, peak_size: int = 2048) -> dict:
+def profile_step(
+    trainer,
+    output_dir: Path,
+    *,
+    warmup_steps: int = 1,
+    record_shapes: bool = False,
+    with_stack: bool = False,
+    peak_size: int = 2048,
+) -> dict:
     """Run ``warmup_steps`` unprofiled steps, then one step under the profiler (and a
     :class:`ShapeRecorder`); measure the matmul peak just before and after it (:func:`measure_peak`,
     ``size = peak_size``; 0 skips it, and the MFU); write ``trace.json`` to ``output_dir`` and return ``{"metrics": ...,

@@ -49,8 +49,17 @@ import torch
 from torch import nn
 
 __all__ = [
-    "TransformerShape", "UnsupportedConfig", "Flops", "transformer_shape", "check_against_model",
-    "attention_pairs", "block_flops", "head_flops", "backward_flops", "recompute_flops", "generate_forwards",
+    "TransformerShape",
+    "UnsupportedConfig",
+    "Flops",
+    "transformer_shape",
+    "check_against_model",
+    "attention_pairs",
+    "block_flops",
+    "head_flops",
+    "backward_flops",
+    "recompute_flops",
+    "generate_forwards",
     "measure_matmul_flops",
 ]
 
@@ -99,8 +108,10 @@ class TransformerShape:
 
     def describe(self) -> str:
         mlp = "gated MLP" if self.mlp_matrices == 3 else "MLP"
-        return (f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, {mlp} {self.intermediate}, "
-                f"{self.heads} heads / {self.kv_heads} kv heads of {self.head_dim}, vocab {self.vocab}")
+        return (
+            f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, {mlp} {self.intermediate}, "
+            f"{self.heads} heads / {self.kv_heads} kv heads of {self.head_dim}, vocab {self.vocab}"
+        )
 
 
 def _int_attr(cfg: Any, name: str) -> Optional[int]:
@@ -132,11 +143,19 @@ def transformer_shape(config: Any) -> TransformerShape:
     kv_heads = _int_attr(cfg, "num_key_value_heads") or heads
     head_dim = _int_attr(cfg, "head_dim") or (hidden // heads if hidden % heads == 0 else None)
     if head_dim is None or heads % kv_heads:
-        raise UnsupportedConfig(f"{model_type} config: {heads} heads, {kv_heads} kv heads, hidden {hidden} "
-                                "do not give a head width")
-    return TransformerShape(layers=_int_attr(cfg, "num_hidden_layers"), hidden=hidden,
-                            intermediate=_int_attr(cfg, "intermediate_size"), heads=heads, kv_heads=kv_heads,
-                            head_dim=head_dim, vocab=_int_attr(cfg, "vocab_size"), model_type=model_type)
+        raise UnsupportedConfig(
+            f"{model_type} config: {heads} heads, {kv_heads} kv heads, hidden {hidden} do not give a head width"
+        )
+    return TransformerShape(
+        layers=_int_attr(cfg, "num_hidden_layers"),
+        hidden=hidden,
+        intermediate=_int_attr(cfg, "intermediate_size"),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=_int_attr(cfg, "vocab_size"),
+        model_type=model_type,
+    )
 
 
 def _matmul_weights(module: nn.Module) -> int:
@@ -162,8 +181,9 @@ def check_against_model(shape: TransformerShape, model: nn.Module) -> Transforme
     """
     blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == shape.layers), None)
     if blocks is None:
-        raise UnsupportedConfig(f"{shape.model_type}: no list of {shape.layers} decoder blocks in "
-                                f"{type(model).__name__}")
+        raise UnsupportedConfig(
+            f"{shape.model_type}: no list of {shape.layers} decoder blocks in {type(model).__name__}"
+        )
     per_layer = {_matmul_weights(block) for block in blocks}
     for matrices in (shape.mlp_matrices, 5 - shape.mlp_matrices):
         candidate = replace(shape, mlp_matrices=matrices)
@@ -172,7 +192,8 @@ def check_against_model(shape: TransformerShape, model: nn.Module) -> Transforme
     raise UnsupportedConfig(
         f"{shape.model_type}: the blocks multiply by {sorted(per_layer)} weights each, the config implies "
         f"{replace(shape, mlp_matrices=3).layer_matmul_params} (gated MLP) or "
-        f"{replace(shape, mlp_matrices=2).layer_matmul_params} (plain MLP)")
+        f"{replace(shape, mlp_matrices=2).layer_matmul_params} (plain MLP)"
+    )
 
 
 @dataclass(frozen=True)
@@ -216,8 +237,9 @@ def attention_pairs(q_len: int, kv_len: int, *, causal: bool = True) -> int:
     return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
 
 
-def block_flops(shape: TransformerShape, *, batch: int, q_len: int, kv_len: int, adapter_params: int = 0,
-                causal: bool = True) -> Flops:
+def block_flops(
+    shape: TransformerShape, *, batch: int, q_len: int, kv_len: int, adapter_params: int = 0, causal: bool = True
+) -> Flops:
     """Forward FLOPs of the decoder blocks on ``[batch, q_len]`` new positions attending over
     ``kv_len`` keys per row (see :func:`attention_pairs`).
 
@@ -228,10 +250,16 @@ def block_flops(shape: TransformerShape, *, batch: int, q_len: int, kv_len: int,
     and ``B`` elements of all blocks).
     """
     positions = batch * q_len
-    return Flops(dense=2 * positions * shape.matmul_params,
-                 attention=4 * shape.layers * shape.heads * shape.head_dim * batch
-                 * attention_pairs(q_len, kv_len, causal=causal),
-                 adapters=2 * positions * adapter_params)
+    return Flops(
+        dense=2 * positions * shape.matmul_params,
+        attention=4
+        * shape.layers
+        * shape.heads
+        * shape.head_dim
+        * batch
+        * attention_pairs(q_len, kv_len, causal=causal),
+        adapters=2 * positions * adapter_params,
+    )
 
 
 def head_flops(positions: int, in_features: int, out_features: int) -> Flops:
@@ -247,12 +275,17 @@ def backward_flops(forward: Flops, *, weights_trained: bool, head_trained: bool)
     activations). Full fine-tuning: 2× the forward (Kaplan et al. 2020's ``6N`` per token in all)."""
     dense = 2 if weights_trained else 1
     head = 2 if head_trained else 1
-    return Flops(dense=dense * forward.dense, attention=2 * forward.attention, head=head * forward.head,
-                 adapters=2 * forward.adapters)
+    return Flops(
+        dense=dense * forward.dense,
+        attention=2 * forward.attention,
+        head=head * forward.head,
+        adapters=2 * forward.adapters,
+    )
 
 
-def recompute_flops(forward: Flops, shape: TransformerShape, positions: int, *, checkpointing: bool,
-                    scores_recomputed: bool) -> Flops:
+def recompute_flops(
+    forward: Flops, shape: TransformerShape, positions: int, *, checkpointing: bool, scores_recomputed: bool
+) -> Flops:
     """FLOPs a trained blocks forward of ``positions`` positions that cost ``forward`` runs again
     during its backward (hardware FLOPs: in HFU, not in MFU):
 
@@ -286,9 +319,17 @@ def generate_forwards(batch: int, prompt_length: int, new_tokens: int) -> List[T
     return [(batch, prompt_length, prompt_length)] + [(batch, 1, prompt_length + t) for t in range(1, new_tokens)]
 
 
-def measure_matmul_flops(m: int, k: Optional[int] = None, n: Optional[int] = None, *,
-                         dtype: torch.dtype = torch.float32, device: Any = "cpu", warmup: int = 3, iters: int = 7,
-                         max_seconds: float = 3.0) -> float:
+def measure_matmul_flops(
+    m: int,
+    k: Optional[int] = None,
+    n: Optional[int] = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    warmup: int = 3,
+    iters: int = 7,
+    max_seconds: float = 3.0,
+) -> float:
     """Achieved FLOP/s of ``torch.mm`` of ``[m, k] × [k, n]`` (square ``m × m`` by default): the
     median of up to ``iters`` timed calls (at least 3; fewer than ``iters`` once ``max_seconds``
     of timed calls have passed) after ``warmup`` untimed ones, ``2·m·k·n`` FLOPs per call. On

@@ -70,7 +70,7 @@ def phase_table(events, metrics: dict) -> dict:
     for e in events:
         name = e.name
         if name.startswith("pyppo/"):
-            phase = name[len("pyppo/"):]
+            phase = name[len("pyppo/") :]
             if phase in ranges:
                 ranges[phase].append(_span(e))
         elif name.startswith("pyppo::"):
@@ -94,21 +94,26 @@ def phase_table(events, metrics: dict) -> dict:
         prof_s = sum(b - a for a, b in merged) * 1e-6
         seconds = float(metrics.get(f"time_{phase}", prof_s))
         pyppo_s = _overlap(merged, op_spans) * 1e-6
-        device_s = sum(
-            float(getattr(e, "device_time_total", 0.0) or 0.0)
-            for e in op_events
-            if any(a <= e.time_range.start <= b for a, b in merged)
-        ) * 1e-6
-        rows.append({
-            "phase": phase,
-            "title": PHASE_TITLES.get(phase, phase),
-            "seconds": seconds,
-            "share_of_step": seconds / step_s if step_s > 0 else None,
-            "profiler_seconds": prof_s,
-            "pyppo_seconds": pyppo_s,
-            "pyppo_share": pyppo_s / prof_s if prof_s > 0 else 0.0,
-            "pyppo_device_seconds": device_s,
-        })
+        device_s = (
+            sum(
+                float(getattr(e, "device_time_total", 0.0) or 0.0)
+                for e in op_events
+                if any(a <= e.time_range.start <= b for a, b in merged)
+            )
+            * 1e-6
+        )
+        rows.append(
+            {
+                "phase": phase,
+                "title": PHASE_TITLES.get(phase, phase),
+                "seconds": seconds,
+                "share_of_step": seconds / step_s if step_s > 0 else None,
+                "profiler_seconds": prof_s,
+                "pyppo_seconds": pyppo_s,
+                "pyppo_share": pyppo_s / prof_s if prof_s > 0 else 0.0,
+                "pyppo_device_seconds": device_s,
+            }
+        )
     phase_total = sum(r["seconds"] for r in rows)
     return {
         "phases": rows,
@@ -146,26 +151,33 @@ def _flop_notes(table: dict) -> List[str]:
     lines = list(info["notes"])
     described = "; ".join(f"{name}: {d}" for name, d in info["models"].items() if d)
     if described:
-        lines.append(f"FLOPs: model FLOPs (matmuls; forward + backward) from each model's config ({described}) "
-                     "and the shapes it was fed in this step (forward hooks); causal attention; "
-                     "backward 2x the forward for trained weights, 1x for frozen ones (pyppo.profile.flops).")
+        lines.append(
+            f"FLOPs: model FLOPs (matmuls; forward + backward) from each model's config ({described}) "
+            "and the shapes it was fed in this step (forward hooks); causal attention; "
+            "backward 2x the forward for trained weights, 1x for frozen ones (pyppo.profile.flops)."
+        )
     recompute = info["step"]["recompute_flops"]
     if recompute:
         hfu = info["step"]["hfu"]
         hfu = _sig(None if hfu is None else 100 * hfu)
         what = "gradient checkpointing's second forward, " if info["gradient_checkpointing"] else ""
-        lines.append(f"MFU = GFLOP/s / peak (PaLM's definition: model FLOPs only). The step's backwards also "
-                     f"recompute {_sig(recompute / 1e9)} GFLOP ({what}the scores of the attention kernel, the "
-                     f"logits of linear_logprobs): hardware FLOPs utilization {hfu} %.")
+        lines.append(
+            f"MFU = GFLOP/s / peak (PaLM's definition: model FLOPs only). The step's backwards also "
+            f"recompute {_sig(recompute / 1e9)} GFLOP ({what}the scores of the attention kernel, the "
+            f"logits of linear_logprobs): hardware FLOPs utilization {hfu} %."
+        )
     peak = info["peak"]
     if peak:
         others = [f"{k} {_sig(v / 1e9)}" for k, v in peak["by_dtype"].items() if k != peak["dtype"]]
-        line = (f"peak: torch.mm {peak['size']}x{peak['size']} {peak['dtype']} on {peak['device']}, {peak['threads']} "
-                f"thread(s): {_sig(peak['flops_per_s'] / 1e9)} GFLOP/s" + (f" ({', '.join(others)})" if others else ""))
+        line = (
+            f"peak: torch.mm {peak['size']}x{peak['size']} {peak['dtype']} on {peak['device']}, {peak['threads']} "
+            f"thread(s): {_sig(peak['flops_per_s'] / 1e9)} GFLOP/s" + (f" ({', '.join(others)})" if others else "")
+        )
         if peak["model_shapes"]:
             line += "; at the policy's shapes: " + ", ".join(
                 f"[{s['m']}x{s['k']}]x[{s['k']}x{s['n']}] {_sig(s['flops_per_s'] / 1e9)} ({s['what']})"
-                for s in peak["model_shapes"])
+                for s in peak["model_shapes"]
+            )
         lines.append(line)
     else:
         lines.append("peak: not measured (--peak-size 0), so no MFU")
@@ -176,7 +188,8 @@ def _flop_notes(table: dict) -> List[str]:
             f"{gen['prefill_tokens']} prompt positions ({gen['prefill_padding_tokens']} padding) and "
             f"{gen['decode_forwards']} decode forwards; a forward = positions fed, B x (P + T) (pad: padding "
             f"positions); update = those x {info['ppo_epochs']} epoch(s), through the policy and the value model "
-            "(if any) each; step = tokens sampled per step second.")
+            "(if any) each; step = tokens sampled per step second."
+        )
     lines.append("score and advantages: no model FLOPs (the reward function's own model is not counted).")
     return lines
 
@@ -190,15 +203,37 @@ def format_table(table: dict, header: str = "") -> str:
     body = []
     for r in table["phases"]:
         share = "-" if r["share_of_step"] is None else f"{100 * r['share_of_step']:.1f}"
-        body.append((r["title"], f"{1e3 * r['seconds']:.2f}", share, f"{1e3 * r['pyppo_seconds']:.3f}",
-                     f"{100 * r['pyppo_share']:.1f}") + extra(r))
+        body.append(
+            (
+                r["title"],
+                f"{1e3 * r['seconds']:.2f}",
+                share,
+                f"{1e3 * r['pyppo_seconds']:.3f}",
+                f"{100 * r['pyppo_share']:.1f}",
+            )
+            + extra(r)
+        )
     step = table["step_seconds"]
-    body.append(("(outside phases)", f"{1e3 * table['other_seconds']:.2f}",
-                 f"{100 * table['other_seconds'] / step:.1f}" if step > 0 else "-", "", "")
-                + (("",) * 6 if with_flops else ()))
-    body.append(("step", f"{1e3 * step:.2f}", "100.0", f"{1e3 * table['pyppo_seconds']:.3f}",
-                 f"{100 * table['pyppo_seconds'] / step:.1f}" if step > 0 else "-")
-                + (extra(table["flops"]["step"]) if with_flops else ()))
+    body.append(
+        (
+            "(outside phases)",
+            f"{1e3 * table['other_seconds']:.2f}",
+            f"{100 * table['other_seconds'] / step:.1f}" if step > 0 else "-",
+            "",
+            "",
+        )
+        + (("",) * 6 if with_flops else ())
+    )
+    body.append(
+        (
+            "step",
+            f"{1e3 * step:.2f}",
+            "100.0",
+            f"{1e3 * table['pyppo_seconds']:.3f}",
+            f"{100 * table['pyppo_seconds'] / step:.1f}" if step > 0 else "-",
+        )
+        + (extra(table["flops"]["step"]) if with_flops else ())
+    )
     widths = [max(len(c), *(len(row[i]) for row in body)) for i, c in enumerate(cols)]
 
     def fmt(cells):
@@ -214,6 +249,10 @@ def format_table(table: dict, header: str = "") -> str:
         lines += _flop_notes(table)
     if table["pyppo_ops"]:
         lines.append("")
-        lines.append("pyppo ops: " + ", ".join(
-            f"{r['name'][len('pyppo::'):]} {r['calls']}x {1e3 * r['seconds']:.2f} ms" for r in table["pyppo_ops"]))
+        lines.append(
+            "pyppo ops: "
+            + ", ".join(
+                f"{r['name'][len('pyppo::') :]} {r['calls']}x {1e3 * r['seconds']:.2f} ms" for r in table["pyppo_ops"]
+            )
+        )
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Protocol, Sequence
 
 import torch
+from torch import nn
 
 __all__ = ["Rollout", "RolloutEngine"]
 
@@ -34,6 +35,9 @@ class Rollout:
         responses: the ``B`` decoded responses (special tokens skipped).
         rollout_logprobs: ``[B, T]`` float32, the sampler's log-probability of each sampled token
             (0 where masked), or ``None`` when the engine does not report them.
+        loss_mask: ``[B, T]`` bool, 1 at the policy's own tokens (within ``response_mask``: an
+            environment's reply between turns is in the sequence but is no action); ``None`` =
+            every response token is the policy's (one sampled response).
     """
 
     query_ids: torch.Tensor
@@ -44,11 +48,25 @@ class Rollout:
     prompts: List[str]
     responses: List[str]
     rollout_logprobs: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
 
 
 class RolloutEngine(Protocol):
-    """Samples one response to each prompt from the current policy."""
+    """Samples one response to each prompt from the current policy.
+
+    :meth:`generate` is what every engine defines. :meth:`sync_weights` and :meth:`close` are for
+    an engine that holds a copy of the policy's weights of its own (vLLM); an engine that samples
+    with the policy itself subclasses this protocol and keeps their defaults, which do nothing.
+    """
 
     def generate(self, prompts: Sequence[str]) -> Rollout:
         """One :class:`Rollout` row per prompt, in the prompts' order."""
         ...
+
+    def sync_weights(self, model: nn.Module, *, trainable_only: bool = True) -> None:
+        """Give the engine ``model``'s current weights (:class:`~pyppo.rollout.EngineSync` calls it
+        after the policy changed): only those that require grad with ``trainable_only``, else
+        every weight (after a checkpoint was loaded). Default: nothing to copy."""
+
+    def close(self) -> None:
+        """Release what the engine holds (memory, process groups); idempotent. Default: nothing."""

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..precision import autocast
-from .engine import Rollout
-from .tokens import encode_prompts, response_mask_from_eos
+from .engine import Rollout, RolloutEngine
+from .tokens import PromptEncoder, cut_rollout
 
 __all__ = ["NEUTRAL_SAMPLING", "HFGenerateEngine", "generation_config", "generate", "packed_linear_weights"]
 
@@ -78,8 +78,12 @@ def _only_this_generation_config(model: nn.Module, gen_config) -> Iterator[None]
 def _packable(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
     # Plain CPU float32 weights only: not FSDP's DTensors, not quantised or half-precision layers.
-    return (isinstance(module, nn.Linear) and type(w.data) is torch.Tensor and w.device.type == "cpu"
-            and w.dtype == torch.float32)
+    return (
+        isinstance(module, nn.Linear)
+        and type(w.data) is torch.Tensor
+        and w.device.type == "cpu"
+        and w.dtype == torch.float32
+    )
 
 
 def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias):
@@ -97,9 +101,13 @@ def packing_available(model: nn.Module, device: torch.device) -> bool:
     """Whether :func:`packed_linear_weights` applies: a float32 run on a CPU torch with oneDNN,
     outside autocast (under autocast the sampler must run the GEMMs in the autocast dtype, as the
     log-prob forwards do)."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and not torch.is_autocast_enabled("cpu")
-            and any(_packable(m) for m in model.modules()))
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and not torch.is_autocast_enabled("cpu")
+        and any(_packable(m) for m in model.modules())
+    )
 
 
 @contextmanager
@@ -131,8 +139,9 @@ def packed_linear_weights(model: nn.Module, batch_size: int) -> Iterator[int]:
             for module in model.modules():
                 if _packable(module) and "forward" not in module.__dict__:
                     packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), max(1, batch_size))
-                    module.forward = _packed_forward(packed, module.weight,
-                                                     None if module.bias is None else module.bias.detach())
+                    module.forward = _packed_forward(
+                        packed, module.weight, None if module.bias is None else module.bias.detach()
+                    )
                     patched.append(module)
         yield len(patched)
     finally:
@@ -141,8 +150,7 @@ def packed_linear_weights(model: nn.Module, batch_size: int) -> Iterator[int]:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config,
-             **kwargs: Any) -> Any:
+def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config, **kwargs: Any) -> Any:
     """``model.generate`` on left-padded prompts with exactly ``gen_config``; on a CPU in float32,
     with the linear layers' weights pre-packed for the batch (:func:`packed_linear_weights`).
 
@@ -159,11 +167,12 @@ def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor
     with ExitStack() as stack:
         stack.enter_context(_only_this_generation_config(model, gen_config))
         stack.enter_context(packed_linear_weights(model, query_ids.shape[0]))
-        return model.generate(input_ids=query_ids, attention_mask=query_mask.long(),
-                              generation_config=gen_config, **kwargs)
+        return model.generate(
+            input_ids=query_ids, attention_mask=query_mask.long(), generation_config=gen_config, **kwargs
+        )
 
 
-class HFGenerateEngine:
+class HFGenerateEngine(RolloutEngine):
     """The rollout engine that samples with the policy itself, through ``transformers.generate``.
 
     Args:
@@ -179,29 +188,40 @@ class HFGenerateEngine:
             all-gathers).
 
     ``rollout_logprobs`` is ``None``: the trainer's own forwards give the log-probs, and
-    ``generate`` samples from exactly that distribution (:data:`NEUTRAL_SAMPLING`).
+    ``generate`` samples from exactly that distribution (:data:`NEUTRAL_SAMPLING`). It samples
+    with the policy itself, so it has no weights to sync and nothing to close.
+
+    Attributes:
+        gen_config: the ``GenerationConfig`` every call samples with.
     """
 
-    def __init__(self, module: nn.Module, tokenizer: Any, gen_config, *, device: torch.device, dtype: torch.dtype,
-                 max_prompt_tokens: Optional[int], use_chat_template: bool, synced_gpus: bool = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        tokenizer: Any,
+        gen_config,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_prompt_tokens: Optional[int],
+        use_chat_template: bool,
+        synced_gpus: bool = False,
+    ):
         self.module, self.tokenizer, self.gen_config = module, tokenizer, gen_config
         self.device, self.dtype = device, dtype
         self.max_prompt_tokens, self.use_chat_template = max_prompt_tokens, use_chat_template
+        self.encode = PromptEncoder(tokenizer, use_chat_template, max_prompt_tokens)
         self.extra = {"synced_gpus": True} if synced_gpus else {}
 
     def generate(self, prompts: Sequence[str]) -> Rollout:
         """Sample one response per prompt and cut it after its first EOS."""
         prompts = list(prompts)
-        query_ids, query_mask = encode_prompts(self.tokenizer, prompts, use_chat_template=self.use_chat_template,
-                                               max_prompt_length=self.max_prompt_tokens, device=self.device)
+        query_ids, query_mask = self.encode(prompts, self.device)
         self.module.eval()
         with torch.no_grad(), autocast(self.device, self.dtype):  # no_grad: DDP then expects no backward
             sequences = self.module(None, sample=(query_ids, query_mask, self.gen_config, self.extra))
-        response_ids = sequences[:, query_ids.shape[1]:]
+        response_ids = sequences[:, query_ids.shape[1] :]
         eos, pad = int(self.gen_config.eos_token_id), int(self.gen_config.pad_token_id)
-        response_mask, lengths, has_eos = response_mask_from_eos(response_ids, eos)
-        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad))
-        responses = self.tokenizer.batch_decode(
-            [row[:n].tolist() for row, n in zip(response_ids.cpu(), lengths.tolist())], skip_special_tokens=True)
-        return Rollout(query_ids=query_ids, query_mask=query_mask, response_ids=response_ids,
-                       response_mask=response_mask, has_eos=has_eos, prompts=prompts, responses=responses)
+        return cut_rollout(
+            self.tokenizer, prompts, query_ids, query_mask, response_ids, eos_token_id=eos, pad_token_id=pad
+        )

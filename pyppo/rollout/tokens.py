@@ -6,12 +6,22 @@ Shapes: ``B`` prompts, ``P`` prompt tokens (left-padded), ``T`` response tokens 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["check_prompt_lengths", "encode_prompts", "prompt_token_limit", "response_mask_from_eos"]
+from .engine import Rollout
+
+__all__ = [
+    "PromptEncoder",
+    "check_prompt_lengths",
+    "cut_rollout",
+    "encode_prompts",
+    "prompt_token_limit",
+    "response_mask_from_eos",
+]
 
 
 def prompt_token_limit(model: nn.Module, *, max_new_tokens: int, max_prompt_length: Optional[int]) -> tuple:
@@ -27,15 +37,25 @@ def prompt_token_limit(model: nn.Module, *, max_new_tokens: int, max_prompt_leng
     if isinstance(context, int) and context > 0:
         room = context - max_new_tokens
         if room < 1:
-            raise ValueError(f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
-                             f"context of {context} positions")
+            raise ValueError(
+                f"max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
+                f"context of {context} positions"
+            )
     limits = [n for n in (max_prompt_length, room) if n is not None]
     return (min(limits) if limits else None), room
 
 
-def check_prompt_lengths(tokenizer, prompts: Sequence[str], *, use_chat_template: bool, room: Optional[int],
-                         max_new_tokens: int, max_prompt_length: Optional[int], truncate: bool,
-                         what: str = "prompts") -> None:
+def check_prompt_lengths(
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    use_chat_template: bool,
+    room: Optional[int],
+    max_new_tokens: int,
+    max_prompt_length: Optional[int],
+    truncate: bool,
+    what: str = "prompts",
+) -> None:
     """Say which prompts the model's context cannot hold (more tokens than ``room``, what
     :func:`prompt_token_limit` returns): a warning that they are cut from the left (``truncate``),
     else an error. Prompts that only ``max_prompt_length`` (asked for) cuts are not reported.
@@ -51,12 +71,18 @@ def check_prompt_lengths(tokenizer, prompts: Sequence[str], *, use_chat_template
     long = [(i, len(ids)) for i, ids in enumerate(encoded["input_ids"]) if len(ids) > room]
     if not long:
         return
-    listed = ", ".join(f"{i} ({n} tokens)" for i, n in long[:5]) + (f" and {len(long) - 5} more" if len(long) > 5 else "")
-    head = (f"{what}: prompt{'s' if len(long) > 1 else ''} {listed} longer than the {room} tokens the model's "
-            f"context leaves ({room + max_new_tokens} positions minus max_new_tokens = {max_new_tokens})")
+    listed = ", ".join(f"{i} ({n} tokens)" for i, n in long[:5]) + (
+        f" and {len(long) - 5} more" if len(long) > 5 else ""
+    )
+    head = (
+        f"{what}: prompt{'s' if len(long) > 1 else ''} {listed} longer than the {room} tokens the model's "
+        f"context leaves ({room + max_new_tokens} positions minus max_new_tokens = {max_new_tokens})"
+    )
     if not truncate:
-        raise ValueError(f"{head}; shorten {'them' if len(long) > 1 else 'it'}, lower max_new_tokens, or set "
-                         "truncate_prompts = true to cut from the left")
+        raise ValueError(
+            f"{head}; shorten {'them' if len(long) > 1 else 'it'}, lower max_new_tokens, or set "
+            "truncate_prompts = true to cut from the left"
+        )
     warnings.warn(f"{head}: cut from the left to the last {room} tokens", UserWarning, stacklevel=2)
 
 
@@ -66,13 +92,16 @@ def _uses_template(tokenizer, use_chat_template: bool) -> bool:
 
 def _prompt_texts(tokenizer, prompts: Sequence[str], use_chat_template: bool) -> List[str]:
     if _uses_template(tokenizer, use_chat_template):
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True) for p in prompts]
+        return [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
     return list(prompts)
 
 
-def encode_prompts(tokenizer, prompts: List[str], *, use_chat_template: bool, max_prompt_length,
-                   device) -> Tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(
+    tokenizer, prompts: List[str], *, use_chat_template: bool, max_prompt_length, device
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Tokenise prompts, left-padded (through the chat template when the tokenizer has one).
 
     Args:
@@ -136,3 +165,59 @@ def response_mask_from_eos(
     lengths = torch.where(has_eos, first + 1, torch.full_like(first, T))
     mask = torch.arange(T, device=response_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
     return mask, lengths, has_eos
+
+
+@dataclass(frozen=True)
+class PromptEncoder:
+    """:func:`encode_prompts` with an engine's settings: ``encoder(prompts, device)``."""
+
+    tokenizer: Any
+    use_chat_template: bool
+    max_prompt_length: Optional[int]
+
+    def __call__(self, prompts: Sequence[str], device) -> Tuple[torch.Tensor, torch.Tensor]:
+        return encode_prompts(
+            self.tokenizer,
+            prompts,
+            use_chat_template=self.use_chat_template,
+            max_prompt_length=self.max_prompt_length,
+            device=device,
+        )
+
+
+def cut_rollout(
+    tokenizer: Any,
+    prompts: List[str],
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    device=None,
+) -> Rollout:
+    """What every engine returns from its sampled tokens: each response cut after its first EOS
+    (:func:`response_mask_from_eos`), the pad token after it (and log-prob 0), decoded with the
+    special tokens skipped, as a :class:`~pyppo.rollout.Rollout` on ``device`` (``None``: where
+    the tensors are).
+
+    Args:
+        response_ids: ``[B, T]`` int64, the sampled tokens, right-padded with anything.
+        rollout_logprobs: ``[B, T]`` float32, the sampler's log-probs of them, or ``None``.
+    """
+    response_mask, lengths, has_eos = response_mask_from_eos(response_ids, eos_token_id)
+    response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad_token_id))
+    rows = [row[:n].tolist() for row, n in zip(response_ids.cpu(), lengths.tolist())]
+    responses = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    if rollout_logprobs is not None:
+        rollout_logprobs = torch.where(response_mask, rollout_logprobs, torch.zeros(())).to(device)
+    tensors = dict(
+        query_ids=query_ids,
+        query_mask=query_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        has_eos=has_eos,
+    )
+    tensors = {name: t.to(device) for name, t in tensors.items()} if device is not None else tensors
+    return Rollout(**tensors, prompts=prompts, responses=responses, rollout_logprobs=rollout_logprobs)

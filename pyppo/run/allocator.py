@@ -21,8 +21,17 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-__all__ = ["ALLOCATORS", "PREFERRED", "ENV", "active_allocator", "find_allocator", "wanted_allocator",
-           "planned_allocator", "preload_env", "reexec_with_allocator"]
+__all__ = [
+    "ALLOCATORS",
+    "PREFERRED",
+    "ENV",
+    "active_allocator",
+    "find_allocator",
+    "wanted_allocator",
+    "planned_allocator",
+    "preload_env",
+    "reexec_with_allocator",
+]
 
 #: The allocators pyppo knows, each with the shared libraries that provide it (Debian's
 #: ``libjemalloc2`` and ``libtcmalloc-minimal4``/``libgoogle-perftools4``).
@@ -40,8 +49,17 @@ ENV = "PYPPO_ALLOCATOR"
 # Set in the re-executed process, so that a library that does not load can never cause a loop.
 _REEXEC_MARK = "PYPPO_ALLOCATOR_REEXEC"
 
-_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
-             "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/lib64", "/lib")
+_LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+    "/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/lib64",
+    "/lib",
+)
 
 
 def find_allocator(name: str) -> Optional[str]:
@@ -135,8 +153,11 @@ def reexec_with_allocator(argv: Optional[Sequence[str]] = None) -> None:
     if name == active or os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
         wanted, explicit = wanted_allocator(), os.environ.get(ENV, "auto").strip().lower() not in ("", "auto")
         if explicit and wanted not in (None, active) and active != "glibc":  # a preload cannot be swapped
-            print(f"pyppo: {ENV}={wanted}: this process already runs on {active} (LD_PRELOAD), which "
-                  "cannot be swapped; keeping it", file=sys.stderr)
+            print(
+                f"pyppo: {ENV}={wanted}: this process already runs on {active} (LD_PRELOAD), which "
+                "cannot be swapped; keeping it",
+                file=sys.stderr,
+            )
         return
     env = preload_env(name)  # installed: planned_allocator found it
     env[_REEXEC_MARK] = "1"

@@ -1,17 +1,9 @@
 """Checkpoints that survive SIGKILL, the trainer's state in them, and RNG capture.
 
 A checkpoint is a directory of ``torch.save`` files (:data:`CHECKPOINT_FILES`). :func:`save` swaps
-it in atomically so that at every instant a complete checkpoint is at a known path:
-
-1. every file is written into a temporary sibling ``.<name>.tmp-*`` and fsync'ed, then the
-   directory is fsync'ed (``<name>`` still holds the previous checkpoint);
-2. ``<name>`` is renamed to ``<name>.old`` (the previous checkpoint, complete);
-3. the temporary directory is renamed to ``<name>`` (the new checkpoint, complete);
-4. ``<name>.old`` is deleted.
-
-A crash before 2 leaves the previous checkpoint at ``<name>``; between 2 and 3 at ``<name>.old``,
-where :func:`find` finds it; after 3 the new one is at ``<name>``. Temporaries of a killed save
-are removed by the next save.
+it in by :func:`pyppo.atomic_dir.swap_in`, so that at every instant a complete checkpoint is at a
+known path: ``<name>``, or ``<name>.old`` when a save was killed between its two renames, where
+:func:`find` looks too.
 """
 
 from __future__ import annotations
@@ -19,48 +11,48 @@ from __future__ import annotations
 import glob
 import os
 import random
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from .. import distributed
+from ..atomic_dir import backup_of, swap_in
+from ..config import resume_conflicts
 
-__all__ = ["CHECKPOINT_FILES", "save", "swap_in", "find", "load", "saved_step", "saved_world_size", "capture_rng",
-           "restore_rng", "training_state", "restore_training_state", "save_trainer", "load_trainer",
-           "load_trained_policy"]
+if TYPE_CHECKING:
+    from ..trainer import PPOTrainer
+
+__all__ = [
+    "CHECKPOINT_FILES",
+    "PART_FILES",
+    "save",
+    "find",
+    "load",
+    "saved_step",
+    "saved_world_size",
+    "capture_rng",
+    "restore_rng",
+    "training_state",
+    "restore_training_state",
+    "save_trainer",
+    "load_trainer",
+    "load_trained_policy",
+]
 
 CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def _is_complete(d: Path) -> bool:
     return d.is_dir() and all((d / name).is_file() for name in CHECKPOINT_FILES)
 
 
-def _backup(target: Path) -> Path:
-    return target.parent / f"{target.name}.old"
-
-
 def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
     """Write ``payloads`` (file name -> object for ``torch.save``) as the checkpoint ``directory``,
     swapped in atomically (see the module docstring). Returns the directory."""
+
     def write(tmp: Path) -> None:
         for name, obj in payloads.items():
             with open(tmp / name, "wb") as f:
@@ -69,44 +61,6 @@ def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
                 os.fsync(f.fileno())
 
     return swap_in(directory, write, _is_complete)
-
-
-def swap_in(directory: str | os.PathLike, write: Callable[[Path], None], is_complete: Callable[[Path], bool]) -> Path:
-    """The protocol of the module docstring for any directory: ``write(tmp)`` fills (and fsyncs
-    the files of) a fresh sibling temporary directory, which then replaces ``directory``;
-    ``is_complete`` tells a whole directory from debris. Used for ``checkpoint/`` and ``policy/``.
-    Returns the directory."""
-    target = Path(directory)
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    backup = _backup(target)
-    for stale in parent.glob(f".{glob.escape(target.name)}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
-    try:
-        write(tmp)
-        _fsync_dir(tmp)
-        if target.exists():
-            if is_complete(target) or not is_complete(backup):
-                shutil.rmtree(backup, ignore_errors=True)
-                os.rename(target, backup)
-            else:
-                # An incomplete <name> (not written here) beside a complete backup: keep the
-                # backup, drop the debris.
-                shutil.rmtree(target)
-            _fsync_dir(parent)
-        # No <name> but a complete <name>.old: a save was killed between the two renames; that
-        # backup stays until the new directory is in place.
-        os.rename(tmp, target)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
-    for legacy in parent.glob(f"{glob.escape(target.name)}.old-*"):
-        shutil.rmtree(legacy, ignore_errors=True)
-    _fsync_dir(parent)
-    return target
 
 
 def find(directory: str | os.PathLike) -> Optional[Path]:
@@ -119,7 +73,7 @@ def find(directory: str | os.PathLike) -> Optional[Path]:
     target = Path(directory)
     if _is_complete(target):
         return target
-    for cand in [_backup(target)] + sorted(target.parent.glob(f"{glob.escape(target.name)}.old-*"), reverse=True):
+    for cand in [backup_of(target)] + sorted(target.parent.glob(f"{glob.escape(target.name)}.old-*"), reverse=True):
         if _is_complete(cand):
             return cand
     return None
@@ -144,13 +98,18 @@ def load(directory: str | os.PathLike, map_location) -> tuple[Path, Dict[str, An
         missing = [str(requested / n) for n in CHECKPOINT_FILES if not (requested / n).is_file()]
         raise FileNotFoundError(f"checkpoint file missing: {', '.join(missing)}")
     if d != requested:
-        warnings.warn(f"checkpoint {str(requested)!r} is missing or incomplete (a save was interrupted); "
-                      f"resuming from the previous checkpoint {str(d)!r}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"checkpoint {str(requested)!r} is missing or incomplete (a save was interrupted); "
+            f"resuming from the previous checkpoint {str(d)!r}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     out = {}
     for name in CHECKPOINT_FILES:
         try:
-            out[name] = torch.load(d / name, map_location="cpu" if name == "trainer_state.pt" else map_location,
-                                   weights_only=True)
+            out[name] = torch.load(
+                d / name, map_location="cpu" if name == "trainer_state.pt" else map_location, weights_only=True
+            )
         except Exception as exc:
             raise ValueError(f"checkpoint file {str(d / name)!r} cannot be read: {exc}") from exc
     return d, out
@@ -209,18 +168,31 @@ def training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     inner = distributed.unwrap(module)
     names = _trained_names(inner)
     if distributed.is_sharded(inner):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(inner, options=options)
-        return ({n[len(prefix):]: full[n] for n in names if n in full},
-                get_optimizer_state_dict(inner, optimizer, options=options))
+        return (
+            {n[len(prefix) :]: full[n] for n in names if n in full},
+            get_optimizer_state_dict(inner, optimizer, options=options),
+        )
     params = dict(inner.named_parameters())
-    return {n[len(prefix):]: params[n].detach() for n in names}, optimizer.state_dict()
+    return {n[len(prefix) :]: params[n].detach() for n in names}, optimizer.state_dict()
 
 
-def restore_training_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], weights: dict,
-                           optimizer_state: Optional[dict], *, prefix: str = "", what: str = "model") -> None:
+def restore_training_state(
+    module: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    weights: dict,
+    optimizer_state: Optional[dict],
+    *,
+    prefix: str = "",
+    what: str = "model",
+) -> None:
     """Undo :func:`training_state` (a checkpoint of the previous format, with every weight, loads
     too). Both are checked before anything is changed. ``optimizer=None``: the weights only.
 
@@ -229,21 +201,30 @@ def restore_training_state(module: torch.nn.Module, optimizer: Optional[torch.op
             checkpoint into a full fine-tune, or the reverse), naming a few of them.
     """
     inner = distributed.unwrap(module)
-    known = {k[len(prefix):] for k in inner.state_dict() if k.startswith(prefix)}
-    missing = sorted(set(n[len(prefix):] for n in _trained_names(inner)) - set(weights))
+    known = {k[len(prefix) :] for k in inner.state_dict() if k.startswith(prefix)}
+    missing = sorted(set(n[len(prefix) :] for n in _trained_names(inner)) - set(weights))
     unknown = sorted(set(weights) - known)
-    shapes = {n[len(prefix):]: tuple(p.shape) for n, p in inner.named_parameters()}
-    resized = sorted(n for n, w in weights.items()
-                     if n in shapes and shapes[n] and tuple(w.shape) != shapes[n])  # FSDP2 shards: () skipped
+    shapes = {n[len(prefix) :]: tuple(p.shape) for n, p in inner.named_parameters()}
+    resized = sorted(
+        n for n, w in weights.items() if n in shapes and shapes[n] and tuple(w.shape) != shapes[n]
+    )  # FSDP2 shards: () skipped
     if missing or unknown or resized:
-        detail = "; ".join(f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-                           for label, names in (("lacks", missing), ("has unknown", unknown),
-                                                ("has other shapes for", resized)) if names)
-        raise ValueError(f"the checkpoint's {what} weights do not match this run's trained weights: {detail} "
-                         "(was it written with other lora_rank / value_lora settings?)")
+        detail = "; ".join(
+            f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+            for label, names in (("lacks", missing), ("has unknown", unknown), ("has other shapes for", resized))
+            if names
+        )
+        raise ValueError(
+            f"the checkpoint's {what} weights do not match this run's trained weights: {detail} "
+            "(was it written with other lora_rank / value_lora settings?)"
+        )
     weights = {prefix + k: v for k, v in weights.items()}
     if distributed.is_sharded(inner):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         set_model_state_dict(inner, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         if optimizer is not None:
@@ -254,29 +235,40 @@ def restore_training_state(module: torch.nn.Module, optimizer: Optional[torch.op
         optimizer.load_state_dict(optimizer_state)
 
 
-def save_trainer(trainer: Any, directory: str | os.PathLike) -> Optional[Path]:
-    """Write everything needed to resume exactly, swapped in atomically (SIGKILL-safe: :func:`save`): the trained weights of the policy and the value model, if any (every weight, or only the
-    LoRA adapters and the value head; a critic-free run's ``value_model.pt`` is empty), their AdamW states, and the trainer state (step, KL
-    controller, prompt position, shuffle generator, every rank's RNGs, skip counters, config).
-    The warm-up's learning rate is a function of the applied optimizer steps, which are saved. Every rank calls it;
-    rank 0 writes and gets the directory, the others ``None``."""
-    policy_state, policy_optim = training_state(trainer.policy_module, trainer.policy_optimizer,
-                                                           prefix="model.")
-    # A critic-free run has no value model: its value_model.pt is empty.
-    value_state, value_optim = (training_state(trainer.value_module, trainer.value_optimizer)
-                                if trainer.value_module is not None else ({}, None))
+#: The checkpoint file of each of :meth:`~pyppo.trainer.PPOTrainer.checkpoint_parts`.
+PART_FILES = {"policy": "policy.pt", "value": "value_model.pt"}
+
+
+def save_trainer(trainer: PPOTrainer, directory: str | os.PathLike) -> Optional[Path]:
+    """Write everything needed to resume exactly, swapped in atomically (SIGKILL-safe:
+    :func:`save`): the trained weights of each of ``trainer.checkpoint_parts()`` (every weight, or
+    only the LoRA adapters and the value head; a critic-free run's ``value_model.pt`` is empty),
+    their AdamW states, and the trainer state (step, KL controller, prompt position, shuffle
+    generator, every rank's RNGs, skip counters, config). The warm-up's learning rate is a
+    function of the applied optimizer steps, which are saved. Every rank calls it; rank 0 writes
+    and gets the directory, the others ``None``."""
+    weights, optimizers = {}, {}
+    for name, part in trainer.checkpoint_parts().items():
+        weights[PART_FILES[name]], optimizers[name] = (
+            training_state(part.module, part.optimizer, prefix=part.prefix) if part is not None else ({}, None)
+        )
     rngs = distributed.gather_objects(capture_rng(), trainer.world)
     saved = None
     if trainer.world.is_main:
-        state = {"format": 2, **trainer.state_dict(), **rngs[0], "world_size": trainer.world.size,
-                 "rank_rng": rngs, "config": trainer.config.to_dict()}
-        saved = save(directory, {
-            "policy.pt": policy_state, "value_model.pt": value_state,
-            "optimizers.pt": {"policy": policy_optim, "value": value_optim}, "trainer_state.pt": state})
+        state = {
+            "format": 2,
+            **trainer.state_dict(),
+            **rngs[0],
+            "world_size": trainer.world.size,
+            "rank_rng": rngs,
+            "config": trainer.config.to_dict(),
+        }
+        saved = save(directory, {**weights, "optimizers.pt": optimizers, "trainer_state.pt": state})
     distributed.barrier(trainer.world)
     return saved
 
-def load_trainer(trainer: Any, directory: str | os.PathLike) -> Path:
+
+def load_trainer(trainer: PPOTrainer, directory: str | os.PathLike) -> Path:
     """Restore a checkpoint written by :func:`save_trainer` into ``trainer``, so that the next step is the
     one the saving run would have taken. A checkpoint left half-swapped by a killed save is
     recovered from ``<directory>.old``, with a warning. Every file is read before anything is
@@ -297,24 +289,36 @@ def load_trainer(trainer: Any, directory: str | os.PathLike) -> Path:
     st = files["trainer_state.pt"]
     saved_n = int(st.get("world_size", 1))
     if saved_n != trainer.world.size:
-        raise ValueError(f"checkpoint {str(d)!r} was written by {saved_n} process(es), this run has "
-                         f"{trainer.world.size}; resume with torchrun --nproc-per-node {saved_n}")
-    if (trainer.value_module is None) != (not files["value_model.pt"]):
-        has, run = ("no", "trains one") if trainer.value_module is not None else ("a", "trains none")
-        raise ValueError(f"checkpoint {str(d)!r} has {has} value model, and this run (advantage_estimator = "
-                         f"{trainer.config.advantage_estimator!r}) {run}: resume with the checkpoint's estimator")
-    restore_training_state(trainer.policy_module, trainer.policy_optimizer, files["policy.pt"],
-                                      files["optimizers.pt"]["policy"], prefix="model.", what="policy")
-    if trainer.value_module is not None:
-        restore_training_state(trainer.value_module, trainer.value_optimizer, files["value_model.pt"],
-                               files["optimizers.pt"]["value"], what="value model")
+        raise ValueError(
+            f"checkpoint {str(d)!r} was written by {saved_n} process(es), this run has "
+            f"{trainer.world.size}; resume with torchrun --nproc-per-node {saved_n}"
+        )
+    parts = trainer.checkpoint_parts()
+    if (parts["value"] is None) != (not files["value_model.pt"]):
+        has, run = ("no", "trains one") if parts["value"] is not None else ("a", "trains none")
+        raise ValueError(
+            f"checkpoint {str(d)!r} has {has} value model, and this run (advantage_estimator = "
+            f"{trainer.config.advantage_estimator!r}) {run}: resume with the checkpoint's estimator"
+        )
+    resume_conflicts(st.get("config"), trainer.config, where=f"checkpoint {str(d)!r}")
+    for name, part in parts.items():
+        if part is not None:
+            restore_training_state(
+                part.module,
+                part.optimizer,
+                files[PART_FILES[name]],
+                files["optimizers.pt"][name],
+                prefix=part.prefix,
+                what="policy" if name == "policy" else "value model",
+            )
     trainer.load_state_dict(st)
     restore_rng(st["rank_rng"][trainer.world.rank] if "rank_rng" in st else st)
     trainer.resumed_step = trainer.step_count
+    trainer.weights_loaded()
     return d
 
 
-def load_trained_policy(trainer: Any, directory: str | os.PathLike) -> Path:
+def load_trained_policy(trainer: PPOTrainer, directory: str | os.PathLike) -> Path:
     """Put the policy's trained weights of a checkpoint (:func:`find` picks it) into ``trainer``,
     and nothing else (no optimizer, RNG or step): what writing a run's ``policy/`` from its
     checkpoint needs. The full weights are in the checkpoint whatever number of processes wrote
@@ -334,5 +338,6 @@ def load_trained_policy(trainer: Any, directory: str | os.PathLike) -> Path:
         weights = torch.load(d / "policy.pt", map_location=trainer.device, weights_only=True)
     except Exception as exc:
         raise ValueError(f"checkpoint file {str(d / 'policy.pt')!r} cannot be read: {exc}") from exc
-    restore_training_state(trainer.policy_module, None, weights, None, prefix="model.", what="policy")
+    policy = trainer.checkpoint_parts()["policy"]
+    restore_training_state(policy.module, None, weights, None, prefix=policy.prefix, what="policy")
     return d

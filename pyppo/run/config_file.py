@@ -77,8 +77,9 @@ def record_python_run(trainer: Any, run: Any) -> None:
     sources = {"model": _model_spec(trainer), "reward": _reward_spec(trainer.reward_fn)}
     for key, records in (("prompts", trainer.sampler.prompts), ("eval_prompts", trainer.eval_prompts)):
         sources[key] = _write_prompts(run.path / PROMPT_FILES[key], records) if records else None
-    write_config(run.config, sources, trainer.config,
-                 header=f"{PYTHON_HEADER}; `pyppo train --resume DIR` reads it back.")
+    write_config(
+        run.config, sources, trainer.config, header=f"{PYTHON_HEADER}; `pyppo train --resume DIR` reads it back."
+    )
 
 
 def _model_spec(trainer: Any) -> Optional[str]:
@@ -124,8 +125,7 @@ def _write_prompts(path: Path, records) -> Optional[str]:
     import json
 
     try:
-        lines = [json.dumps({"prompt": r} if isinstance(r, str) else dict(r), allow_nan=False) + "\n"
-                 for r in records]
+        lines = [json.dumps({"prompt": r} if isinstance(r, str) else dict(r), allow_nan=False) + "\n" for r in records]
     except (TypeError, ValueError):
         return None
     tmp = path.with_name(path.name + ".tmp")

@@ -3,7 +3,7 @@ the training reward, and their KL to the reference (``eval_every``, ``--eval-pro
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -14,11 +14,16 @@ from ..prompts import prompt_columns
 from ..rewards import score_responses
 from .checkpoint import capture_rng, restore_rng
 
+if TYPE_CHECKING:
+    from ..trainer import PPOTrainer
+
 __all__ = ["evaluate_prompts"]
 
 
 @torch.no_grad()
-def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[Any]] = None) -> Tuple[Dict[str, float], List[dict]]:
+def evaluate_prompts(
+    trainer: PPOTrainer, prompts: Optional[Sequence[Any]] = None
+) -> Tuple[Dict[str, float], List[dict]]:
     """Sample one response to each held-out prompt (``trainer.eval_prompts`` by default: strings,
     or records whose fields the reward receives) as a rollout does, score it with the training
     reward and measure its KL to the reference.
@@ -49,40 +54,58 @@ def evaluate_prompts(trainer: Any, prompts: Optional[Sequence[Any]] = None) -> T
         restore_rng(training_rng)
 
 
-def _evaluate(trainer: Any, prompts: List[Any]) -> Tuple[Dict[str, float], List[dict]]:
-    n, b = trainer.world.size, trainer.local_batch_size
+def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float], List[dict]]:
+    n, b = trainer.world.size, trainer.config.batch_size // trainer.world.size
     # Every rank runs the same number of batches (FSDP's collectives need it): its share is
     # padded with its last prompt, and the padding's results are dropped.
-    mine = prompts[trainer.world.rank::n]
+    mine = prompts[trainer.world.rank :: n]
     per_rank = -(-len(prompts) // n)
     padded = mine + [mine[-1] if mine else prompts[-1]] * (per_rank - len(mine))
     rows: List[dict] = []
     trainer.sync_engine()  # an engine with its own copy of the weights samples the current policy
     for start in range(0, per_rank, b):
-        chunk, fields = prompt_columns(padded[start:start + b])
+        chunk, fields = prompt_columns(padded[start : start + b])
         batch = trainer.rollout(chunk)
         # A reward that fails on one rank fails on all, so rank 0 reports it (as in a step).
-        scores = distributed.on_every_rank(score_responses, trainer.world, trainer.reward_fn, batch.prompts,
-                                           batch.responses, where=f"evaluation after step {trainer.step_count}",
-                                           fields=fields)
+        scores = distributed.on_every_rank(
+            score_responses,
+            trainer.world,
+            trainer.reward_fn,
+            batch.prompts,
+            batch.responses,
+            where=f"evaluation after step {trainer.step_count}",
+            fields=fields,
+        )
         logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
         for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(trainer.device)
             with autocast(trainer.device, trainer.dtype):
-                logprobs[ix] = trainer.policy_module(mb)[0]
-                ref[ix] = trainer.ref_logprobs(mb)[0]
+                logprobs[ix] = trainer.models.policy_module(mb)[0]
+                ref[ix] = trainer.models.ref_logprobs(mb)[0]
         kl = kl_penalty(logprobs, ref, estimator=trainer.config.kl_estimator)
-        kl = torch.where(batch.response_mask, kl, torch.zeros_like(kl)).sum(dim=1)
+        kl = torch.where(batch.loss_mask, kl, torch.zeros_like(kl)).sum(dim=1)
         lengths = batch.response_mask.sum(dim=1)
         for i in range(len(batch)):
             if start + i < len(mine):
-                rows.append({"step": trainer.step_count, "prompt": batch.prompts[i], "response": batch.responses[i],
-                             "score": float(scores[i]), "kl": float(kl[i]), "length": int(lengths[i]),
-                             "eos": bool(batch.has_eos[i])})
+                rows.append(
+                    {
+                        "step": trainer.step_count,
+                        "prompt": batch.prompts[i],
+                        "response": batch.responses[i],
+                        "score": float(scores[i]),
+                        "kl": float(kl[i]),
+                        "length": int(lengths[i]),
+                        "eos": bool(batch.has_eos[i]),
+                    }
+                )
     # Back in the prompts' order: rank r evaluated prompts r, r + n, r + 2n, ...
     by_rank = distributed.gather_objects(rows, trainer.world)
     ordered = [by_rank[i % n][i // n] for i in range(len(prompts))]
     mean = lambda key: sum(float(r[key]) for r in ordered) / len(ordered)  # noqa: E731
-    metrics = {"eval/score_mean": mean("score"), "eval/kl_mean": mean("kl"),
-               "eval/response_length_mean": mean("length"), "eval/eos_fraction": mean("eos")}
+    metrics = {
+        "eval/score_mean": mean("score"),
+        "eval/kl_mean": mean("kl"),
+        "eval/response_length_mean": mean("length"),
+        "eval/eos_fraction": mean("eos"),
+    }
     return metrics, [{k: r[k] for k in ("step", "prompt", "response", "score", "kl")} for r in ordered]

@@ -1,8 +1,8 @@
 """The run loop: steps until ``config.steps``, with logs, the progress bar, held-out evaluation,
 checkpoint and export cadences, and the signal hooks that stop a run without losing work.
 
-The loop drives any trainer with the :class:`~pyppo.trainer.PPOTrainer` interface (``step``,
-``state_dict``, ``save_checkpoint``, ...); it imports none.
+The loop drives a :class:`pyppo.run.trainer.PPOTrainer` (``step``, ``state_dict``,
+``save_checkpoint``, ...), which sits above it; the loop names its type for checkers only.
 """
 
 from __future__ import annotations
@@ -10,21 +10,25 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import distributed
 from . import checkpoint
-from .nonfinite import NonFiniteRolloutError, NonFiniteUpdateError, check_weights_finite
 from .config_file import record_python_run
+from .nonfinite import NonFiniteRolloutError, NonFiniteUpdateError, check_weights_finite
 from .quiet import quiet_libraries
 from .rundir import RunDir
 from .stopping import GracefulStop, StepAbandoned
 
+if TYPE_CHECKING:
+    from .trainer import PPOTrainer
+
 __all__ = ["train"]
 
 
-def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
-          stop: Optional[GracefulStop] = None) -> List[Dict[str, float]]:
+def train(
+    trainer: PPOTrainer, output_dir: str | os.PathLike, *, progress: bool = True, stop: Optional[GracefulStop] = None
+) -> List[Dict[str, float]]:
     """Run ``trainer``'s steps ``step_count + 1 … config.steps``, logging to ``output_dir``.
 
     Appends one JSON object per step to ``metrics.jsonl`` and, with ``log_samples``, one per
@@ -74,8 +78,14 @@ def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
     stopped = False
     saving = stop.save if stop is not None else contextlib.nullcontext
     updates = _UpdateWatch(trainer)
-    with tqdm(total=c.steps, initial=trainer.step_count, desc="ppo", disable=not (progress and main),
-              dynamic_ncols=True) as bar, _signal_hooks(trainer, stop), updates, quiet_libraries():
+    with (
+        tqdm(
+            total=c.steps, initial=trainer.step_count, desc="ppo", disable=not (progress and main), dynamic_ncols=True
+        ) as bar,
+        _signal_hooks(trainer, stop),
+        updates,
+        quiet_libraries(),
+    ):
         while trainer.step_count < c.steps:
             if stop is not None and stop.should_stop(lambda v: distributed.all_sum(v, trainer.world)):
                 stopped = True
@@ -101,8 +111,11 @@ def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
                             with saving():
                                 trainer.save_checkpoint(run.checkpoint)
                         except Exception as save_error:  # the step's own error is the one to report
-                            warnings.warn(f"the checkpoint of step {trainer.step_count} could not be written: "
-                                          f"{save_error}", RuntimeWarning, stacklevel=2)
+                            warnings.warn(
+                                f"the checkpoint of step {trainer.step_count} could not be written: {save_error}",
+                                RuntimeWarning,
+                                stacklevel=2,
+                            )
                 raise
             last_step = trainer.step_count == c.steps
             eval_rows: List[dict] = []
@@ -142,7 +155,7 @@ def train(trainer: Any, output_dir: str | os.PathLike, *, progress: bool = True,
     return history
 
 
-def _together(exc: BaseException, trainer: Any) -> bool:
+def _together(exc: BaseException, trainer: PPOTrainer) -> bool:
     """Whether every rank raised ``exc`` at the same point, so that they can checkpoint together
     (always, with one process)."""
     return not trainer.world.active or distributed.raised_on_every_rank(exc)
@@ -157,8 +170,10 @@ def _naming_last_good(exc: NonFiniteUpdateError, run: RunDir, holds_current: boo
     if last is None:
         where = "no checkpoint was written"
     elif holds_current and isinstance(exc, NonFiniteRolloutError):
-        where = (f"no checkpoint is good to resume from: {str(last)!r} (step {checkpoint.saved_step(last)}) holds "
-                 "the weights that gave this rollout; start the run over")
+        where = (
+            f"no checkpoint is good to resume from: {str(last)!r} (step {checkpoint.saved_step(last)}) holds "
+            "the weights that gave this rollout; start the run over"
+        )
     else:
         where = f"the last good checkpoint is {str(last)!r} (step {checkpoint.saved_step(last)})"
     return type(exc)(f"{exc}; {where}")
@@ -168,8 +183,8 @@ class _UpdateWatch:
     """Whether an optimizer step ran since :meth:`reset`: until one does, the weights are still
     those of the last finished step (a pre-hook of each optimizer's ``step`` tells)."""
 
-    def __init__(self, trainer: Any):
-        self.optimizers = [o for o in (trainer.policy_optimizer, trainer.value_optimizer) if o is not None]
+    def __init__(self, trainer: PPOTrainer):
+        self.optimizers = _optimizers(trainer)
         self.applied = False
         self._handles: list = []
 
@@ -189,15 +204,22 @@ class _UpdateWatch:
         self._handles = []
 
 
+def _optimizers(trainer: PPOTrainer) -> list:
+    return [part.optimizer for part in trainer.checkpoint_parts().values() if part is not None]
+
+
 @contextlib.contextmanager
-def _signal_hooks(trainer: Any, stop: Optional[GracefulStop]):
+def _signal_hooks(trainer: PPOTrainer, stop: Optional[GracefulStop]):
     """While the loop runs: a signal is acted on at the next forward of any model (a step may be
     abandoned there) and no optimizer step starts once it may not (``stop.commit``)."""
-    handles = [] if stop is None else (
-        [opt.register_step_pre_hook(stop.commit) for opt in (trainer.policy_optimizer, trainer.value_optimizer)
-         if opt is not None]
-        + [m.register_forward_pre_hook(stop.poll) for m in (trainer.policy, trainer.ref_policy, trainer.value_model)
-           if m is not None])
+    handles = (
+        []
+        if stop is None
+        else (
+            [opt.register_step_pre_hook(stop.commit) for opt in _optimizers(trainer)]
+            + [m.register_forward_pre_hook(stop.poll) for m in trainer.models.forward_models()]
+        )
+    )
     try:
         yield
     finally:
@@ -205,25 +227,31 @@ def _signal_hooks(trainer: Any, stop: Optional[GracefulStop]):
             handle.remove()
 
 
-def _step_start_state(trainer: Any) -> dict:
+def _step_start_state(trainer: PPOTrainer) -> dict:
     """What a step changes before its first optimizer step (cheap to copy): put back by
     :func:`_restore_step_start` when the step is abandoned, so that a checkpoint written then is
     exactly the last finished step's."""
     return {"rng": checkpoint.capture_rng(), **trainer.state_dict()}
 
 
-def _restore_step_start(trainer: Any, state: dict) -> None:
+def _restore_step_start(trainer: PPOTrainer, state: dict) -> None:
     checkpoint.restore_rng(state["rng"])
     trainer.load_state_dict(state)
     trainer.zero_grad()
 
 
-def _log(trainer: Any, run: RunDir, result: Any, eval_rows: List[dict]) -> None:
+def _log(trainer: PPOTrainer, run: RunDir, result: Any, eval_rows: List[dict]) -> None:
     """Append the step's metrics, and its samples (every rank's, with ``log_samples``) and
     held-out rows, to the run's logs (rank 0 writes)."""
     b = result.batch
-    samples = [{"step": trainer.step_count, "prompt": p, "response": r, "score": s}
-               for p, r, s in zip(b.prompts, b.responses, b.raw_scores.tolist())] if trainer.config.log_samples else []
+    samples = (
+        [
+            {"step": trainer.step_count, "prompt": p, "response": r, "score": s}
+            for p, r, s in zip(b.prompts, b.responses, b.raw_scores.tolist())
+        ]
+        if trainer.config.log_samples
+        else []
+    )
     samples = [row for rank_rows in distributed.gather_objects(samples, trainer.world) for row in rank_rows]
     if not trainer.world.is_main:
         return

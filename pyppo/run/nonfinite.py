@@ -1,62 +1,30 @@
-"""What happens to an update whose loss or gradient is NaN/inf: it is skipped, and too many in a
-row stop the run before anything bad is logged or checkpointed."""
+"""The last guard before a checkpoint: trained weights that are NaN/inf are never written over the
+last good checkpoint. (The step's own guards, a skipped update and a non-finite rollout, are
+:mod:`pyppo.trainer.guards`.)"""
 
 from __future__ import annotations
 
-import math
-import warnings
-from typing import Any, Dict, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import distributed
+from ..trainer.guards import NonFiniteRolloutError, NonFiniteUpdateError
 
-__all__ = ["NonFiniteUpdateError", "NonFiniteRolloutError", "check_rollout", "check_rollout_finite",
-           "check_weights_finite", "SkipPolicy"]
+if TYPE_CHECKING:
+    from ..trainer import PPOTrainer
 
-
-class NonFiniteUpdateError(RuntimeError):
-    """``max_consecutive_skips`` updates in a row had a NaN/inf loss or gradient: training stopped."""
-
-
-class NonFiniteRolloutError(NonFiniteUpdateError):
-    """A rollout's log-probs, values or rewards are NaN/inf: the model has diverged, and training
-    stopped before anything of the step was logged or checkpointed."""
+__all__ = ["NonFiniteUpdateError", "NonFiniteRolloutError", "check_weights_finite"]
 
 
-def check_rollout_finite(counts: Mapping[str, float], tokens: float, where: str) -> None:
-    """Raise :class:`NonFiniteRolloutError` when any of ``counts`` (name -> number of non-finite
-    response tokens, over all ranks) is not 0; ``tokens`` is the number of response tokens.
-    Checked before the advantages are whitened, whose statistics such values would make NaN."""
-    bad = {name: int(n) for name, n in counts.items() if n}
-    if bad:
-        listed = ", ".join(f"{name} ({n} of {int(tokens)} response tokens)" for name, n in bad.items())
-        raise NonFiniteRolloutError(
-            f"{where}: the rollout has non-finite {listed}: the model probably diverged "
-            "(try a lower lr, a max_grad_norm, or lr_warmup_steps)")
-
-
-def check_rollout(batch: Any, world: distributed.World, where: str) -> None:
-    """Raise :class:`NonFiniteRolloutError` when a rollout's ``old_logprobs``, ``ref_logprobs``,
-    ``values`` or ``rewards`` (``[B, T]`` each, a :class:`~pyppo.trainer.buffer.RolloutBuffer`'s)
-    hold NaN/inf at response positions, counted over every rank of ``world``."""
-    m = batch.response_mask
-    names = ("old_logprobs", "ref_logprobs", "values", "rewards")
-    counts = [int((~torch.isfinite(getattr(batch, name)) & m).sum()) for name in names] + [int(m.sum())]
-    counts = distributed.all_sum(counts, world)
-    check_rollout_finite(dict(zip(names, counts[:-1])), counts[-1], where)
-
-
-def check_weights_finite(trainer: Any, where: str) -> None:
+def check_weights_finite(trainer: PPOTrainer, where: str) -> None:
     """Raise :class:`NonFiniteUpdateError` when a trained weight (``requires_grad``) of
-    ``trainer.policy`` or ``trainer.value_model`` is NaN/inf on any rank (each rank counts its
+    the policy or the value model is NaN/inf on any rank (each rank counts its
     FSDP2 shard; a collective). Called before a checkpoint is written: one of non-finite weights
     would replace the last good one. An optimizer step with finite gradients can still overflow
     a weight (a huge ``lr``), which the skip rule does not see."""
     counts = []
-    for model in (trainer.policy, getattr(trainer, "value_model", None)):
-        if model is None:
-            continue
+    for model in trainer.models.trained_models():
         for p in model.parameters():
             if p.requires_grad:
                 local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 DTensor's shard
@@ -64,48 +32,7 @@ def check_weights_finite(trainer: Any, where: str) -> None:
     bad = int(torch.stack(counts).sum()) if counts else 0
     bad = int(distributed.all_sum([bad], trainer.world)[0])
     if bad:
-        raise NonFiniteUpdateError(f"{where}: {bad} trained weights are NaN/inf: the model diverged (try a lower lr, "
-                                   "a max_grad_norm, or lr_warmup_steps); they are not checkpointed")
-
-
-class SkipPolicy:
-    """Counts non-finite updates: in a row (reset by a good update) and in all.
-
-    Args:
-        max_consecutive: this many skipped updates in a row raise :class:`NonFiniteUpdateError`.
-    """
-
-    def __init__(self, max_consecutive: int):
-        self.max_consecutive = max_consecutive
-        self.consecutive = 0
-        self.total = 0
-
-    def allows(self, values: Mapping[str, float], where: str) -> bool:
-        """Whether an update with these ``values`` (losses, gradient norms) may be applied.
-
-        A non-finite value skips it with a ``RuntimeWarning`` naming ``where`` and the values.
-
-        Raises:
-            NonFiniteUpdateError: the ``max_consecutive``-th skip in a row.
-        """
-        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
-        if not bad:
-            self.consecutive = 0
-            return True
-        self.consecutive += 1
-        self.total += 1
-        what = ", ".join(f"{k}={v}" for k, v in bad.items())
-        warnings.warn(f"{where}: non-finite {what}; update skipped ({self.consecutive} in a row, "
-                      f"max_consecutive_skips={self.max_consecutive})", RuntimeWarning, stacklevel=3)
-        if self.consecutive >= self.max_consecutive:
-            raise NonFiniteUpdateError(
-                f"training stopped at {where}: {self.consecutive} updates in a row had a non-finite loss or "
-                f"gradient (max_consecutive_skips={self.max_consecutive}; last: {what})")
-        return False
-
-    def state_dict(self) -> Dict[str, int]:
-        return {"consecutive_skips": self.consecutive, "skipped_updates_total": self.total}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.consecutive = int(state.get("consecutive_skips", 0))
-        self.total = int(state.get("skipped_updates_total", 0))
+        raise NonFiniteUpdateError(
+            f"{where}: {bad} trained weights are NaN/inf: the model diverged (try a lower lr, "
+            "a max_grad_norm, or lr_warmup_steps); they are not checkpointed"
+        )

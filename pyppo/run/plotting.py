@@ -70,8 +70,16 @@ def plot_metrics(metrics_path: str | os.PathLike, out_path: str | os.PathLike) -
             if len(keys) > 1:
                 ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, f"no {', '.join(keys)} in metrics", ha="center", va="center",
-                    transform=ax.transAxes, fontsize=9, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                f"no {', '.join(keys)} in metrics",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=9,
+                color="gray",
+            )
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     for ax in axes[-1]:

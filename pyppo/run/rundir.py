@@ -121,8 +121,9 @@ def check_output_dir(output: Path, flag: str = "--output") -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".pyppo-write-check-", dir=existing))
     except OSError as exc:
-        raise ValueError(f"{flag} {str(output)!r}: cannot write in {str(existing.resolve())!r} "
-                         f"({exc.strerror or exc})") from None
+        raise ValueError(
+            f"{flag} {str(output)!r}: cannot write in {str(existing.resolve())!r} ({exc.strerror or exc})"
+        ) from None
 
 
 def truncate_log(path: Path, last_step: int) -> None:
@@ -147,8 +148,11 @@ def truncate_log(path: Path, last_step: int) -> None:
                 dropped += 1
     if not dropped:
         return
-    warnings.warn(f"{path}: dropped {dropped} line(s) logged after step {last_step} (the checkpoint's) or torn",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"{path}: dropped {dropped} line(s) logged after step {last_step} (the checkpoint's) or torn",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.writelines(keep)

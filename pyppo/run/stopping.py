@@ -32,33 +32,16 @@ import os
 import signal
 from typing import Callable, Iterator, List, Optional
 
-__all__ = ["GracefulStop", "StepAbandoned", "STOP_SIGNALS", "removed_at_exit"]
+from ..scratch import remove_all
+
+__all__ = ["GracefulStop", "StepAbandoned", "STOP_SIGNALS"]
 
 #: The signals handled (SIGINT and SIGTERM; SIGKILL cannot be caught).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-# Scratch paths that an immediate exit deletes (os._exit runs no finally and no atexit).
-_SCRATCH: set = set()
-
-
-@contextlib.contextmanager
-def removed_at_exit(path: str) -> Iterator[str]:
-    """Within the block, an immediate exit on a signal (:class:`GracefulStop`) deletes ``path``
-    first: a scratch directory (the vLLM engine's copy of the weights, hundreds of MB) must not
-    outlive a Ctrl-C while the models load. The caller still deletes it on the normal path."""
-    _SCRATCH.add(path)
-    try:
-        yield path
-    finally:
-        _SCRATCH.discard(path)
-
-
 def _exit_now(status: int) -> None:
-    import shutil
-
-    for path in list(_SCRATCH):
-        shutil.rmtree(path, ignore_errors=True)
+    remove_all()  # os._exit runs no finally and no atexit
     os._exit(status)
 
 
@@ -191,19 +174,27 @@ class GracefulStop:
             _exit_now(128 + signum)
         if self.count == 1:
             self.signum = signum
-            self._write(f"pyppo: {name}: stopping after the current step, then saving a checkpoint "
-                        "(again: abandon the step; a third time: exit at once)")
+            self._write(
+                f"pyppo: {name}: stopping after the current step, then saving a checkpoint "
+                "(again: abandon the step; a third time: exit at once)"
+            )
             return
         if self.count == 2:
             if self.abandonable:
                 self.abandon = True
                 self._write(f"pyppo: {name}: abandoning the current step; saving the last finished one")
                 return
-            why = ("a checkpoint is being written" if self.saving else
-                   "the step is already updating the weights" if self.single_process else
-                   "the other processes are inside the step")
+            why = (
+                "a checkpoint is being written"
+                if self.saving
+                else "the step is already updating the weights"
+                if self.single_process
+                else "the other processes are inside the step"
+            )
             self._write(f"pyppo: {name}: {why}; it finishes first (a third time: exit at once)")
             return
-        self._write(f"pyppo: {name}: exiting at once; a checkpoint already complete is kept (with none, "
-                    "the same command starts the run over)")
+        self._write(
+            f"pyppo: {name}: exiting at once; a checkpoint already complete is kept (with none, "
+            "the same command starts the run over)"
+        )
         _exit_now(128 + signum)

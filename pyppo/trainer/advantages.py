@@ -11,6 +11,13 @@ Each reads the batch's ``rewards`` (the score and the KL penalty already shaped 
 response's rewards summed (:func:`sequence_rewards`): with ``kl_coef = 0`` its score, the KL then
 regularised through ``kl_loss_coef`` as GRPO does.
 
+Every estimator reads the batch's ``loss_mask`` (the policy's own tokens; ``docs/trainer.md``,
+"Two masks"): GAE skips the other positions, so a reply of an environment between two turns
+neither adds a TD term nor breaks the chain.
+
+:func:`shaped_advantages` is point 5 as a whole: the reward shaping, the estimator, DAPO's
+truncated-sample masking and the whitening.
+
 The group estimators take the batch's rows as groups of ``samples_per_prompt`` consecutive
 responses to one prompt (the layout :meth:`pyppo.trainer.PPOTrainer.step` samples; a group is
 never split between processes).
@@ -23,13 +30,28 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from .. import distributed
 from ..config import ADVANTAGE_ESTIMATORS as NAMES
 from ..config import PPOConfig
-from ..ops import gae, group_advantages
+from ..ops import gae, group_advantages, shape_rewards
 from .buffer import RolloutBuffer
+from .guards import check_rollout
+from .overlong import mask_truncated
+from .step_stats import rollout_metrics
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "Estimator", "GROUP_EPS", "gae_advantages", "grpo_advantages",
-           "rloo_advantages", "reinforce_pp_advantages", "sequence_rewards", "reinforce_pp_baseline_advantages", "get_estimator"]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "Estimator",
+    "GROUP_EPS",
+    "gae_advantages",
+    "grpo_advantages",
+    "rloo_advantages",
+    "reinforce_pp_advantages",
+    "sequence_rewards",
+    "reinforce_pp_baseline_advantages",
+    "get_estimator",
+    "shaped_advantages",
+]
 
 #: The ``eps`` of the group standard deviation (veRL 0.9.1's ``compute_grpo_outcome_advantage``).
 GROUP_EPS = 1e-6
@@ -62,19 +84,25 @@ def gae_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tenso
     Control Using Generalized Advantage Estimation", eq. 16) over each response's valid tokens,
     with ``config.gamma`` and ``config.lam``; ``returns = advantages + values``
     (:func:`pyppo.ops.gae`)."""
-    return gae(batch.rewards, batch.values, batch.response_mask, gamma=config.gamma, lam=config.lam)
+    return gae(batch.rewards, batch.values, batch.loss_mask, gamma=config.gamma, lam=config.lam)
 
 
 def sequence_rewards(batch: RolloutBuffer) -> torch.Tensor:
     """``[B]`` float32: each response's rewards summed over its valid tokens, the score plus its
     KL penalty (``kl_coef = 0``: the score), what veRL's outcome estimators sum from
     ``token_level_rewards``."""
-    return (batch.rewards * batch.response_mask).sum(-1)
+    return (batch.rewards * batch.loss_mask).sum(-1)
 
 
 def _outcome(batch: RolloutBuffer, config: PPOConfig, estimator: str, std_normalize: bool):
-    advantages = group_advantages(sequence_rewards(batch), batch.response_mask, group_size=config.samples_per_prompt,
-                                  estimator=estimator, eps=GROUP_EPS, std_normalize=std_normalize)
+    advantages = group_advantages(
+        sequence_rewards(batch),
+        batch.loss_mask,
+        group_size=config.samples_per_prompt,
+        estimator=estimator,
+        eps=GROUP_EPS,
+        std_normalize=std_normalize,
+    )
     return advantages, advantages  # no value model: the returns are only logged
 
 
@@ -98,7 +126,7 @@ def reinforce_pp_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[to
     ``sum_{k >= t} gamma^(k-t) r_k`` of the KL-shaped rewards, no value baseline (the trainer
     whitens them over the global batch). Computed as GAE with ``values = 0`` and ``lam = 1``."""
     zeros = torch.zeros_like(batch.rewards)
-    advantages, _ = gae(batch.rewards, zeros, batch.response_mask, gamma=config.gamma, lam=1.0)
+    advantages, _ = gae(batch.rewards, zeros, batch.loss_mask, gamma=config.gamma, lam=1.0)
     return advantages, advantages
 
 
@@ -129,3 +157,38 @@ def get_estimator(name: str) -> Estimator:
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage estimator {name!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name]
+
+
+@torch.no_grad()
+def shaped_advantages(
+    batch: RolloutBuffer, kl_coef: float, estimator: Estimator, c: PPOConfig, world: distributed.World, *, where: str
+) -> Dict[str, float]:
+    """Point 5 of a step: fill ``batch``'s ``rewards`` and ``kl`` (:func:`pyppo.ops.shape_rewards`
+    of its ``scores`` with ``kl_coef`` and ``c.kl_estimator``, over ``loss_mask``), then its
+    ``advantages`` and ``returns`` (``estimator``). With ``mask_truncated``, responses without
+    EOS then leave the loss (their ``loss_mask`` rows are cleared; their scores served their
+    group's baseline). Last, with ``whiten_advantages`` and a whitened estimator, the advantages
+    are whitened over every rank's ``loss_mask`` tokens (with fewer than 2, the raw advantages
+    are kept).
+
+    Returns:
+        the rollout's metrics (:func:`~pyppo.trainer.step_stats.rollout_metrics`, over every
+        sampled response), and ``truncated_masked``, the responses taken out of the loss, with
+        ``mask_truncated``.
+
+    Raises:
+        NonFiniteRolloutError: the rollout's log-probs, values or rewards are NaN/inf
+            (:func:`~pyppo.trainer.guards.check_rollout`; ``where`` names the step).
+    """
+    batch.rewards, batch.kl = shape_rewards(
+        batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, kl_coef=kl_coef, estimator=c.kl_estimator
+    )
+    check_rollout(batch, world, where)
+    batch.advantages, batch.returns = estimator(batch, c)
+    metrics = rollout_metrics(batch)
+    if c.mask_truncated:
+        metrics["truncated_masked"] = mask_truncated(batch.loss_mask, batch.advantages, batch.has_eos)
+    valid = distributed.all_sum([int(batch.loss_mask.sum())], world)[0]
+    if c.whiten_advantages and estimator.whitened and valid >= 2:
+        batch.advantages = distributed.whiten(batch.advantages, batch.loss_mask, world)
+    return metrics

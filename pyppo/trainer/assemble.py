@@ -1,11 +1,14 @@
 """Putting a trainer together: the models as a config asks (reference, value model, LoRA,
-dropout, checkpointing), their log-prob heads and distributed wrappers, the optimizers, the
-tokenizer's padding, and the checks of the trainer's arguments."""
+dropout, checkpointing), their log-prob heads and distributed wrappers, the value model's
+optimizer and :class:`~pyppo.trainer.critic.Critic`, all in one frozen :class:`StepModels`
+(:func:`assemble_models`); the policy's optimizer, the tokenizer's padding, and the checks of the
+trainer's arguments."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -13,21 +16,39 @@ from torch import nn
 from .. import distributed
 from ..config import PPOConfig
 from ..models import ValueModel, add_lora, make_reference, share_frozen_weights
+from ..models.export import check_exportable
 from ..prompts import prompt_columns, prompt_fields
 from ..rewards import SequenceClassifierReward, check_reward_fields
 from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
-from ..run.export import check_exportable
+from .critic import Critic
 from .logprob_head import AdaptersDisabled, LogprobHead
 
-__all__ = ["check_arguments", "check_lora_exportable", "check_prompt_sets", "check_trainable", "disable_dropout",
-           "enable_gradient_checkpointing", "logprob_modules", "make_adamw", "prepare_models", "prepare_tokenizer",
-           "share_reward_weights"]
+__all__ = [
+    "StepModels",
+    "assemble_models",
+    "check_arguments",
+    "check_lora_exportable",
+    "check_prompt_sets",
+    "check_trainable",
+    "disable_dropout",
+    "enable_gradient_checkpointing",
+    "make_adamw",
+    "prepare_models",
+    "prepare_tokenizer",
+    "share_reward_weights",
+]
 
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
+MaybeModel = Optional[nn.Module]
 
 
-def check_arguments(config: PPOConfig, ref_policy: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn,
-                    eval_prompts: Optional[Sequence[Any]]) -> None:
+def check_arguments(
+    config: PPOConfig,
+    ref_policy: Optional[nn.Module],
+    tokenizer: Any,
+    reward_fn: RewardFn,
+    eval_prompts: Optional[Sequence[Any]],
+) -> None:
     """The checks of :class:`~pyppo.trainer.PPOTrainer`'s arguments that need no model.
 
     Raises:
@@ -40,12 +61,14 @@ def check_arguments(config: PPOConfig, ref_policy: Optional[nn.Module], tokenize
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise ValueError("tokenizer must have an eos_token_id")
     if config.lora_rank and ref_policy is not None:
-        raise ValueError("ref_policy must be None with lora_rank > 0: the reference is the policy with its "
-                         "adapters disabled")
+        raise ValueError(
+            "ref_policy must be None with lora_rank > 0: the reference is the policy with its adapters disabled"
+        )
     if config.eval_every and not eval_prompts:
         raise ValueError(f"eval_every = {config.eval_every} needs eval_prompts (a non-empty list of prompts)")
     if eval_prompts is not None and not all(
-            isinstance(p, str) or (isinstance(p, Mapping) and isinstance(p.get("prompt"), str)) for p in eval_prompts):
+        isinstance(p, str) or (isinstance(p, Mapping) and isinstance(p.get("prompt"), str)) for p in eval_prompts
+    ):
         raise ValueError("eval_prompts must be a list of strings, or of records {'prompt': str, ...}")
 
 
@@ -58,26 +81,103 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def logprob_modules(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module], value_model: Optional[nn.Module],
-                    world: distributed.World, dtype: torch.dtype) -> dict:
-    """The forwards of a step: ``policy_logprobs`` (the policy's :class:`LogprobHead`),
-    ``policy_module`` and ``value_module`` (those DDP- or FSDP2-wrapped under torchrun),
-    ``ref_logprobs`` (the reference's head, or the policy's with its adapters disabled under
-    LoRA) and ``export_replica`` (FSDP2: rank 0's weightless copy of the policy's structure, to
-    gather the weights into when exporting; else ``None``)."""
+class TrainedPart(NamedTuple):
+    """A trained model as a checkpoint holds it (``PPOTrainer.checkpoint_parts``): the module as
+    the forwards call it (DDP- or FSDP2-wrapped), its optimizer, and the prefix its weight names
+    carry there (``"model."`` of a log-prob head)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    prefix: str
+
+
+@dataclass(frozen=True)
+class StepModels:
+    """The models of a step, as :func:`assemble_models` put them together.
+
+    Attributes:
+        policy: the policy (the ``peft`` model under LoRA), trained in place.
+        policy_logprobs: its :class:`~pyppo.trainer.logprob_head.LogprobHead`.
+        policy_module: ``policy_logprobs`` as the forwards call it (DDP- or FSDP2-wrapped under
+            ``torchrun``, else the head itself).
+        reference: the frozen reference model; ``None`` under LoRA, whose reference is the policy
+            with its adapters disabled.
+        ref_logprobs: the reference's log-prob head (a ``LogprobHead``, or
+            :class:`~pyppo.trainer.logprob_head.AdaptersDisabled` under LoRA).
+        critic: the value model, its module and its optimizer
+            (:class:`~pyppo.trainer.critic.Critic`); ``None`` for a critic-free estimator.
+        export_replica: FSDP2 only, on rank 0: a weightless copy of the policy's structure that the
+            export gathers the weights into; else ``None``.
+        device, dtype: where the models are, and the compute dtype their forwards run under
+            (:func:`pyppo.precision.autocast`).
+    """
+
+    policy: nn.Module
+    policy_logprobs: LogprobHead
+    policy_module: nn.Module
+    reference: Optional[nn.Module]
+    ref_logprobs: Union[LogprobHead, AdaptersDisabled]
+    critic: Optional[Critic]
+    export_replica: Optional[nn.Module]
+    device: torch.device
+    dtype: torch.dtype
+
+    def forward_models(self) -> List[nn.Module]:
+        """The models whose forwards a step runs: the policy, the reference, the value model."""
+        return [m for m in (self.policy, self.reference, self.critic.model if self.critic else None) if m is not None]
+
+    def trained_models(self) -> List[nn.Module]:
+        """The models an update changes: the policy and the value model."""
+        return [m for m in (self.policy, self.critic.model if self.critic else None) if m is not None]
+
+
+def assemble_models(
+    c: PPOConfig,
+    policy: nn.Module,
+    ref_policy: MaybeModel,
+    value_model: MaybeModel,
+    world: distributed.World,
+    dtype: torch.dtype,
+) -> StepModels:
+    """The models of a run with config ``c``, on ``world.device`` (:func:`prepare_models`), checked
+    (:func:`check_lora_exportable`, :func:`check_trainable`), with their log-prob heads, their
+    DDP / FSDP2 wrappers under ``torchrun``, and the value model's AdamW inside its
+    :class:`~pyppo.trainer.critic.Critic`. ``dtype`` is the compute dtype the heads' probe runs
+    under.
+
+    Raises:
+        ValueError: as :func:`prepare_models`, :func:`check_lora_exportable` and
+            :func:`check_trainable`.
+    """
+    policy, ref, value_model = prepare_models(c, policy, ref_policy, value_model, world.device)
+    check_lora_exportable(policy, c)
+    check_trainable(policy, value_model, c)
     head = LogprobHead(policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden, dtype=dtype)
     # FSDP2 shards the policy in place: the replica is taken before.
     replica = copy.deepcopy(policy).to("meta") if c.fsdp and world.active and world.is_main else None
     policy_module = distributed.wrap(head, world, fsdp=c.fsdp)
-    value_module = distributed.wrap(value_model, world, fsdp=c.fsdp) if value_model is not None else None
-    ref = (AdaptersDisabled(policy_module, head) if c.lora_rank else
-           LogprobHead(ref_policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden, dtype=dtype))
-    return {"policy_logprobs": head, "policy_module": policy_module, "value_module": value_module,
-            "ref_logprobs": ref, "export_replica": replica}
+    critic = None
+    if value_model is not None:
+        value_module = distributed.wrap(value_model, world, fsdp=c.fsdp)
+        critic = Critic(
+            value_model,
+            value_module,
+            make_adamw(value_model, c.effective_value_lr, c),
+            c,
+            device=world.device,
+            dtype=dtype,
+        )
+    ref_logprobs = (
+        AdaptersDisabled(policy_module, head)
+        if c.lora_rank
+        else LogprobHead(ref, temperature=c.temperature, from_hidden=c.logprobs_from_hidden, dtype=dtype)
+    )
+    return StepModels(policy, head, policy_module, ref, ref_logprobs, critic, replica, world.device, dtype)
 
 
-def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module], value_model: Optional[nn.Module],
-                   device: torch.device) -> tuple:
+def prepare_models(
+    c: PPOConfig, policy: nn.Module, ref_policy: MaybeModel, value_model: MaybeModel, device: torch.device
+) -> tuple:
     """``(policy, reference or None, value model or None)`` on ``device``, as ``c`` asks: the
     reference a frozen copy of the policy (none with LoRA: the adapters are disabled instead), the
     value model a copy of the policy's backbone with a scalar head (taken before any adapter is
@@ -96,8 +196,10 @@ def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Modu
         ref.requires_grad_(False).eval()
     if not c.uses_critic:
         if value_model is not None:
-            raise ValueError(f"value_model: advantage_estimator = {c.advantage_estimator!r} trains no value model; "
-                             "pass value_model=None")
+            raise ValueError(
+                f"value_model: advantage_estimator = {c.advantage_estimator!r} trains no value model; "
+                "pass value_model=None"
+            )
     else:
         value_model = (value_model if value_model is not None else ValueModel.from_causal_lm(policy)).to(device)
     if c.lora_rank:
@@ -105,8 +207,9 @@ def prepare_models(c: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Modu
     if c.value_lora:
         if not isinstance(getattr(value_model, "backbone", None), nn.Module):
             raise ValueError("value_lora needs a value model with a .backbone module (a pyppo ValueModel)")
-        value_model.backbone = add_lora(value_model.backbone, rank=c.lora_rank, alpha=c.lora_alpha,
-                                        targets=c.lora_target_modules)
+        value_model.backbone = add_lora(
+            value_model.backbone, rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_target_modules
+        )
     if c.disable_dropout:
         disable_dropout(policy)
         if value_model is not None:
@@ -125,12 +228,14 @@ def check_trainable(policy: nn.Module, value_model: Optional[nn.Module], c: PPOC
         if model is None:
             continue
         if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(f"the {what} has no trainable parameter (lora_target_modules = "
-                             f"{c.lora_target_modules!r}, lora_rank = {c.lora_rank})")
+            raise ValueError(
+                f"the {what} has no trainable parameter (lora_target_modules = "
+                f"{c.lora_target_modules!r}, lora_rank = {c.lora_rank})"
+            )
 
 
 def check_lora_exportable(policy: nn.Module, c: PPOConfig) -> None:
-    """With LoRA, refuse now what :func:`pyppo.run.export.save_policy` would refuse after the last
+    """With LoRA, refuse now what :func:`pyppo.models.export.save_policy` would refuse after the last
     step (LoRA on a tied weight with ``merge_lora``, say), so that no run trains to the end and then
     cannot write its ``policy/``.
 
@@ -142,12 +247,15 @@ def check_lora_exportable(policy: nn.Module, c: PPOConfig) -> None:
     try:
         check_exportable(policy, merge_lora=c.merge_lora)
     except ValueError as exc:
-        raise ValueError(f"lora_target_modules = {c.lora_target_modules!r}: the trained policy could not be "
-                         f"exported: {exc}{' (--no-merge-lora)' if c.merge_lora else ''}") from None
+        raise ValueError(
+            f"lora_target_modules = {c.lora_target_modules!r}: the trained policy could not be "
+            f"exported: {exc}{' (--no-merge-lora)' if c.merge_lora else ''}"
+        ) from None
 
 
-def check_prompt_sets(c: PPOConfig, policy: nn.Module, tokenizer: Any, reward_fn: RewardFn,
-                      sets: Mapping[str, Sequence[Any]]) -> Optional[int]:
+def check_prompt_sets(
+    c: PPOConfig, policy: nn.Module, tokenizer: Any, reward_fn: RewardFn, sets: Mapping[str, Sequence[Any]]
+) -> Optional[int]:
     """Check, once and up front, every prompt set (``{"prompts": [...], "eval_prompts": [...]}``):
     the reward accepts its fields, and each prompt fits the context with ``max_new_tokens`` to
     spare (one that does not would make generation crawl past the model's positions).
@@ -162,9 +270,16 @@ def check_prompt_sets(c: PPOConfig, policy: nn.Module, tokenizer: Any, reward_fn
     for what, records in sets.items():
         if records:  # no eval prompts: nothing to check
             check_reward_fields(reward_fn, prompt_fields(records), source=what)
-        check_prompt_lengths(tokenizer, prompt_columns(records)[0], use_chat_template=c.use_chat_template, room=room,
-                             max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length,
-                             truncate=c.truncate_prompts, what=what)
+        check_prompt_lengths(
+            tokenizer,
+            prompt_columns(records)[0],
+            use_chat_template=c.use_chat_template,
+            room=room,
+            max_new_tokens=c.max_new_tokens,
+            max_prompt_length=c.max_prompt_length,
+            truncate=c.truncate_prompts,
+            what=what,
+        )
     return limit
 
 

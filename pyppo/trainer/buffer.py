@@ -5,6 +5,13 @@ response of ``T`` positions. Every per-token quantity (log-probs, values, reward
 response positions only, ``[B, T]``, aligned with ``response_ids``: entry ``t`` belongs to the
 token ``response_ids[:, t]`` (for values: the state before that token is emitted).
 
+Two masks cover the response positions (``docs/trainer.md``, "Two masks"): ``response_mask`` says
+which positions hold a token of the sequence (sampled, or appended by an environment between
+turns): it drives attention, positions and EOS. ``loss_mask`` says which of those are the policy's
+own actions to train on: log-probs, KL, entropy, advantages, whitening, the losses and their
+metrics read it. ``loss_mask`` is always within ``response_mask``; for one sampled response the
+two are equal until DAPO's ``mask_truncated`` clears the ``loss_mask`` rows of truncated responses.
+
 The full model inputs are always rebuilt from the stored padded tensors (:attr:`input_ids`,
 :attr:`attention_mask`, :attr:`position_ids`), so a row is fed to the model with exactly the same
 padding at rollout time and at training time.
@@ -35,7 +42,11 @@ class RolloutBuffer:
     * ``query_ids [B, P]`` int64, left-padded prompt tokens;
     * ``query_mask [B, P]`` bool, 1 at real prompt tokens;
     * ``response_ids [B, T]`` int64, right-padded sampled tokens;
-    * ``response_mask [B, T]`` bool, 1 up to and including the first EOS.
+    * ``response_mask [B, T]`` bool, 1 at the tokens of the sequence (up to and including the
+      first EOS of a sampled response).
+
+    ``loss_mask [B, T]`` bool, 1 at the policy's own tokens (within ``response_mask``); ``None``
+    at construction means a copy of ``response_mask``.
 
     Filled in as the step proceeds (``None`` until then): ``old_logprobs``, ``entropy`` (of the
     sampling distribution), ``ref_logprobs``, ``values``, ``rewards``, ``kl``, ``advantages``,
@@ -54,33 +65,33 @@ class RolloutBuffer:
     query_mask: torch.Tensor
     response_ids: torch.Tensor
     response_mask: torch.Tensor
+    # what a rollout engine returns besides the tokens
+    loss_mask: Optional[torch.Tensor] = None
+    has_eos: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
+    prompts: Optional[List[str]] = None
+    responses: Optional[List[str]] = None
+    # what the step fills in: points 3, 4 and 5
+    raw_scores: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
-    raw_scores: Optional[torch.Tensor] = None
-    scores: Optional[torch.Tensor] = None
     rewards: Optional[torch.Tensor] = None
     kl: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
-    has_eos: Optional[torch.Tensor] = None
-    prompts: Optional[List[str]] = None
-    responses: Optional[List[str]] = None
-    rollout_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.query_mask = self.query_mask.bool()
         self.response_mask = self.response_mask.bool()
+        self.loss_mask = self.response_mask.clone() if self.loss_mask is None else self.loss_mask.bool()
         self.validate()
 
     # ------------------------------------------------------------------ shape bookkeeping
     def __len__(self) -> int:
         return self.query_ids.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self)
 
     @property
     def prompt_length(self) -> int:
@@ -102,9 +113,18 @@ class RolloutBuffer:
         T = self.response_ids.shape[1]
         if self.response_ids.shape[0] != B:
             raise ValueError(f"response_ids has batch size {self.response_ids.shape[0]}, expected {B}")
-        expected = {"query_mask": (B, P), "response_mask": (B, T)}
-        for name in ("old_logprobs", "entropy", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns",
-                     "rollout_logprobs"):
+        expected = {"query_mask": (B, P), "response_mask": (B, T), "loss_mask": (B, T)}
+        for name in (
+            "old_logprobs",
+            "entropy",
+            "ref_logprobs",
+            "values",
+            "rewards",
+            "kl",
+            "advantages",
+            "returns",
+            "rollout_logprobs",
+        ):
             expected[name] = (B, T)
         for name in ("raw_scores", "scores", "has_eos"):
             expected[name] = (B,)
@@ -225,7 +245,7 @@ class RolloutBuffer:
             if permutation.shape != (B,) or not torch.equal(permutation.sort().values, torch.arange(B)):
                 raise ValueError(f"permutation must be a permutation of range({B})")
         for start in range(0, B, mini_batch_size):
-            yield self.select(permutation[start:start + mini_batch_size])
+            yield self.select(permutation[start : start + mini_batch_size])
 
     def micro_batches(self, micro_batch_size: int) -> Iterator["RolloutBuffer"]:
         """Consecutive, unshuffled chunks of ``micro_batch_size`` rows (gradient accumulation).
@@ -247,27 +267,39 @@ def buffer_from_rollout(rollout: Any, prompts: Sequence[str], engine: Any) -> "R
 
     Raises:
         TypeError: not a :class:`Rollout`, or a mask that is not bool.
-        ValueError: other prompts, another order, a tensor of another batch size, or
-            ``rollout_logprobs`` that are not finite log-probabilities at the response tokens.
+        ValueError: other prompts, another order, a tensor of another batch size, a ``loss_mask``
+            that is 1 outside ``response_mask``, or ``rollout_logprobs`` that are not finite
+            log-probabilities at the policy's tokens.
     """
     name = type(engine).__name__
     if not isinstance(rollout, Rollout):
-        raise TypeError(f"rollout engine {name}: generate() must return a pyppo.rollout.Rollout, got "
-                        f"{type(rollout).__name__}")
+        raise TypeError(
+            f"rollout engine {name}: generate() must return a pyppo.rollout.Rollout, got {type(rollout).__name__}"
+        )
     if list(rollout.prompts) != list(prompts):
-        raise ValueError(f"rollout engine {name}: generate() returned {len(rollout.prompts)} prompts for the "
-                         f"{len(prompts)} it was given, or not in their order")
-    for field in ("query_mask", "response_mask", "has_eos"):
+        raise ValueError(
+            f"rollout engine {name}: generate() returned {len(rollout.prompts)} prompts for the "
+            f"{len(prompts)} it was given, or not in their order"
+        )
+    for field in ("query_mask", "response_mask", "has_eos", "loss_mask"):
         t = getattr(rollout, field)
+        if t is None and field == "loss_mask":
+            continue
         if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
-            raise TypeError(f"rollout engine {name}: {field} must be a bool tensor, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
+            raise TypeError(
+                f"rollout engine {name}: {field} must be a bool tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+            )
     try:
         buffer = RolloutBuffer(**vars(rollout))
     except ValueError as exc:
         raise ValueError(f"rollout engine {name}: {exc}") from None
+    if bool((buffer.loss_mask & ~buffer.response_mask).any()):
+        raise ValueError(
+            f"rollout engine {name}: loss_mask is 1 where response_mask is 0 (the policy's tokens "
+            "must be tokens of the sequence)"
+        )
     if buffer.rollout_logprobs is not None:
         from .rollout_correction import check_rollout_logprobs
 
-        check_rollout_logprobs(buffer.rollout_logprobs, buffer.response_mask, f"rollout engine {name}")
+        check_rollout_logprobs(buffer.rollout_logprobs, buffer.loss_mask, f"rollout engine {name}")
     return buffer

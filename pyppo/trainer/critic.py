@@ -25,7 +25,9 @@ __all__ = ["Critic"]
 
 
 class Critic:
-    """The value model of a run, as a step uses it.
+    """The value model of a run, as a step uses it: the only holder of the value model, its
+    wrapped module and its optimizer (the trainer reaches them as ``trainer.critic.model``,
+    ``.module``, ``.optimizer``).
 
     Args:
         model: the value model, ``forward(input_ids, attention_mask, position_ids) -> [B, L]``.
@@ -35,8 +37,16 @@ class Critic:
             ``effective_value_lr``).
     """
 
-    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, config: PPOConfig,
-                 *, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: PPOConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.model, self.module, self.optimizer, self.config = model, module, optimizer, config
         self.device, self.dtype = device, dtype
 
@@ -53,17 +63,26 @@ class Critic:
         under the caller's autocast and grad mode."""
         return response_values(self.module, mb)
 
-    def loss_backward(self, mu: RolloutBuffer, normalizer: float) -> Tuple[float, Dict[str, torch.Tensor], torch.Tensor]:
+    def loss_backward(
+        self, mu: RolloutBuffer, normalizer: float
+    ) -> Tuple[float, Dict[str, torch.Tensor], torch.Tensor]:
         """Forward the value model on a micro-batch (under the trainer's autocast), then backward
-        ``vf_coef`` times its clipped value loss (:func:`pyppo.ops.ppo_value_loss`, divided by the
-        minibatch's ``normalizer``). Returns ``(value_loss, its token statistics, values [b, T]
+        ``vf_coef`` times its clipped value loss (:func:`pyppo.ops.ppo_value_loss` over ``loss_mask``,
+        divided by the minibatch's ``normalizer``). Returns ``(value_loss, its token statistics, values [b, T]
         detached)``."""
         c = self.config
         with autocast(self.device, self.dtype):
             values = self.values(mu)
-        vf_loss, vf_stats = ppo_value_loss(values, mu.values, mu.returns, mu.response_mask,
-                                           cliprange_value=c.cliprange_value, loss_agg=c.loss_agg,
-                                           loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer)
+        vf_loss, vf_stats = ppo_value_loss(
+            values,
+            mu.values,
+            mu.returns,
+            mu.loss_mask,
+            cliprange_value=c.cliprange_value,
+            loss_agg=c.loss_agg,
+            loss_agg_norm=c.effective_loss_agg_norm,
+            normalizer=normalizer,
+        )
         (c.vf_coef * vf_loss).backward()
         return float(vf_loss.detach()), vf_stats, values.detach()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict
 
-__all__ = ["FixedKLController", "AdaptiveKLController"]
+__all__ = ["FixedKLController", "AdaptiveKLController", "make_kl_controller"]
 
 
 def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
@@ -102,3 +102,11 @@ class AdaptiveKLController:
         self.value = float(state["value"])
         self.target = float(state["target"])
         self.horizon = float(state["horizon"])
+
+
+def make_kl_controller(config) -> "FixedKLController | AdaptiveKLController":
+    """The controller of a :class:`~pyppo.config.PPOConfig`: adaptive from ``kl_coef`` towards
+    ``target_kl`` over ``kl_horizon`` samples when ``target_kl`` is set, else fixed at ``kl_coef``."""
+    if config.target_kl is not None:
+        return AdaptiveKLController(config.kl_coef, config.target_kl, config.kl_horizon)
+    return FixedKLController(config.kl_coef)

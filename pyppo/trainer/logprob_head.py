@@ -69,37 +69,61 @@ def _head_matches_logits(model: nn.Module, backbone: nn.Module, head: nn.Linear,
     return bool((via_head - logits).abs().max() <= _HEAD_RTOL * scale)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PolicyObjective:
-    """What a micro-batch's policy loss needs besides its log-probs (``docs/trainer.md``, the
-    update): the rollout's ``old_logprobs``, ``advantages`` and ``ref_logprobs`` of ``mb``, and
-    the loss settings of :class:`~pyppo.config.PPOConfig`. ``normalizer`` is the minibatch's
-    :func:`~pyppo.ops.losses.loss_normalizer` (gradient accumulation)."""
+    """The loss settings of :class:`~pyppo.config.PPOConfig` that a micro-batch's policy loss
+    needs besides its log-probs and the rollout's ``old_logprobs``, ``advantages`` and
+    ``ref_logprobs`` (``docs/trainer.md``, the update). Built once per run
+    (:meth:`from_config`); the minibatch's normaliser comes with each call."""
 
     cliprange_low: float
     cliprange_high: float
     dual_clip: Optional[float]
     loss_agg: str
     loss_agg_norm: Optional[float]
-    normalizer: float
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     fused: bool = True
     policy_loss: str = "ppo"
 
-    def loss_args(self) -> dict:
-        """The keyword arguments of the policy loss (``dual_clip`` for ``ppo`` only)."""
-        clip = dict(dual_clip=self.dual_clip) if self.policy_loss == "ppo" else {}
-        return dict(cliprange_low=self.cliprange_low, cliprange_high=self.cliprange_high, loss_agg=self.loss_agg,
-                    loss_agg_norm=self.loss_agg_norm, normalizer=self.normalizer, **clip)
+    @classmethod
+    def from_config(cls, c) -> "PolicyObjective":
+        """The objective of a run with config ``c`` (a :class:`~pyppo.config.PPOConfig`)."""
+        return cls(
+            cliprange_low=c.cliprange,
+            cliprange_high=c.effective_cliprange_high,
+            dual_clip=c.dual_clip,
+            loss_agg=c.loss_agg,
+            loss_agg_norm=c.effective_loss_agg_norm,
+            entropy_coef=c.entropy_coef,
+            kl_loss_coef=c.kl_loss_coef,
+            kl_loss_estimator=c.kl_loss_estimator,
+            fused=c.fused_policy_loss,
+            policy_loss=c.policy_loss,
+        )
+
+    def loss_args(self, normalizer: Optional[float], *, fused: bool = False) -> dict:
+        """The keyword arguments of the policy loss (``dual_clip`` for ``ppo`` only), with the
+        minibatch's ``normalizer`` (:func:`~pyppo.ops.losses.loss_normalizer`); ``fused`` adds
+        the terms :func:`~pyppo.ops.linear_ppo_loss` computes in the same pass."""
+        names = ["cliprange_low", "cliprange_high", "loss_agg", "loss_agg_norm"]
+        names += ["dual_clip"] if self.policy_loss == "ppo" else []
+        names += ["kl_loss_coef", "kl_loss_estimator", "entropy_coef", "policy_loss"] if fused else []
+        return {**{name: getattr(self, name) for name in names}, "normalizer": normalizer}
 
 
-def policy_objective(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], mb: RolloutBuffer,
-                     objective: PolicyObjective) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+def policy_objective(
+    logprobs: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    mb: RolloutBuffer,
+    objective: PolicyObjective,
+    normalizer: Optional[float] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The policy's loss from its log-probs: ``policy_loss + kl_loss_coef · kl_loss −
     entropy_coef · entropy_loss``, each term aggregated with ``loss_agg`` over ``mb``'s
-    ``response_mask`` (``policy_loss`` from :data:`~pyppo.ops.POLICY_LOSSES`: the clipped
+    ``loss_mask``, divided by the minibatch's ``normalizer`` (``policy_loss`` from
+    :data:`~pyppo.ops.POLICY_LOSSES`: the clipped
     surrogate of Schulman et al. 2017, eq. 7, :func:`~pyppo.ops.ppo_policy_loss`, or GSPO or
     CISPO; the KL term is veRL's ``use_kl_loss``: the
     ``kl_loss_estimator`` of ``logprobs`` against ``ref_logprobs``, in the loss instead of, or as
@@ -113,9 +137,11 @@ def policy_objective(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], mb
         ``(loss 0-d float32, stats)``: the policy loss's statistics plus
         ``policy_loss`` and, when on, ``kl_loss`` and ``entropy_loss`` (detached).
     """
-    o, m = objective, mb.response_mask
-    pg_loss, stats = policy_loss_fn(o.policy_loss)(logprobs, mb.old_logprobs, mb.advantages, m, **o.loss_args())
-    agg = dict(loss_agg=o.loss_agg, loss_agg_norm=o.loss_agg_norm, normalizer=o.normalizer)
+    o, m = objective, mb.loss_mask
+    pg_loss, stats = policy_loss_fn(o.policy_loss)(
+        logprobs, mb.old_logprobs, mb.advantages, m, **o.loss_args(normalizer)
+    )
+    agg = dict(loss_agg=o.loss_agg, loss_agg_norm=o.loss_agg_norm, normalizer=normalizer)
     loss, stats = pg_loss, {**stats, "policy_loss": pg_loss.detach()}
     if o.kl_loss_coef > 0:
         kl_loss = aggregate_loss(kl_penalty(logprobs, mb.ref_logprobs, estimator=o.kl_loss_estimator), m, **agg)
@@ -143,8 +169,9 @@ class LogprobHead(nn.Module):
         uses_hidden: whether the hidden-state path was chosen.
     """
 
-    def __init__(self, model: nn.Module, *, temperature: float, from_hidden: bool = True,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, model: nn.Module, *, temperature: float, from_hidden: bool = True, dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
         self.model = model
         self.temperature = temperature
@@ -154,9 +181,17 @@ class LogprobHead(nn.Module):
         self.uses_hidden = head is not None
         self._head = head  # a tuple: not registered again as submodules (the model owns them)
 
-    def forward(self, mb: Optional[RolloutBuffer], return_entropy: bool = False, reference: bool = False, *,
-                sample: Optional[tuple] = None, objective: Optional[PolicyObjective] = None):
-        """``(logprobs [b, T], entropy [b, T] or None)`` float32, 0 at masked positions.
+    def forward(
+        self,
+        mb: Optional[RolloutBuffer],
+        return_entropy: bool = False,
+        reference: bool = False,
+        *,
+        sample: Optional[tuple] = None,
+        objective: Optional[PolicyObjective] = None,
+        normalizer: Optional[float] = None,
+    ):
+        """``(logprobs [b, T], entropy [b, T] or None)`` float32, 0 outside ``mb.loss_mask``.
 
         ``reference=True`` runs a ``peft`` model with its adapters disabled: the frozen base, which
         is the reference policy of a LoRA run. ``sample=(query_ids, query_mask, generation_config,
@@ -165,7 +200,8 @@ class LogprobHead(nn.Module):
         for it as it does for the training passes.
 
         ``objective`` instead returns ``(loss, stats, logprobs, entropy)``: the policy loss of
-        :func:`policy_objective` on ``mb`` (log-probs and entropy detached). On the hidden-state
+        :func:`policy_objective` on ``mb`` with the minibatch's ``normalizer`` (log-probs and
+        entropy detached). On the hidden-state
         path with ``objective.fused`` it comes from :func:`pyppo.ops.linear_ppo_loss`, which
         computes the loss's gradient w.r.t. the hidden states and the head inside its forward
         (no ``[b, T, V]`` logits, no recompute in the backward); otherwise from the log-probs.
@@ -179,16 +215,17 @@ class LogprobHead(nn.Module):
             with self.model.disable_adapter():
                 return self._logprobs(mb, return_entropy)
         if objective is not None:
-            return self._objective(mb, objective, return_entropy)
+            return self._objective(mb, objective, normalizer, return_entropy)
         return self._logprobs(mb, return_entropy)
 
     def _inputs(self, mb: RolloutBuffer) -> dict:
-        return dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                    use_cache=False)
+        return dict(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+        )
 
     def _hidden_and_head(self, mb: RolloutBuffer):
         backbone, head = self._head
-        hidden = backbone(**self._inputs(mb)).last_hidden_state[:, -(mb.response_length + 1):-1]
+        hidden = backbone(**self._inputs(mb)).last_hidden_state[:, -(mb.response_length + 1) : -1]
         weight, bias = head.weight, head.bias
         low = autocast_dtype(hidden.device)
         if low is not None:
@@ -203,26 +240,24 @@ class LogprobHead(nn.Module):
         kwargs = dict(temperature=self.temperature, return_entropy=return_entropy)
         if self._head is not None:
             hidden, weight, bias = self._hidden_and_head(mb)
-            out = linear_logprobs(hidden, weight, mb.response_ids, mb.response_mask, bias=bias, **kwargs)
+            out = linear_logprobs(hidden, weight, mb.response_ids, mb.loss_mask, bias=bias, **kwargs)
         else:
             # Slicing from the end works whether or not the model honours logits_to_keep.
-            logits = self.model(**self._inputs(mb), logits_to_keep=T + 1).logits[:, -(T + 1):-1]
-            out = gather_logprobs(logits, mb.response_ids, mb.response_mask, **kwargs)
+            logits = self.model(**self._inputs(mb), logits_to_keep=T + 1).logits[:, -(T + 1) : -1]
+            out = gather_logprobs(logits, mb.response_ids, mb.loss_mask, **kwargs)
         return out if return_entropy else (out, None)
 
-    def _objective(self, mb: RolloutBuffer, o: PolicyObjective, return_entropy: bool):
+    def _objective(self, mb: RolloutBuffer, o: PolicyObjective, normalizer: Optional[float], return_entropy: bool):
         want_entropy = return_entropy or o.entropy_coef > 0
         if self._head is not None and o.fused:
             from ..ops import linear_ppo_loss
 
             hidden, weight, bias = self._hidden_and_head(mb)
-            return linear_ppo_loss(
-                hidden, weight, mb.response_ids, mb.old_logprobs, mb.advantages, mb.response_mask, bias=bias,
-                ref_logprobs=mb.ref_logprobs, kl_loss_coef=o.kl_loss_coef, kl_loss_estimator=o.kl_loss_estimator,
-                entropy_coef=o.entropy_coef, temperature=self.temperature, return_entropy=want_entropy,
-                policy_loss=o.policy_loss, **o.loss_args())
+            tokens = (mb.response_ids, mb.old_logprobs, mb.advantages, mb.loss_mask)
+            terms = dict(ref_logprobs=mb.ref_logprobs, temperature=self.temperature, return_entropy=want_entropy)
+            return linear_ppo_loss(hidden, weight, *tokens, bias=bias, **terms, **o.loss_args(normalizer, fused=True))
         logprobs, entropy = self._logprobs(mb, want_entropy)
-        loss, stats = policy_objective(logprobs, entropy, mb, o)
+        loss, stats = policy_objective(logprobs, entropy, mb, o, normalizer)
         return loss, stats, logprobs.detach(), None if entropy is None else entropy.detach()
 
 
@@ -240,11 +275,12 @@ class AdaptersDisabled:
 
 
 def response_values(value_model: nn.Module, mb: RolloutBuffer) -> torch.Tensor:
-    """Values at response positions, ``[b, T]`` float32, 0 where masked.
+    """Values at response positions, ``[b, T]`` float32, 0 outside ``loss_mask`` (the value of
+    the state before each of the policy's tokens).
 
     ``value_model(input_ids, attention_mask, position_ids) -> [b, P + T]`` (a
     :class:`pyppo.models.ValueModel`).
     """
     P, T = mb.prompt_length, mb.response_length
-    v = value_model(mb.input_ids, mb.attention_mask, mb.position_ids)[:, P - 1:P + T - 1].float()
-    return torch.where(mb.response_mask, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    v = value_model(mb.input_ids, mb.attention_mask, mb.position_ids)[:, P - 1 : P + T - 1].float()
+    return torch.where(mb.loss_mask, v, torch.zeros((), dtype=v.dtype, device=v.device))

@@ -37,18 +37,19 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
 
 
 @torch.no_grad()
-def mask_truncated(response_mask: torch.Tensor, advantages: torch.Tensor, has_eos: torch.Tensor) -> int:
+def mask_truncated(loss_mask: torch.Tensor, advantages: torch.Tensor, has_eos: torch.Tensor) -> int:
     """Take the responses without EOS (cut at ``max_new_tokens``) out of the loss, in place: their
-    ``response_mask`` rows become all false and their advantages 0 (DAPO's overlong filtering,
-    §3.4). Their scores have already served their group's baseline.
+    ``loss_mask`` rows become all false and their advantages 0 (DAPO's overlong filtering, §3.4).
+    Their scores have already served their group's baseline. Their ``response_mask`` is left as
+    it was: the tokens were sampled, and the forwards still attend to them.
 
     Args:
-        response_mask: ``[B, T]`` bool. advantages: ``[B, T]`` float. has_eos: ``[B]`` bool.
+        loss_mask: ``[B, T]`` bool. advantages: ``[B, T]`` float. has_eos: ``[B]`` bool.
 
     Returns:
         how many rows were masked.
     """
     truncated = ~has_eos
-    response_mask[truncated] = False
+    loss_mask[truncated] = False
     advantages[truncated] = 0.0
     return int(truncated.sum())

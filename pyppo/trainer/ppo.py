@@ -1,41 +1,28 @@
-"""The PPO step for language models. ``docs/trainer.md`` walks through it; each step is:
+"""The PPO step for language models, read top to bottom in :meth:`PPOTrainer.step`
+(``docs/trainer.md``, "One step"):
 
-1. take ``batch_size / samples_per_prompt`` prompts and sample ``samples_per_prompt`` responses to
-   each, ``batch_size`` in all (pure sampling at ``temperature``, by the rollout engine:
-   :mod:`pyppo.rollout`);
-2. cut each response after its first EOS;
-3. score each (prompt, response); clip the score, then subtract ``missing_eos_penalty`` and
-   DAPO's overlong penalty (:mod:`pyppo.trainer.scoring`; with ``filter_groups``, 1-3 repeat until the batch holds groups
-   whose scores differ: :mod:`pyppo.trainer.group_filter`);
-4. the rollout's forwards: ``old_logprobs`` and the entropy (policy), ``ref_logprobs`` (frozen
-   reference), ``values`` (value model, :mod:`pyppo.trainer.critic`; none for a critic-free
-   estimator), at the response positions;
-5. ``shape_rewards`` -> the advantage estimator (:mod:`pyppo.trainer.advantages`: GAE, or the
-   group-relative GRPO / RLOO, or REINFORCE++) -> ``masked_whiten`` of the advantages over the
-   whole batch (GAE and REINFORCE++ only);
-6. ``ppo_epochs`` passes over shuffled minibatches (gradient accumulation over micro-batches):
-   ``policy_loss + vf_coef * value_loss - entropy_coef * entropy`` (no value loss without a value
-   model), gradient clipping, AdamW;
-7. update the KL coefficient (adaptive when ``target_kl`` is set);
-8. return the step's metrics and its batch.
+1. sample ``samples_per_prompt`` responses to each of ``batch_size / samples_per_prompt`` prompts
+   with the rollout engine (:mod:`pyppo.rollout`), 2. cut each after its first EOS, 3. score them
+   (clip, missing-EOS and overlong penalties; DAPO's dynamic sampling): :mod:`.sampling`;
+4. the rollout's forwards, ``old_logprobs``, ``ref_logprobs`` and ``values`` at the policy's tokens
+   (``loss_mask``): :mod:`.rollout_forwards`;
+5. reward shaping, the advantage estimator and the whitening: :mod:`.advantages`;
+6. ``ppo_epochs`` passes over shuffled minibatches, gradient accumulation over micro-batches,
+   clipping, AdamW (the value model's share: :mod:`.critic`);
+7. the KL coefficient's update; 8. the step's metrics and its batch.
 
-The first PPO ratio is exactly 1: the first epoch's row order is drawn before point 4, and point 4
-runs on exactly the micro-batches (same rows, order and padding) that the first epoch trains on,
-so the first training forward repeats a computation bit for bit, batch-invariant model or not.
-That holds in bfloat16 too (every forward runs under the same autocast) and with LoRA (the
-reference is the policy with its adapters disabled, and the adapters start at 0).
-
-When the first minibatch is one micro-batch, point 4's policy forward of its rows runs with grad
-(:func:`~pyppo.trainer.rollout_forwards.first_policy_forward`): its detached log-probs are the
-rollout's, and the first :meth:`PPOTrainer.micro_step` trains on the live ones, so that forward
-is not run twice.
+The first PPO ratio is exactly 1: point 4 runs on exactly the micro-batches (rows, order,
+padding, autocast) that the first epoch trains on, whose order is drawn before it; when the first
+minibatch is one micro-batch, its policy forward runs once, with grad, for both
+(``docs/trainer.md``, "Choices that matter").
 
 Under ``torchrun`` each of the N processes samples ``batch_size / N`` responses (whole groups of
 ``samples_per_prompt``) to its share of one global order of prompts and trains on its share of
 each minibatch; :mod:`pyppo.distributed` makes the whitening, the loss
 normaliser, the KL controller's input and the metrics global, and DDP or FSDP2 the gradients.
 The run around the steps (logs, cadences, signals, evaluation, checkpoints, export) is
-:mod:`pyppo.run`.
+:mod:`pyppo.run`, which drives this class (``pyppo.PPOTrainer`` is it with its run methods);
+this package imports nothing of it.
 """
 
 from __future__ import annotations
@@ -43,10 +30,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import random
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -55,38 +40,36 @@ from torch import nn
 
 from .. import distributed
 from ..config import PPOConfig
-from ..ops import shape_rewards
 from ..ops.losses import loss_normalizer
 from ..precision import autocast, resolve_dtype
 from ..prompts import PromptSampler
 from ..rollout import EngineSync, RolloutEngine, make_engine
-from ..rollout.hf_generate import generation_config
-from ..run import checkpoint as run_checkpoint, evaluate, export, loop
-from ..run.nonfinite import NonFiniteUpdateError, SkipPolicy, check_rollout
-from ..run.stopping import GracefulStop
-from .advantages import get_estimator
-from .rollout_correction import correct_for_sampler
-from .assemble import (check_arguments, check_lora_exportable, check_prompt_sets, check_trainable, logprob_modules,
-                       make_adamw, prepare_models, prepare_tokenizer, share_reward_weights)
-from .buffer import RolloutBuffer, buffer_from_rollout
-from .kl_controllers import AdaptiveKLController, FixedKLController
+from . import assemble
+from .advantages import get_estimator, shaped_advantages
+from .assemble import StepModels, TrainedPart
+from .buffer import RolloutBuffer
 from .critic import Critic
-from .group_filter import sample_scored_batch
-from .overlong import mask_truncated
+from .guards import NonFiniteUpdateError, SkipPolicy
+from .kl_controllers import make_kl_controller
 from .logprob_head import PolicyObjective, policy_objective
-from .rollout_forwards import first_policy_forward, rollout_forwards
-from .scoring import score_batch
 from .results import METRIC_KEYS, MicroStepResult, StepResult
-from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats, rollout_metrics
+from .rollout_correction import correct_for_sampler
+from .rollout_forwards import first_policy_forward, rollout_forwards
+from .sampling import rollout, sample_scored_batch, score_batch
+from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats
 
-__all__ = ["PPOTrainer", "StepResult", "MicroStepResult", "METRIC_KEYS", "NonFiniteUpdateError"]
+__all__ = ["PPOTrainer", "StepResult", "MicroStepResult", "METRIC_KEYS", "NonFiniteUpdateError", "TrainedPart"]
 
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
+#: The first minibatch's live policy forward, ``(logprobs, entropy)`` ``[b, T]``, when point 4 ran it.
+LiveForward = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
 class PPOTrainer:
     """PPO for a causal LM policy: actor-critic with a separate value model (GAE), or critic-free
-    (GRPO, RLOO, REINFORCE++: ``advantage_estimator``).
+    (GRPO, RLOO, REINFORCE++: ``advantage_estimator``). This class is the algorithm, one
+    :meth:`step` at a time, for a loop of your own; :class:`pyppo.PPOTrainer` adds the run around
+    the steps (``train``, held-out evaluation, checkpoints, export: :mod:`pyppo.run`).
 
     Args:
         config: a :class:`~pyppo.config.PPOConfig`; ``config.device`` says where the models run
@@ -102,11 +85,10 @@ class PPOTrainer:
             more parameters gets the prompts' fields of those names (``docs/rewards.md``).
         prompts: the prompts to sample from: strings, or records ``{"prompt": str, <field>: ...}``
             (:func:`pyppo.prompts.load_prompt_records`) whose fields the reward receives.
-        eval_prompts: held-out prompts (strings or records) for :meth:`evaluate_prompts`; :meth:`train` evaluates them
-            every ``eval_every`` steps and after the last.
+        eval_prompts: held-out prompts (strings or records) for the run's evaluation.
         base_model_source: the model source ``policy`` was loaded from (``pyppo train`` passes
             its ``--model``), for an adapter-only export's record of its base
-            (:func:`pyppo.run.export.save_policy`'s ``base_model``); ``None`` = the policy's
+            (:func:`pyppo.models.export.save_policy`'s ``base_model``); ``None`` = the policy's
             ``name_or_path``.
 
     With ``lora_rank > 0`` the policy is wrapped in ``peft`` LoRA adapters here (``policy`` then
@@ -114,24 +96,35 @@ class PPOTrainer:
     builds the trainer with the same arguments.
 
     Attributes:
-        world: this process's :class:`~pyppo.distributed.World` (rank, number of processes, device).
-        policy_module, value_module: the models as the forwards call them (DDP- or FSDP2-wrapped
-            under torchrun); ``policy`` and ``value_model`` are the models themselves.
-            ``value_model``, ``value_module``, ``value_optimizer`` and ``critic`` are ``None``
-            for a critic-free estimator.
-        critic: the value model's share of a step (:class:`~pyppo.trainer.critic.Critic`).
+        config: the config, ``dtype = "auto"`` resolved. world: this process's
+            :class:`~pyppo.distributed.World` (rank, number of processes, device).
+        models: the step's models (:class:`~pyppo.trainer.assemble.StepModels`): the policy, its
+            log-prob head and wrapped module, the reference, the critic, the export replica.
+        policy, critic: ``models.policy`` and ``models.critic`` (``None`` for a critic-free
+            estimator; the value model is ``critic.model``).
         engine: the :class:`~pyppo.rollout.RolloutEngine` that samples (``rollout_engine``).
-        resumed_step: the step of the checkpoint :meth:`load_checkpoint` restored (``None``).
+        objective: the run's :class:`~pyppo.trainer.logprob_head.PolicyObjective`.
+        step_count, optimizer_steps: finished steps, applied optimizer steps.
 
     Raises:
         ValueError: a bad argument (naming it), ``config.device`` names a missing device, or a
             batch size does not divide by the number of processes.
     """
 
-    def __init__(self, config: PPOConfig, policy: nn.Module, ref_policy: Optional[nn.Module],
-                 value_model: Optional[nn.Module], tokenizer: Any, reward_fn: RewardFn, prompts: Sequence[Any],
-                 *, eval_prompts: Optional[Sequence[Any]] = None, base_model_source: Optional[str] = None):
-        check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts)
+    def __init__(
+        self,
+        config: PPOConfig,
+        policy: nn.Module,
+        ref_policy: Optional[nn.Module],
+        value_model: Optional[nn.Module],
+        tokenizer: Any,
+        reward_fn: RewardFn,
+        prompts: Sequence[Any],
+        *,
+        eval_prompts: Optional[Sequence[Any]] = None,
+        base_model_source: Optional[str] = None,
+    ):
+        assemble.check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts)
         self.world = distributed.join(config.device)
         config.check_world_size(self.world.size)
         # `auto` is resolved once, here, and the config keeps the answer: its checkpoint and the
@@ -144,49 +137,46 @@ class PPOTrainer:
         np.random.seed(c.seed % 2**32)
         torch.manual_seed(c.seed)
 
-        self.estimate_advantages = get_estimator(c.advantage_estimator)
-        self.policy, self.ref_policy, self.value_model = prepare_models(c, policy, ref_policy, value_model,
-                                                                        self.device)
-        check_lora_exportable(self.policy, c)
-        self.shared_weight_bytes = share_reward_weights(self.ref_policy, reward_fn)
-        modules = logprob_modules(c, self.policy, self.ref_policy, self.value_model, self.world, self.dtype)
-        self.policy_logprobs, self.policy_module = modules["policy_logprobs"], modules["policy_module"]
-        self.value_module, self.ref_logprobs = modules["value_module"], modules["ref_logprobs"]
-        self.export_replica = modules["export_replica"]
-        n = self.world.size
-        self.local_batch_size, self.local_mini_batch_size = c.batch_size // n, c.mini_batch_size // n
+        self.estimator = get_estimator(c.advantage_estimator)
+        self.models: StepModels = assemble.assemble_models(c, policy, ref_policy, value_model, self.world, self.dtype)
+        self.shared_weight_bytes = assemble.share_reward_weights(self.models.reference, reward_fn)
+        self.local_mini_batch_size = c.mini_batch_size // self.world.size
         self.micro_batch_size = c.micro_batch_size or self.local_mini_batch_size
 
-        self.tokenizer = prepare_tokenizer(tokenizer)
-        self.eos_token_id, self.pad_token_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
-        self.generation_config = generation_config(c, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        self.tokenizer = assemble.prepare_tokenizer(tokenizer)
         self.reward_fn = reward_fn
         self.sampler = PromptSampler(prompts, c.seed)
         self.eval_prompts = list(eval_prompts or [])
-        self.max_prompt_tokens = check_prompt_sets(c, self.policy, tokenizer, reward_fn,
-                                                   {"prompts": prompts, "eval_prompts": self.eval_prompts})
+        sets = {"prompts": prompts, "eval_prompts": self.eval_prompts}
+        limit = assemble.check_prompt_sets(c, self.policy, tokenizer, reward_fn, sets)
+        m, on = self.models, dict(device=self.device, dtype=self.dtype)
         self.engine: RolloutEngine = make_engine(
-            c, policy=self.policy, policy_module=self.policy_module, tokenizer=tokenizer,
-            gen_config=self.generation_config, device=self.device, dtype=self.dtype,
-            max_prompt_tokens=self.max_prompt_tokens, sharded=distributed.is_sharded(self.policy_module))
+            c, policy=m.policy, policy_module=m.policy_module, tokenizer=tokenizer, max_prompt_tokens=limit, **on
+        )
         self.engine_sync = EngineSync()
 
-        check_trainable(self.policy, self.value_model, c)
-        self.policy_optimizer = make_adamw(self.policy, c.lr, c)
-        self.value_optimizer = make_adamw(self.value_model, c.effective_value_lr, c) if c.uses_critic else None
-        self.critic = (Critic(self.value_model, self.value_module, self.value_optimizer, c, device=self.device,
-                              dtype=self.dtype) if c.uses_critic else None)
-        self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.kl_horizon) if c.target_kl is not None
-                       else FixedKLController(c.kl_coef))
+        self.policy_optimizer = assemble.make_adamw(self.policy, c.lr, c)
+        self.objective = PolicyObjective.from_config(c)
+        self.kl_ctl = make_kl_controller(c)
         # Minibatch shuffles have their own stream, independent of how much sampling consumed.
         self.shuffle_generator = torch.Generator().manual_seed(c.seed + 1)
         self.skips = SkipPolicy(c.max_consecutive_skips)
         self.step_count = 0
         self.optimizer_steps = 0  # applied ones (skipped updates do not count): the warm-up's clock
         self.base_model_source = base_model_source
-        self.resumed_step: Optional[int] = None
+        self.resumed_step: Optional[int] = None  # set by the run when it restores a checkpoint
         if self.world.active:
             torch.manual_seed(c.seed + 1_000_003 * self.world.rank)  # each rank samples its own responses
+
+    @property
+    def policy(self) -> nn.Module:
+        """The policy (the ``peft`` model under LoRA), trained in place."""
+        return self.models.policy
+
+    @property
+    def critic(self) -> Optional[Critic]:
+        """The value model's share of a step, ``None`` for a critic-free estimator."""
+        return self.models.critic
 
     # ------------------------------------------------------------------------------ one step
     def step(self) -> StepResult:
@@ -202,35 +192,45 @@ class PPOTrainer:
             RewardError: the reward raised or returned bad scores.
             NonFiniteUpdateError: ``max_consecutive_skips`` non-finite updates in a row.
         """
-        c, timer = self.config, PhaseTimer(absent=() if self.critic is not None else ("value_forward",))
+        c, where = self.config, self._where()
+        timer = PhaseTimer(absent=() if self.critic is not None else ("value_forward",))
         with timer.phase("weight_sync"):
             self.sync_engine()
-        batch, sampled = sample_scored_batch(self, timer)                                 # 1, 2, 3
-        first_perm = batch.epoch_permutation(self.shuffle_generator)
+        self.train_mode(False)
+        # 1, 2, 3: sample, cut, score (and DAPO's dynamic sampling)
+        batch, sampled = sample_scored_batch(
+            self.engine, self.sampler, self.reward_fn, c, self.world, self.device, timer, where=where
+        )
+        # 4: the rollout's forwards, on the micro-batches the first epoch trains on
+        first_perm, n = batch.epoch_permutation(self.shuffle_generator), self.micro_batch_size
         fold = self.first_pass_is_rollout_pass()
-        rollout_forwards(self, batch, first_perm, timer, first_policy=not fold)           # 4
-        first_forward = first_policy_forward(self, batch, first_perm, timer) if fold else None
+        rollout_forwards(self.models, batch, first_perm, n, timer, first_policy=not fold)
+        first_forward = first_policy_forward(self.models, batch, first_perm, n, timer) if fold else None
+        # 5: rewards, advantages, and the sampler's mismatch
         kl_coef = float(self.kl_ctl.value)
         with timer.phase("advantages"):
-            rollout = self.advantages(batch, kl_coef)                                     # 5
-            mismatch = correct_for_sampler(batch, c.rollout_correction, c.rollout_is_cap, self.world,
-                                           type(self.engine).__name__)
+            rollout_stats = shaped_advantages(batch, kl_coef, self.estimator, c, self.world, where=where)
+            engine = type(self.engine).__name__
+            mismatch = correct_for_sampler(batch, c.rollout_correction, c.rollout_is_cap, self.world, engine)
+        # 6: the update
         with timer.phase("update"):
-            update_metrics = self.update(batch, first_perm, first_forward)                # 6
-        kl_sum = float(batch.kl.sum())  # 0 where masked: every sampled token, truncated or not
-        kl_mean = distributed.all_sum([kl_sum], self.world)[0] / c.batch_size
-        self.update_kl_coef(kl_mean)                                                     # 7
+            update_metrics = self.update(batch, first_perm, first_forward)
+        # 7: the KL coefficient; the KL is 0 outside loss_mask, so this sums the policy's tokens
+        kl_mean = distributed.all_sum([float(batch.kl.sum())], self.world)[0] / c.batch_size
+        self.update_kl_coef(kl_mean)
         self.step_count += 1
-        metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef,        # 8
-                   **rollout, **sampled, **mismatch, **update_metrics, **timer.metrics()}
+        # 8: the metrics
+        metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef, **rollout_stats, **sampled}
+        metrics.update(mismatch, **update_metrics, **timer.metrics())
         return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
 
+    def _where(self) -> str:
+        return f"step {self.step_count + 1}"
+
     def close(self) -> None:
-        """Release the rollout engine, if it holds anything (vLLM: its memory and process
-        groups). Under ``torchrun``, call it before the process group is destroyed."""
-        close = getattr(self.engine, "close", None)
-        if callable(close):
-            close()
+        """Release the rollout engine (vLLM: its memory and process groups). Under ``torchrun``,
+        call it before the process group is destroyed."""
+        self.engine.close()
 
     def sync_engine(self) -> None:
         """Give an engine that holds its own copy of the policy the current weights
@@ -238,44 +238,19 @@ class PPOTrainer:
         self.engine_sync(self.engine, self.policy, self.optimizer_steps)
 
     def rollout(self, prompts: List[str]) -> RolloutBuffer:
-        """Sample one response per prompt with :attr:`engine` and cut it after its first EOS
-        (points 1 and 2), with the policy in eval mode (as the rollout's forwards).
+        """Points 1 and 2 for ``prompts`` (:func:`pyppo.trainer.sampling.rollout`), with the models
+        in eval mode (as the rollout's forwards)."""
+        self.train_mode(False)
+        return rollout(self.engine, prompts)
 
-        Raises:
-            TypeError, ValueError: the engine returned something other than a
-                :class:`~pyppo.rollout.Rollout` of these prompts, in their order.
-        """
-        self.policy.eval()
-        return buffer_from_rollout(self.engine.generate(prompts), prompts, self.engine)
+    def score(self, batch: RolloutBuffer, fields: Optional[Dict[str, list]] = None) -> Tuple[torch.Tensor, ...]:
+        """``(raw_scores [B], scores [B])`` of point 3: :func:`pyppo.trainer.sampling.score_batch`."""
+        c, where = self.config, self._where()
+        return score_batch(batch, self.reward_fn, c, self.world, self.device, where=where, fields=fields)
 
-    def score(self, batch: RolloutBuffer, fields: Optional[Dict[str, list]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(raw_scores [B], scores [B])`` of point 3: see :func:`pyppo.trainer.scoring.score_batch`."""
-        return score_batch(batch, self.reward_fn, self.config, self.world, self.device,
-                           where=f"step {self.step_count + 1}", fields=fields)
-
-    @torch.no_grad()
     def advantages(self, batch: RolloutBuffer, kl_coef: float) -> Dict[str, float]:
-        """Fill ``rewards``, ``kl``, ``advantages`` and ``returns`` (point 5). With
-        ``mask_truncated``, responses without EOS then leave the loss (their scores served their
-        group's baseline). Whitening needs two valid tokens; with fewer, the raw advantages are
-        used. Group-normalised estimators (``grpo``, ``rloo``) are not whitened.
-
-        Returns:
-            the rollout's metrics (:func:`rollout_metrics`, over every sampled response), and
-            ``truncated_masked``, the responses taken out of the loss, with ``mask_truncated``.
-        """
-        c = self.config
-        batch.rewards, batch.kl = shape_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs,
-                                                batch.response_mask, kl_coef=kl_coef, estimator=c.kl_estimator)
-        check_rollout(batch, self.world, f"step {self.step_count + 1}")
-        batch.advantages, batch.returns = self.estimate_advantages(batch, c)
-        metrics = rollout_metrics(batch)
-        if c.mask_truncated:
-            metrics["truncated_masked"] = mask_truncated(batch.response_mask, batch.advantages, batch.has_eos)
-        valid = distributed.all_sum([int(batch.response_mask.sum())], self.world)[0]
-        if c.whiten_advantages and self.estimate_advantages.whitened and valid >= 2:
-            batch.advantages = distributed.whiten(batch.advantages, batch.response_mask, self.world)
-        return metrics
+        """Point 5 on ``batch``: :func:`pyppo.trainer.advantages.shaped_advantages`."""
+        return shaped_advantages(batch, kl_coef, self.estimator, self.config, self.world, where=self._where())
 
     def first_pass_is_rollout_pass(self) -> bool:
         """Whether the first epoch's first minibatch is one micro-batch, so that its policy
@@ -289,14 +264,16 @@ class PPOTrainer:
         if math.isfinite(kl_mean):
             self.kl_ctl.update(kl_mean, self.config.batch_size)
         else:
-            warnings.warn(f"step {self.step_count + 1}: the rollout's KL is {kl_mean}; the KL coefficient is "
-                          "not updated", RuntimeWarning, stacklevel=3)
+            message = f"{self._where()}: the rollout's KL is {kl_mean}; the KL coefficient is not updated"
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------------------ the update
-    def update(self, batch: RolloutBuffer, first_perm: torch.Tensor,
-               first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Dict[str, float]:
+    def update(
+        self, batch: RolloutBuffer, first_perm: torch.Tensor, first_forward: LiveForward = None
+    ) -> Dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches, one optimizer step each (point 6).
-        ``first_forward``: :func:`~pyppo.trainer.rollout_forwards.first_policy_forward`'s live output, the first minibatch's
+        ``first_forward``: :func:`~pyppo.trainer.rollout_forwards.first_policy_forward`'s live output,
+        the first minibatch's
         policy forward.
 
         Returns:
@@ -322,9 +299,13 @@ class PPOTrainer:
         self.zero_grad()
         out = {k: math.nan for k in ("policy_loss", "clipfrac", "approx_kl", "ratio_max")}
         if self.critic is not None and seen:
-            values, returns, mask = (torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "response_mask"))
-            out.update(value_loss=math.nan,
-                       explained_variance=distributed.explained_variance(values, returns, mask, self.world))
+            values, returns, mask = (
+                torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "loss_mask")
+            )
+            out.update(
+                value_loss=math.nan,
+                explained_variance=distributed.explained_variance(values, returns, mask, self.world),
+            )
         out.update(stats.means(), skipped_updates=self.skips.total - skipped_before)
         return {**out, **{f"first_{k}": v for k, v in first.items()}}
 
@@ -340,8 +321,9 @@ class PPOTrainer:
         if self.critic is not None:
             self.critic.zero_grad()
 
-    def minibatch_step(self, mb: RolloutBuffer, stats: RunningStats, where: str, *,
-                       first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> List["MicroStepResult"]:
+    def minibatch_step(
+        self, mb: RolloutBuffer, stats: RunningStats, where: str, *, first_forward: LiveForward = None
+    ) -> List[MicroStepResult]:
         """One optimizer step of both models on a minibatch, accumulated over its micro-batches;
         skipped when a loss or gradient norm is not finite. Its statistics go into ``stats``
         when applied. Returns the micro-batches' :meth:`micro_step` results. ``first_forward``:
@@ -350,7 +332,7 @@ class PPOTrainer:
         token_stats, losses = RunningStats(), RunningStats()
         # The whole minibatch's count over all ranks, divided by N because DDP and FSDP average
         # the ranks' gradients: each rank's loss is then its share of the global minibatch's sum.
-        count = distributed.all_sum([loss_normalizer(mb.response_mask, self.config.loss_agg)], self.world)[0]
+        count = distributed.all_sum([loss_normalizer(mb.loss_mask, self.config.loss_agg)], self.world)[0]
         if count == 0:  # every response of the minibatch left the loss (mask_truncated): nothing to learn
             return []
         normalizer = count / self.world.size
@@ -359,9 +341,9 @@ class PPOTrainer:
         for i, mu in enumerate(micros):
             sync = i == len(micros) - 1  # gradients are reduced once, after the last micro-batch
             value_sync = self.critic.gradient_sync(sync) if self.critic is not None else contextlib.nullcontext()
-            with distributed.gradient_sync(self.policy_module, sync), value_sync:
-                seen.append(self.micro_step(mu, normalizer, token_stats, losses,
-                                                 first_forward=first_forward if i == 0 else None))
+            with distributed.gradient_sync(self.models.policy_module, sync), value_sync:
+                live = first_forward if i == 0 else None
+                seen.append(self.micro_step(mu, normalizer, token_stats, losses, first_forward=live))
         # The micro losses sum to this rank's share; the ranks' shares average to the minibatch's.
         totals = distributed.reduce_metrics({k: losses.total(k) for k in losses.means()}, self.world)
         totals.update(policy_grad_norm=self.clip_grad_norm(self.policy))
@@ -390,26 +372,29 @@ class PPOTrainer:
         if self.critic is not None:
             self.critic.set_lr_scale(scale)
 
-    def micro_step(self, mu: RolloutBuffer, normalizer: float, token_stats: RunningStats, losses: RunningStats,
-                   *, first_forward: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> MicroStepResult:
+    def micro_step(
+        self,
+        mu: RolloutBuffer,
+        normalizer: float,
+        token_stats: RunningStats,
+        losses: RunningStats,
+        *,
+        first_forward: LiveForward = None,
+    ) -> MicroStepResult:
         """Forward and backward of one micro-batch. The losses are divided by the minibatch's
         ``normalizer``, so the accumulated gradient (and the sum of the micro-batch losses) is the
         minibatch's. The policy's backward runs before the value model's forward, so the two
         models' activations are never held at once. ``first_forward``: the policy's live
         ``(logprobs, entropy)`` of ``mu`` (``rollout_forwards.first_policy_forward``), trained on
         instead of a new forward."""
-        c = self.config
-        objective = PolicyObjective(
-            cliprange_low=c.cliprange, cliprange_high=c.effective_cliprange_high, dual_clip=c.dual_clip,
-            loss_agg=c.loss_agg, loss_agg_norm=c.effective_loss_agg_norm, normalizer=normalizer,
-            entropy_coef=c.entropy_coef, kl_loss_coef=c.kl_loss_coef, kl_loss_estimator=c.kl_loss_estimator,
-            fused=c.fused_policy_loss, policy_loss=c.policy_loss)
         if first_forward is None:
             with autocast(self.device, self.dtype):
-                pg_loss, pg_stats, logprobs, _ = self.policy_module(mu, objective=objective)
+                pg_loss, pg_stats, logprobs, _ = self.models.policy_module(
+                    mu, objective=self.objective, normalizer=normalizer
+                )
         else:
             logprobs, entropy = first_forward
-            pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, objective)
+            pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, self.objective, normalizer)
             logprobs = logprobs.detach()
         pg_loss.backward()
         terms = {k: float(pg_stats.pop(k)) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
@@ -417,8 +402,8 @@ class PPOTrainer:
         if self.critic is not None:
             terms["value_loss"], vf_stats, values = self.critic.loss_backward(mu, normalizer)
         losses.add(terms)
-        record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.response_mask.sum()))
-        return MicroStepResult(logprobs, mu.old_logprobs, values, mu.returns, mu.response_mask)
+        record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.loss_mask.sum()))
+        return MicroStepResult(logprobs, mu.old_logprobs, values, mu.returns, mu.loss_mask)
 
     def clip_grad_norm(self, model: nn.Module) -> float:
         """Clip ``model``'s gradient norm to ``max_grad_norm``; returns the norm before clipping."""
@@ -429,14 +414,19 @@ class PPOTrainer:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
 
-    # ------------------------------------------------------------------------------ state and the run
+    # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Where the run is, apart from weights and RNGs: the step, the applied optimizer steps,
         the KL controller, the prompt position, the shuffle generator and the skip counters (what
         a checkpoint's ``trainer_state.pt`` holds beside them)."""
-        return {"step": self.step_count, "optimizer_steps": self.optimizer_steps, "kl_ctl": self.kl_ctl.state_dict(),
-                "sampler": self.sampler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
-                **self.skips.state_dict()}
+        return {
+            "step": self.step_count,
+            "optimizer_steps": self.optimizer_steps,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "shuffle_generator": self.shuffle_generator.get_state(),
+            **self.skips.state_dict(),
+        }
 
     def load_state_dict(self, st: dict) -> None:
         """Put back what :meth:`state_dict` returned."""
@@ -448,26 +438,18 @@ class PPOTrainer:
         # Checkpoints from before the warm-up existed: their runs are past any warm-up.
         self.optimizer_steps = int(st.get("optimizer_steps", 2**62))
 
-    def train(self, output_dir: str | os.PathLike, *, progress: bool = True,
-              stop: Optional[GracefulStop] = None) -> List[Dict[str, float]]:
-        """Run steps ``step_count + 1 … config.steps``, logging to ``output_dir``: see
-        :func:`pyppo.run.loop.train`."""
-        return loop.train(self, output_dir, progress=progress, stop=stop)
+    def checkpoint_parts(self) -> Dict[str, Optional[TrainedPart]]:
+        """What trains, as a checkpoint saves it: ``"policy"`` and ``"value"`` (``None`` for a
+        critic-free estimator), each its module as the forwards call it (DDP- or FSDP2-wrapped),
+        its optimizer and the prefix its weight names carry (``"model."`` of the policy's
+        log-prob head)."""
+        critic = self.critic
+        return {
+            "policy": TrainedPart(self.models.policy_module, self.policy_optimizer, "model."),
+            "value": TrainedPart(critic.module, critic.optimizer, "") if critic is not None else None,
+        }
 
-    def evaluate_prompts(self, prompts: Optional[Sequence[str]] = None) -> Tuple[Dict[str, float], List[dict]]:
-        """Held-out evaluation (``eval_prompts`` by default): see :func:`pyppo.run.evaluate.evaluate_prompts`."""
-        return evaluate.evaluate_prompts(self, prompts)
-
-    def save_checkpoint(self, directory: str | os.PathLike) -> Optional[Path]:
-        """Write everything needed to resume exactly: see :func:`pyppo.run.checkpoint.save_trainer`."""
-        return run_checkpoint.save_trainer(self, directory)
-
-    def load_checkpoint(self, directory: str | os.PathLike) -> Path:
-        """Restore a checkpoint of :meth:`save_checkpoint`: see :func:`pyppo.run.checkpoint.load_trainer`."""
-        path = run_checkpoint.load_trainer(self, directory)
+    def weights_loaded(self) -> None:
+        """The trained weights were replaced (a checkpoint was restored): an engine with its own
+        copy of them copies every weight at its next sync."""
         self.engine_sync.weights_loaded()
-        return path
-
-    def export_policy(self, directory: str | os.PathLike) -> Optional[Path]:
-        """Write the policy as a Hugging Face model directory: see :func:`pyppo.run.export.export_trainer_policy`."""
-        return export.export_trainer_policy(self, directory)

@@ -19,11 +19,25 @@ VALUE_METRIC_KEYS = ("value_loss", "explained_variance", "time_value_forward")
 
 #: Keys every step's metrics have; diagnostics come on top (``step``, ``clipfrac_lower``,
 #: ``ratio_mean``, ``ratio_max``, ``vf_clipfrac``, grad norms, ``eos_fraction``, ``first_*``...).
-METRIC_KEYS = tuple(k for k in (
-    "score_mean", "reward_mean", "kl_mean", "kl_coef", "entropy_mean", "policy_loss", "value_loss",
-    "clipfrac", "approx_kl", "explained_variance", "response_length_mean", "step_seconds",
-    *(f"time_{p}" for p in PHASES)) if k not in VALUE_METRIC_KEYS)
-
+METRIC_KEYS = tuple(
+    k
+    for k in (
+        "score_mean",
+        "reward_mean",
+        "kl_mean",
+        "kl_coef",
+        "entropy_mean",
+        "policy_loss",
+        "value_loss",
+        "clipfrac",
+        "approx_kl",
+        "explained_variance",
+        "response_length_mean",
+        "step_seconds",
+        *(f"time_{p}" for p in PHASES),
+    )
+    if k not in VALUE_METRIC_KEYS
+)
 
 
 @dataclass
@@ -45,4 +59,4 @@ class MicroStepResult(NamedTuple):
     old_logprobs: torch.Tensor
     values: torch.Tensor
     returns: torch.Tensor
-    response_mask: torch.Tensor
+    loss_mask: torch.Tensor

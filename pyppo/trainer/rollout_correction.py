@@ -15,8 +15,9 @@ the geometric mean of the token ratios. The product (``exp(sum_t log w_t)``), wh
 ``rollout_is = "sequence"`` uses, grows with the response length, so a fixed cap would truncate or
 mask almost every long response.
 
-All functions are pure; tensors are ``[B, T]`` on the response positions, with ``response_mask``
-``[B, T]`` bool.
+Tensors are ``[B, T]`` on the response positions; the mask is the batch's ``loss_mask`` (the
+policy's own tokens), ``[B, T]`` bool. Every function returns new tensors except
+:func:`correct_for_sampler`, the step's stage, which folds the weights into ``batch.advantages``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ from .. import distributed
 from ..config import ROLLOUT_CORRECTIONS
 from ..ops.losses import LOG_RATIO_CLAMP
 
-__all__ = ["ROLLOUT_CORRECTIONS", "correct_for_sampler", "MISMATCH_RATIO_BAND", "check_rollout_logprobs", "rollout_log_ratio",
-           "rollout_is_weights", "mismatch_metrics"]
+__all__ = [
+    "ROLLOUT_CORRECTIONS",
+    "correct_for_sampler",
+    "MISMATCH_RATIO_BAND",
+    "check_rollout_logprobs",
+    "rollout_log_ratio",
+    "rollout_is_weights",
+    "mismatch_metrics",
+]
 
 #: A token counts in ``mismatch_ratio_outside_fraction`` when ``pi_old / pi_rollout`` leaves this band.
 MISMATCH_RATIO_BAND = (0.5, 2.0)
@@ -41,27 +49,35 @@ def check_rollout_logprobs(rollout_logprobs: torch.Tensor, response_mask: torch.
     ``[B, T]`` tensor like ``response_mask``, or is NaN, +inf or positive at a response token (a
     sampled token has a probability in (0, 1])."""
     if not isinstance(rollout_logprobs, torch.Tensor) or not rollout_logprobs.is_floating_point():
-        raise ValueError(f"{where}: rollout_logprobs must be a float tensor, got {type(rollout_logprobs).__name__}"
-                         + (f" of {rollout_logprobs.dtype}" if isinstance(rollout_logprobs, torch.Tensor) else ""))
+        raise ValueError(
+            f"{where}: rollout_logprobs must be a float tensor, got {type(rollout_logprobs).__name__}"
+            + (f" of {rollout_logprobs.dtype}" if isinstance(rollout_logprobs, torch.Tensor) else "")
+        )
     if rollout_logprobs.shape != response_mask.shape:
-        raise ValueError(f"{where}: rollout_logprobs has shape {tuple(rollout_logprobs.shape)}, expected "
-                         f"{tuple(response_mask.shape)} (the response's)")
+        raise ValueError(
+            f"{where}: rollout_logprobs has shape {tuple(rollout_logprobs.shape)}, expected "
+            f"{tuple(response_mask.shape)} (the response's)"
+        )
     valid = rollout_logprobs[response_mask]
     bad = ~(torch.isfinite(valid) & (valid <= 1e-4))  # a little above 0: the engine's rounding
     if bool(bad.any()):
-        raise ValueError(f"{where}: rollout_logprobs has {int(bad.sum())} response token(s) that are not a finite "
-                         f"log-probability <= 0 (first: {float(valid[bad][0])})")
+        raise ValueError(
+            f"{where}: rollout_logprobs has {int(bad.sum())} response token(s) that are not a finite "
+            f"log-probability <= 0 (first: {float(valid[bad][0])})"
+        )
 
 
-def rollout_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                      response_mask: torch.Tensor) -> torch.Tensor:
+def rollout_log_ratio(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
     """``log(pi_old / pi_rollout)`` per token, ``[B, T]`` float32, 0 where ``response_mask`` is 0."""
     d = old_logprobs.float() - rollout_logprobs.float()
     return torch.where(response_mask, d, torch.zeros((), dtype=d.dtype, device=d.device))
 
 
-def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                       *, mode: str, cap: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def rollout_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *, mode: str, cap: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The detached importance weight of each response token (module docstring).
 
     Args:
@@ -101,8 +117,12 @@ def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     return torch.where(response_mask, weights, zero).detach(), corrected & response_mask
 
 
-def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                     world: Optional[distributed.World] = None) -> Dict[str, float]:
+def mismatch_metrics(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    world: Optional[distributed.World] = None,
+) -> Dict[str, float]:
     """How far the engine's log-probs are from the trainer's, over every rank's response tokens.
 
     Returns:
@@ -117,17 +137,24 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     lo, hi = MISMATCH_RATIO_BAND
     outside = (clamped < torch.log(torch.tensor(lo, dtype=torch.float64))) | (
-        clamped > torch.log(torch.tensor(hi, dtype=torch.float64)))
-    sums = [float(log_ratio.numel()), float(log_ratio.abs().sum()),
-            float((torch.expm1(clamped) - clamped).sum()), float(outside.sum())]
+        clamped > torch.log(torch.tensor(hi, dtype=torch.float64))
+    )
+    sums = [
+        float(log_ratio.numel()),
+        float(log_ratio.abs().sum()),
+        float((torch.expm1(clamped) - clamped).sum()),
+        float(outside.sum()),
+    ]
     if world is not None:
         sums = distributed.all_sum(sums, world)
     n, abs_sum, k3_sum, outside_sum = sums
     n = max(n, 1.0)
-    return {"mismatch_logprob_diff_mean": abs_sum / n,
-            "mismatch_logprob_diff_max": float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
-            "mismatch_kl_k3": k3_sum / n,
-            "mismatch_ratio_outside_fraction": outside_sum / n}
+    return {
+        "mismatch_logprob_diff_mean": abs_sum / n,
+        "mismatch_logprob_diff_max": float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
+        "mismatch_kl_k3": k3_sum / n,
+        "mismatch_ratio_outside_fraction": outside_sum / n,
+    }
 
 
 @torch.no_grad()
@@ -150,16 +177,20 @@ def correct_for_sampler(batch, mode: str, cap: float, world, engine_name: str) -
         ValueError: a correction ``mode`` with an engine that reports no log-probs.
     """
     if batch.rollout_logprobs is None:
+        # PPOConfig refuses a correction without the vLLM engine; an engine put in by hand may
+        # still report no log-probs.
         if mode != "none":
             raise ValueError(
                 f"rollout_correction={mode!r} needs the rollout engine's own log-probs, and {engine_name} returns "
-                "none (rollout_logprobs is None); set rollout_correction = \"none\" or use an engine that reports them")
+                'none (rollout_logprobs is None); set rollout_correction = "none" or use an engine that reports them'
+            )
         return {}
-    metrics = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask, world)
+    metrics = mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, world)
     if mode != "none":
-        weights, corrected = rollout_is_weights(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
-                                                mode=mode, cap=cap)
+        weights, corrected = rollout_is_weights(
+            batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, mode=mode, cap=cap
+        )
         batch.advantages = batch.advantages * weights
-        n, k = distributed.all_sum([int(batch.response_mask.sum()), int(corrected.sum())], world)
+        n, k = distributed.all_sum([int(batch.loss_mask.sum()), int(corrected.sum())], world)
         metrics["rollout_corrected_fraction"] = k / max(n, 1)
     return metrics

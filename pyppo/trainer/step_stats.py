@@ -18,11 +18,18 @@ import torch
 from ..ops import masked_mean
 from ..ops.losses import LOG_RATIO_CLAMP
 
-__all__ = ["PHASES", "RunningStats", "PhaseTimer", "current_phase", "ratio_stats", "record_token_stats", "rollout_metrics"]
+__all__ = [
+    "PHASES",
+    "RunningStats",
+    "PhaseTimer",
+    "current_phase",
+    "ratio_stats",
+    "record_token_stats",
+    "rollout_metrics",
+]
 
 #: The phases of a step, each a ``record_function("pyppo/<phase>")`` range and a ``time_<phase>`` metric.
-PHASES = ("weight_sync", "generate", "policy_forward", "ref_forward", "value_forward", "score", "advantages",
-          "update")
+PHASES = ("weight_sync", "generate", "policy_forward", "ref_forward", "value_forward", "score", "advantages", "update")
 
 _CURRENT_PHASE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("pyppo_phase", default=None)
 
@@ -95,28 +102,37 @@ class PhaseTimer:
 
 
 def rollout_metrics(batch) -> Dict[str, float]:
-    """What the rollout alone says: scores, shaped reward, entropy, lengths."""
-    return {"score_mean": float(batch.raw_scores.mean()), "reward_mean": float(batch.rewards.sum(dim=1).mean()),
-            "entropy_mean": float(masked_mean(batch.entropy, batch.response_mask)),
-            "response_length_mean": float(batch.response_mask.sum(dim=1).float().mean()),
-            "eos_fraction": float(batch.has_eos.float().mean())}
+    """What the rollout alone says: scores, shaped reward, the entropy over ``loss_mask``, the
+    response lengths (``response_mask``), the fraction that ended with EOS."""
+    return {
+        "score_mean": float(batch.raw_scores.mean()),
+        "reward_mean": float(batch.rewards.sum(dim=1).mean()),
+        "entropy_mean": float(masked_mean(batch.entropy, batch.loss_mask)),
+        "response_length_mean": float(batch.response_mask.sum(dim=1).float().mean()),
+        "eos_fraction": float(batch.has_eos.float().mean()),
+    }
 
 
 def record_token_stats(stats: RunningStats, op_stats: Dict[str, torch.Tensor], n_tokens: int) -> None:
     """Add a micro-batch's loss statistics to ``stats``, weighted by its valid tokens (the
     maximum as a maximum; explained variance is computed once over the whole update)."""
-    stats.add({k: float(v) for k, v in op_stats.items() if k not in ("ratio_max", "explained_variance")},
-              weight=n_tokens)
+    stats.add(
+        {k: float(v) for k, v in op_stats.items() if k not in ("ratio_max", "explained_variance")}, weight=n_tokens
+    )
     stats.add_max("ratio_max", float(op_stats["ratio_max"]))
 
 
 def ratio_stats(seen: list) -> Dict[str, float]:
     """Ratio statistics over the micro-batches ``seen`` so far (``micro_step`` results): in the
     first minibatch of a step, before any optimizer step, the ratio must be exactly 1."""
-    logratio = torch.cat([(s.logprobs - s.old_logprobs)[s.response_mask] for s in seen])
+    logratio = torch.cat([(s.logprobs - s.old_logprobs)[s.loss_mask] for s in seen])
     max_abs = float(logratio.abs().max())
     logratio = logratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # as the loss does: exp stays finite
     ratio = torch.exp(logratio)
-    return {"max_abs_logratio": max_abs, "ratio_min": float(ratio.min()),
-            "ratio_max": float(ratio.max()), "ratio_mean": float(ratio.mean()),
-            "approx_kl": float((ratio - 1 - logratio).mean())}
+    return {
+        "max_abs_logratio": max_abs,
+        "ratio_min": float(ratio.min()),
+        "ratio_max": float(ratio.max()),
+        "ratio_mean": float(ratio.mean()),
+        "approx_kl": float((ratio - 1 - logratio).mean()),
+    }

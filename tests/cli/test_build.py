@@ -12,7 +12,6 @@ from pyppo.cli import build
 from pyppo.cli.flags import CLIError
 from pyppo.config import PPOConfig
 from pyppo.prompts import DEFAULT_PROMPTS, arithmetic_prompts
-
 from support.run_fixture import prompts_file, tiny_dir  # noqa: F401 (fixtures)
 
 
@@ -31,8 +30,12 @@ def captured(monkeypatch):
 
 
 def test_records_with_fields_reach_the_trainer(tiny_dir, captured):
-    assert build.build_trainer(PPOConfig(), model=str(tiny_dir), reward="math", prompts="arithmetic",
-                               eval_prompts="arithmetic-eval") == "trainer"
+    assert (
+        build.build_trainer(
+            PPOConfig(), model=str(tiny_dir), reward="math", prompts="arithmetic", eval_prompts="arithmetic-eval"
+        )
+        == "trainer"
+    )
     assert captured["prompts"] == arithmetic_prompts("train")
     assert captured["eval_prompts"] == arithmetic_prompts("eval")
     assert captured["reward_fn"].reward_name == "math"
@@ -47,7 +50,9 @@ def test_prompts_without_fields_reach_the_trainer_as_strings(tiny_dir, prompts_f
 
 def test_fields_reach_the_trainer_when_the_reward_takes_them(tiny_dir, tmp_path, captured):
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": "Hi.", "answer": 1}) + "\n" + json.dumps({"prompt": "Yo.", "answer": 2}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "Hi.", "answer": 1}) + "\n" + json.dumps({"prompt": "Yo.", "answer": 2}) + "\n"
+    )
     build.build_trainer(PPOConfig(), model=str(tiny_dir), reward="math", prompts=str(path))
     assert captured["prompts"] == [{"prompt": "Hi.", "answer": 1}, {"prompt": "Yo.", "answer": 2}]
     # A reward that takes no field gets the prompts only, and lines may carry differing metadata.
@@ -59,8 +64,19 @@ def test_fields_reach_the_trainer_when_the_reward_takes_them(tiny_dir, tmp_path,
 def test_builtin_names_are_kept_by_the_resolved_config(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "math").mkdir()  # a directory named like the built-in reward is not the reward
-    args = cli.build_parser().parse_args(["train", "--reward", "math", "--prompts", "arithmetic",
-                                          "--eval-prompts", "arithmetic-eval", "--output", str(tmp_path / "o")])
+    args = cli.build_parser().parse_args(
+        [
+            "train",
+            "--reward",
+            "math",
+            "--prompts",
+            "arithmetic",
+            "--eval-prompts",
+            "arithmetic-eval",
+            "--output",
+            str(tmp_path / "o"),
+        ]
+    )
     run = cli.resolve_train_config(args).run
     assert (run["reward"], run["prompts"], run["eval_prompts"]) == ("math", "arithmetic", "arithmetic-eval")
     args = cli.build_parser().parse_args(["train", "--prompts", "arithmetics", "--output", str(tmp_path / "o")])

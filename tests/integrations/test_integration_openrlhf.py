@@ -389,7 +389,9 @@ def test_masked_mean_and_normalize_match_the_peer(peer, dtype, kind, dim, B, T, 
         for out in (theirs, ours):
             (out.double() * w).nan_to_num(0.0).sum().backward()
         if via_op:
-            torch.testing.assert_close(leaves[1].grad, leaves[0].grad, rtol=4 * ULP[dtype], atol=4 * ULP[dtype], equal_nan=True)
+            torch.testing.assert_close(
+                leaves[1].grad, leaves[0].grad, rtol=4 * ULP[dtype], atol=4 * ULP[dtype], equal_nan=True
+            )
         else:
             torch.testing.assert_close(leaves[1].grad, leaves[0].grad, rtol=0, atol=0, equal_nan=True)
 
@@ -435,12 +437,19 @@ def advantage_step(peer):
     assert {m.name for m in methods} == wanted
     maker = ast.ClassDef(name="Maker", bases=[], keywords=[], body=methods, decorator_list=[])
     namespace = {
-        "torch": torch, "itertools": __import__("itertools"), "List": List, "Tuple": Tuple, "Experience": object,
-        "compute_reward": peer.module.compute_reward, "apply_length_penalties": length_penalty.apply_length_penalties,
+        "torch": torch,
+        "itertools": __import__("itertools"),
+        "List": List,
+        "Tuple": Tuple,
+        "Experience": object,
+        "compute_reward": peer.module.compute_reward,
+        "apply_length_penalties": length_penalty.apply_length_penalties,
         "logger": logging.getLogger("openrlhf-test"),
     }
-    exec(compile(ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[])), "experience_maker", "exec"),
-         namespace)
+    exec(
+        compile(ast.fix_missing_locations(ast.Module(body=[maker], type_ignores=[])), "experience_maker", "exec"),
+        namespace,
+    )
     return namespace["Maker"]
 
 
@@ -458,14 +467,20 @@ def openrlhf_shaped_rewards(maker_class, rewards, n, estimator, seed, T=6):
         b = len(chunk)
         mask = torch.rand(b, T, generator=g) < 0.7
         mask[:, 0] = True
-        experiences.append(SimpleNamespace(
-            rewards=rewards[chunk].clone(), index=chunk.tolist(), kl=torch.zeros(b, T, dtype=rewards.dtype),
-            action_mask=mask,
-            info={}, values=torch.zeros(b, T),
-        ))
+        experiences.append(
+            SimpleNamespace(
+                rewards=rewards[chunk].clone(),
+                index=chunk.tolist(),
+                kl=torch.zeros(b, T, dtype=rewards.dtype),
+                action_mask=mask,
+                info={},
+                values=torch.zeros(b, T),
+            )
+        )
     args = SimpleNamespace(
         algo=SimpleNamespace(advantage=SimpleNamespace(estimator=estimator, gamma=1.0, lambd=1.0, no_std_norm=False)),
-        rollout=SimpleNamespace(n_samples_per_prompt=n), reward=SimpleNamespace(clip_range=None),
+        rollout=SimpleNamespace(n_samples_per_prompt=n),
+        reward=SimpleNamespace(clip_range=None),
     )
     maker = maker_class()
     maker.strategy, maker.advantage_estimator = SimpleNamespace(args=args), estimator
@@ -520,8 +535,9 @@ def test_group_rewards_edge_cases(peer, advantage_step):
     # flash_reinforce: one group, the whole batch (a batch of one sample gives 0).
     one = torch.tensor([[3.0]])
     assert torch.equal(O.group_rewards(one, "flash_reinforce"), torch.zeros(1, 1))
-    assert torch.equal(openrlhf_shaped_rewards(advantage_step, one.reshape(-1), 1, "flash_reinforce", 0),
-                       torch.zeros(1))
+    assert torch.equal(
+        openrlhf_shaped_rewards(advantage_step, one.reshape(-1), 1, "flash_reinforce", 0), torch.zeros(1)
+    )
     torch.testing.assert_close(O.group_rewards(r, "flash_reinforce"), r - r.mean())
     # Equal rewards: OpenRLHF's float32 mean is an ulp off, its std is of the order of that ulp,
     # and group_norm divides one by the other (+ 1e-9): eight rewards of 2.9 all get 0.93.
@@ -621,6 +637,7 @@ def test_openrlhf_actor_forward_through_pyppo(peer):
     # OpenRLHF's own Actor.forward on a tiny random Llama: it scales the logits in place by the
     # temperature, then calls compute_entropy and log_probs_from_logits by name.
     from openrlhf.models.actor import Actor
+
     from support.tiny_models import tiny_causal_lm
 
     actor = Actor(tiny_causal_lm(0), temperature=0.7)
@@ -643,7 +660,6 @@ def test_openrlhf_actor_forward_through_pyppo(peer):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-
 def test_adapters_work_without_the_peer():
     # A fresh interpreter where importing openrlhf fails, as on a machine without it.
     code = """
@@ -659,7 +675,8 @@ logprobs, ref_logprobs = torch.randn(3), torch.randn(3)
 log_ratio = (ref_logprobs - logprobs).double()
 close = lambda a, b: torch.allclose(a.double(), b, atol=1e-5)
 # The peer clips k3 to [-10, 10]; without the clip here about one run in ten failed.
-assert close(O.compute_approx_kl(logprobs, ref_logprobs, kl_estimator='k3'), (log_ratio.exp() - 1 - log_ratio).clamp(-10, 10))
+k3 = (log_ratio.exp() - 1 - log_ratio).clamp(-10, 10)
+assert close(O.compute_approx_kl(logprobs, ref_logprobs, kl_estimator='k3'), k3)
 logits, labels = torch.randn(2, 5), torch.randint(0, 5, (2,))
 logp = torch.log_softmax(logits.double() / 0.5, -1)
 assert close(O.log_probs_from_logits(logits, labels, 0.5), logp.gather(-1, labels[:, None])[:, 0])

@@ -38,14 +38,28 @@ ULP = {BF16: 2.0**-8, F16: 2.0**-11, torch.float32: 2.0**-24, F64: 2.0**-53}  # 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 CORE_NAMES = (
-    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_grpo_vectorized_outcome_advantage",
-    "compute_rloo_outcome_advantage", "compute_rloo_vectorized_outcome_advantage",
-    "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-    "kl_penalty", "kl_penalty_forward", "agg_loss", "compute_policy_loss",
-    "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_cispo", "compute_value_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "kl_penalty",
+    "kl_penalty_forward",
+    "agg_loss",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_cispo",
+    "compute_value_loss",
 )
 TF_NAMES = (
-    "masked_mean", "masked_var", "masked_whiten", "logprobs_from_logits", "entropy_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "logprobs_from_logits",
+    "entropy_from_logits",
     "entropy_from_logits_with_chunking",
 )
 
@@ -186,10 +200,16 @@ def test_gae_matches(peer, kind, mask_dtype, B, T):
     # exact): a relative difference below 6e-8.
     r64, v64 = r.double(), v.double()
     m64 = m.double()
-    assert_same(pv.compute_gae_advantage_return(r64, v64, m64, 0.97, 0.8),
-                peer.compute_gae_advantage_return(r64, v64, m64, 0.97, 0.8))
-    assert_same(pv.compute_gae_advantage_return(r64, v64, m, 0.97, 0.8),
-                peer.compute_gae_advantage_return(r64, v64, m, 0.97, 0.8), rtol=2e-7, atol=1e-7)
+    assert_same(
+        pv.compute_gae_advantage_return(r64, v64, m64, 0.97, 0.8),
+        peer.compute_gae_advantage_return(r64, v64, m64, 0.97, 0.8),
+    )
+    assert_same(
+        pv.compute_gae_advantage_return(r64, v64, m, 0.97, 0.8),
+        peer.compute_gae_advantage_return(r64, v64, m, 0.97, 0.8),
+        rtol=2e-7,
+        atol=1e-7,
+    )
 
 
 def test_gae_masked_positions_carry_and_are_whitened(peer):
@@ -283,9 +303,14 @@ def test_masked_stats_dtypes_and_values(peer, dtype, mask_dtype):
     x, m = _masked_inputs(dtype, mask_dtype, FLOATS.index(dtype) * 10 + MASK_DTYPES.index(mask_dtype), kind="empty_row")
     x64 = x.double()
     cases = [
-        ("masked_mean", (), {}), ("masked_mean", (-1,), {}), ("masked_mean", (0,), {}), ("masked_mean", ((0, 1),), {}),
-        ("masked_var", (), {}), ("masked_var", (False,), {}),
-        ("masked_whiten", (), {}), ("masked_whiten", (), {"shift_mean": False}),
+        ("masked_mean", (), {}),
+        ("masked_mean", (-1,), {}),
+        ("masked_mean", (0,), {}),
+        ("masked_mean", ((0, 1),), {}),
+        ("masked_var", (), {}),
+        ("masked_var", (False,), {}),
+        ("masked_whiten", (), {}),
+        ("masked_whiten", (), {"shift_mean": False}),
     ]
     for name, args, kw in cases:
         theirs = getattr(peer, name)(x, m, *args, **kw)
@@ -329,8 +354,13 @@ def test_masked_mean_empty_selection_is_zero_with_gradient(peer):
 def test_masked_stats_gradients(peer, dtype):
     x, m = _masked_inputs(dtype, torch.float32, 3)
     rtol = 1e-5 if dtype != BF16 else 2e-2
-    for name, kw in (("masked_mean", {}), ("masked_mean", {"axis": -1}), ("masked_var", {}), ("masked_whiten", {}),
-                     ("masked_whiten", {"shift_mean": False})):
+    for name, kw in (
+        ("masked_mean", {}),
+        ("masked_mean", {"axis": -1}),
+        ("masked_var", {}),
+        ("masked_whiten", {}),
+        ("masked_whiten", {"shift_mean": False}),
+    ):
         theirs = grads(lambda t: getattr(peer, name)(t, m, **kw), [x])
         ours = grads(lambda t: getattr(pv, name)(t, m, **kw), [x])
         assert_same(ours[0], theirs[0], rtol=rtol, atol=rtol)
@@ -370,8 +400,9 @@ def test_masked_stats_too_few_elements(peer):
 
 
 @pytest.mark.parametrize("name", KL_NAMES + tuple(k + "+" for k in KL_NAMES))
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (F64, F64), (torch.float32, BF16), (BF16, F64)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32, torch.float32), (F64, F64), (torch.float32, BF16), (BF16, F64)], ids=str
+)
 def test_kl_penalty_matches(peer, name, dtypes):
     g = gen(len(name))
     shape = (4, 37)
@@ -530,8 +561,13 @@ def actor_config(**kw):
 def dict_config(**kw):
     from omegaconf import OmegaConf
 
-    base = {"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": 0.28, "clip_ratio_c": 2.5,
-            "global_batch_info": {}}
+    base = {
+        "clip_ratio": 0.2,
+        "clip_ratio_low": None,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": 2.5,
+        "global_batch_info": {},
+    }
     return OmegaConf.create(base | kw)
 
 
@@ -546,8 +582,15 @@ def policy_inputs(B, T, seed, dtype=torch.float32, kind="holes", mask_dtype=torc
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
-@pytest.mark.parametrize("clips", [{"cliprange": 0.2}, {"cliprange": 0.1, "cliprange_high": 0.28, "clip_ratio_c": 2.0},
-                                   {"cliprange_low": 0.3, "cliprange_high": 0.2, "clip_ratio_c": 10.0}], ids=str)
+@pytest.mark.parametrize(
+    "clips",
+    [
+        {"cliprange": 0.2},
+        {"cliprange": 0.1, "cliprange_high": 0.28, "clip_ratio_c": 2.0},
+        {"cliprange_low": 0.3, "cliprange_high": 0.2, "clip_ratio_c": 10.0},
+    ],
+    ids=str,
+)
 def test_compute_policy_loss_matches(peer, mode, mask_dtype, clips):
     old, new, adv, m = policy_inputs(5, 37, AGG_MODES.index(mode), mask_dtype=mask_dtype, kind="empty_row")
     old.view(-1)[:2] = torch.tensor([-40.0, 30.0])  # a log-ratio beyond the ±20 clamp
@@ -598,11 +641,18 @@ OP_LOSSES = {"compute_policy_loss_gspo": "_gspo_policy_loss", "compute_policy_lo
 def op_loss_config(name, kind):
     # GSPO's sequence ratio stays near 1 (a mean of token log-ratios): its clip range is narrow,
     # as in the paper, so that some sequences are clipped.
-    clips = {"clip_ratio_low": 0.03, "clip_ratio_high": 0.04} if "gspo" in name else {"clip_ratio_low": 0.2,
-                                                                                       "clip_ratio_high": 0.28}
+    clips = (
+        {"clip_ratio_low": 0.03, "clip_ratio_high": 0.04}
+        if "gspo" in name
+        else {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
+    )
     if kind == "global":
-        clips["global_batch_info"] = {"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 12,
-                                      "loss_scale_factor": 32}
+        clips["global_batch_info"] = {
+            "dp_size": 2,
+            "batch_num_tokens": 300,
+            "global_batch_size": 12,
+            "loss_scale_factor": 32,
+        }
     return actor_config(**clips)
 
 
@@ -630,17 +680,30 @@ def test_gspo_and_cispo_match(peer, monkeypatch, name, mode, config, weights):
     if mode == "token-mean" and not weights:
         assert ours[1]["actor/pg_clipfrac"] > 0.05  # not vacuous: some tokens are clipped
     for i in (1, 2):  # gradients w.r.t. log_prob and advantages
+
         def run(f, a):
             inputs = [old, new, adv]
             inputs[i] = a
             return f(*inputs, m, mode, cfg, w)
-        assert_same(grads(lambda a: run(pv.__dict__[name], a), [(old, new, adv)[i]])[0],
-                    grads(lambda a: run(getattr(peer.ca, name), a), [(old, new, adv)[i]])[0])
+
+        assert_same(
+            grads(lambda a: run(pv.__dict__[name], a), [(old, new, adv)[i]])[0],
+            grads(lambda a: run(getattr(peer.ca, name), a), [(old, new, adv)[i]])[0],
+        )
 
 
 @pytest.mark.parametrize("name", list(OP_LOSSES))
-@pytest.mark.parametrize("dtypes", [(F64, F64, torch.bool), (BF16, BF16, torch.int64), (BF16, torch.float32, F64),
-                                    (torch.float32, torch.float32, F64), (F16, F16, torch.float32)], ids=str)
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (F64, F64, torch.bool),
+        (BF16, BF16, torch.int64),
+        (BF16, torch.float32, F64),
+        (torch.float32, torch.float32, F64),
+        (F16, F16, torch.float32),
+    ],
+    ids=str,
+)
 def test_gspo_and_cispo_dtypes(peer, name, dtypes):
     lp_dtype, adv_dtype, mask_dtype = dtypes
     old, new, adv, m = policy_inputs(4, 16, 1, dtype=lp_dtype, mask_dtype=mask_dtype, spread=0.05)
@@ -671,15 +734,19 @@ def test_gspo_and_cispo_edges(peer):
     # log-ratios in pyppo, of raw ones in veRL: a row with a token beyond ±20 differs.
     far = old.clone()
     far[0, 0], m[0, 0] = new[0, 0] - 40.0, 1
-    assert_same(pv.compute_policy_loss_cispo(far, new, adv, m, "token-mean", cfg),
-                peer.ca.compute_policy_loss_cispo(far, new, adv, m, "token-mean", cfg))
+    assert_same(
+        pv.compute_policy_loss_cispo(far, new, adv, m, "token-mean", cfg),
+        peer.ca.compute_policy_loss_cispo(far, new, adv, m, "token-mean", cfg),
+    )
     ours = pv.compute_policy_loss_gspo(far, new, adv, m, "token-mean", cfg)[0]
     assert not torch.isclose(ours, peer.ca.compute_policy_loss_gspo(far, new, adv, m, "token-mean", cfg)[0])
     # An all-masked batch: veRL's 0 / 0 (NaN loss, zero statistics).
     z = torch.zeros_like(m)
     for name in OP_LOSSES:
-        ours, theirs = getattr(pv, name)(old, new, adv, z, "token-mean", cfg), \
-            getattr(peer.ca, name)(old, new, adv, z, "token-mean", cfg)
+        ours, theirs = (
+            getattr(pv, name)(old, new, adv, z, "token-mean", cfg),
+            getattr(peer.ca, name)(old, new, adv, z, "token-mean", cfg),
+        )
         assert ours[0].isnan() and theirs[0].isnan() and ours[1] == theirs[1]
     # Errors: veRL's asserts, and what the ops refuse.
     for name in OP_LOSSES:
@@ -693,12 +760,17 @@ def test_gspo_and_cispo_edges(peer):
     neg[1, 1] = -1.0
     with pytest.raises(ValueError, match="rollout_is_weights must be >= 0"):
         pv.compute_policy_loss_gspo(old, new, adv, m, "token-mean", cfg, neg)
-    assert_same(pv.compute_policy_loss_cispo(old, new, adv, m, "token-mean", cfg, neg),
-                peer.ca.compute_policy_loss_cispo(old, new, adv, m, "token-mean", cfg, neg))
+    assert_same(
+        pv.compute_policy_loss_cispo(old, new, adv, m, "token-mean", cfg, neg),
+        peer.ca.compute_policy_loss_cispo(old, new, adv, m, "token-mean", cfg, neg),
+    )
 
 
-@pytest.mark.parametrize("dtypes", [(F64, F64, torch.bool), (BF16, BF16, torch.int64),
-                                    (BF16, torch.float32, torch.bool), (F16, F16, torch.float32)], ids=str)
+@pytest.mark.parametrize(
+    "dtypes",
+    [(F64, F64, torch.bool), (BF16, BF16, torch.int64), (BF16, torch.float32, torch.bool), (F16, F16, torch.float32)],
+    ids=str,
+)
 def test_policy_and_value_loss_dtypes(peer, dtypes):
     lp_dtype, adv_dtype, mask_dtype = dtypes
     old, new, adv, m = policy_inputs(4, 16, 1, dtype=lp_dtype, mask_dtype=mask_dtype, spread=0.05)
@@ -727,9 +799,10 @@ def test_policy_and_value_loss_dtypes(peer, dtypes):
         ours = pv.compute_policy_loss_vanilla(old, new, adv, m, "token-mean", cfg, w)
         e_ours, e_theirs = abs(ours[0].double() - exact[0]), abs(theirs[0].double() - exact[0])
         assert e_ours <= e_theirs + ULP[ours[0].dtype] * abs(exact[0]), (e_ours, e_theirs)
-        assert abs(ours[1]["actor/ppo_kl"] - exact[1]["actor/ppo_kl"]) <= abs(
-            theirs[1]["actor/ppo_kl"] - exact[1]["actor/ppo_kl"]
-        ) + 1e-6
+        assert (
+            abs(ours[1]["actor/ppo_kl"] - exact[1]["actor/ppo_kl"])
+            <= abs(theirs[1]["actor/ppo_kl"] - exact[1]["actor/ppo_kl"]) + 1e-6
+        )
 
 
 def test_loss_gradients_at_ties_and_wrt_old_log_prob(peer):
@@ -744,37 +817,49 @@ def test_loss_gradients_at_ties_and_wrt_old_log_prob(peer):
     cfg_tie_clip = dict_config(clip_ratio_high=r - 1, clip_ratio_c=10.0)  # ratio exactly at 1 + ε_high
     for cfg in (cfg_tie_dual, cfg_tie_clip):
         for fn_args in ((0,), (1,)):
+
             def run(f, a):
                 inputs = [old, lp]
                 inputs[fn_args[0]] = a
                 return f(inputs[0], inputs[1], adv, m, "token-sum", cfg)
+
             start = (old, lp)[fn_args[0]]
-            assert_same(grads(lambda a: run(pv.compute_policy_loss_vanilla, a), [start])[0],
-                        grads(lambda a: run(peer.compute_policy_loss_vanilla, a), [start])[0])
+            assert_same(
+                grads(lambda a: run(pv.compute_policy_loss_vanilla, a), [start])[0],
+                grads(lambda a: run(peer.compute_policy_loss_vanilla, a), [start])[0],
+            )
     # Gradients w.r.t. the advantages too (PPO treats them as constants; veRL's autograd does not).
     for cfg in (cfg_tie_dual, cfg_tie_clip):
-        assert_same(grads(lambda a: pv.compute_policy_loss_vanilla(old, lp, a, m, "token-sum", cfg), [adv])[0],
-                    grads(lambda a: peer.compute_policy_loss_vanilla(old, lp, a, m, "token-sum", cfg), [adv])[0])
+        assert_same(
+            grads(lambda a: pv.compute_policy_loss_vanilla(old, lp, a, m, "token-sum", cfg), [adv])[0],
+            grads(lambda a: peer.compute_policy_loss_vanilla(old, lp, a, m, "token-sum", cfg), [adv])[0],
+        )
     values = torch.tensor([[0.0, 1.0, -1.0, 0.5, 0.3]])
     returns = torch.tensor([[1.0, 0.0, 2.0, 0.5, 0.3]])
     m1 = torch.ones(1, 5, dtype=torch.bool)
     for vpreds in (values + 0.2, values - 0.2, values.clone(), values + 0.1, values + 0.5):
         for i in range(3):
+
             def run(f, a):
                 inputs = [vpreds, returns, values]
                 inputs[i] = a
                 return f(*inputs, m1, 0.2, "token-sum")
+
             start = (vpreds, returns, values)[i]
-            assert_same(grads(lambda a: run(pv.compute_value_loss, a), [start])[0],
-                        grads(lambda a: run(peer.compute_value_loss, a), [start])[0])
+            assert_same(
+                grads(lambda a: run(pv.compute_value_loss, a), [start])[0],
+                grads(lambda a: run(peer.compute_value_loss, a), [start])[0],
+            )
 
 
 def test_policy_loss_all_masked(peer):
     old, new, adv, _ = policy_inputs(3, 5, 2)
     z = torch.zeros(3, 5, dtype=torch.bool)
     cfg = actor_config()
-    assert_same(pv.compute_policy_loss_vanilla(old, new, adv, z, "token-mean", cfg),
-                peer.compute_policy_loss_vanilla(old, new, adv, z, "token-mean", cfg))
+    assert_same(
+        pv.compute_policy_loss_vanilla(old, new, adv, z, "token-mean", cfg),
+        peer.compute_policy_loss_vanilla(old, new, adv, z, "token-mean", cfg),
+    )
     assert_same(pv.compute_value_loss(new, adv, old, z, 0.2), peer.compute_value_loss(new, adv, old, z, 0.2))
 
 
@@ -805,8 +890,12 @@ def test_policy_and_value_loss_errors(peer):
         (AssertionError, "compute_policy_loss", (old, new, adv, m), {"cliprange": 0.2, "clip_ratio_c": 1.0}),
         (TypeError, "compute_policy_loss", (old, new, adv, m), {}),
         (AssertionError, "compute_policy_loss_vanilla", (old, new, adv, m), {}),
-        (AssertionError, "compute_policy_loss_vanilla",
-         (old, new, adv, m, "token-mean", actor_config(clip_ratio_c=0.5)), {}),
+        (
+            AssertionError,
+            "compute_policy_loss_vanilla",
+            (old, new, adv, m, "token-mean", actor_config(clip_ratio_c=0.5)),
+            {},
+        ),
         (ValueError, "compute_policy_loss_vanilla", (old, new, adv, m, "bogus", actor_config()), {}),
         (TypeError, "compute_value_loss", (new, adv, old, m, None), {}),
         (ValueError, "compute_value_loss", (new, adv, old, m, 0.2, "bogus"), {}),
@@ -987,8 +1076,12 @@ def test_group_index_forms(peer):
             getattr(peer, name)(r, m, torch.from_numpy(ints))
     unchanged = peer.compute_rloo_outcome_advantage(r, m, torch.from_numpy(ints))[0]
     assert torch.equal(unchanged, r.sum(-1, keepdim=True) * m)
-    assert_same(pv.compute_grpo_outcome_advantage(r, m, torch.from_numpy(ints))[0],
-                peer.compute_grpo_vectorized_outcome_advantage(r, m, torch.from_numpy(ints))[0], rtol=1e-5, atol=1e-5)
+    assert_same(
+        pv.compute_grpo_outcome_advantage(r, m, torch.from_numpy(ints))[0],
+        peer.compute_grpo_vectorized_outcome_advantage(r, m, torch.from_numpy(ints))[0],
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_group_errors(peer):
@@ -1026,8 +1119,9 @@ def test_group_errors(peer):
         getattr(pv, name)(r, one, index)
 
 
-@pytest.mark.parametrize("case", GROUP_CASES + [("compute_reinforce_plus_plus_outcome_advantage", {})],
-                         ids=GROUP_IDS + ["rfpp"])
+@pytest.mark.parametrize(
+    "case", GROUP_CASES + [("compute_reinforce_plus_plus_outcome_advantage", {})], ids=GROUP_IDS + ["rfpp"]
+)
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_group_estimators_half_precision_at_least_as_close(peer, case, dtype):
     # veRL sums, centres and divides in the input dtype (its vectorized estimators round the row
@@ -1099,8 +1193,10 @@ def test_integer_rewards_are_promoted_as_verl_does(peer, mask_dtype, reward_dtyp
     m[:, 0] = True if mask_dtype == torch.bool else 1
     r = torch.randint(-2, 3, (B, T), generator=g).to(reward_dtype)
     index = np.array(["a"] * 3 + ["b"] * 4 + ["c"] * 2, dtype=object)
-    cases = [("compute_grpo_vectorized_outcome_advantage", (m, index)),
-             ("compute_rloo_vectorized_outcome_advantage", (m, index))]
+    cases = [
+        ("compute_grpo_vectorized_outcome_advantage", (m, index)),
+        ("compute_rloo_vectorized_outcome_advantage", (m, index)),
+    ]
     if mask_dtype != torch.bool:  # veRL's GAE fails on a bool mask (1 - mask)
         cases.append(("compute_gae_advantage_return", (randn((B, T), g), m, 0.99, 0.95)))
     for name, args in cases:
@@ -1109,8 +1205,11 @@ def test_integer_rewards_are_promoted_as_verl_does(peer, mask_dtype, reward_dtyp
             ours = getattr(pv, name)(r, *args)
         assert ops, name
         assert_same(ours, theirs, rtol=1e-5, atol=1e-6)
-    for name in ("compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
-                 "compute_reinforce_plus_plus_baseline_outcome_advantage"):
+    for name in (
+        "compute_grpo_outcome_advantage",
+        "compute_rloo_outcome_advantage",
+        "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    ):
         with pytest.raises(RuntimeError, match="mean"):
             getattr(peer, name)(r, m, index)
         with pytest.raises(ValueError, match="token_level_rewards must be a floating-point tensor"):
@@ -1152,9 +1251,12 @@ def test_logprobs_and_entropy_match(peer, dtype, shape, V, how, seed):
             g_exact = grads(lambda t: getattr(peer, name)(t, *args), [z64])[0]
             assert_at_least_as_close(g_ours, g_theirs, g_exact, dtype)
     if len(shape) == 2:
-        assert_same(pv.entropy_from_logits_with_chunking(zl.flatten(0, 1), 3),
-                    peer.entropy_from_logits_with_chunking(z.flatten(0, 1), 3), rtol=1e-3 if dtype != F64 else 1e-5,
-                    atol=1e-3)
+        assert_same(
+            pv.entropy_from_logits_with_chunking(zl.flatten(0, 1), 3),
+            peer.entropy_from_logits_with_chunking(z.flatten(0, 1), 3),
+            rtol=1e-3 if dtype != F64 else 1e-5,
+            atol=1e-3,
+        )
 
 
 def test_logprobs_from_logits_inplace_backward_and_errors(peer):
@@ -1209,8 +1311,10 @@ def _call_sites(peer):
     return [
         ("pyppo::gae", lambda: ca.compute_gae_advantage_return(adv, old, mi, 1.0, 0.95)),
         ("pyppo::gae", lambda: ca.get_adv_estimator_fn("gae")(adv, old, mi, 1.0, 0.95)),
-        ("pyppo::masked_mean",
-         lambda: ca.get_policy_loss_fn("vanilla")(old, new, adv, m, "token-mean", actor_config())),
+        (
+            "pyppo::masked_mean",
+            lambda: ca.get_policy_loss_fn("vanilla")(old, new, adv, m, "token-mean", actor_config()),
+        ),
         ("pyppo::masked_mean", lambda: ca.compute_value_loss(new, adv, old, m, 0.2)),
         ("pyppo::kl_penalty", lambda: losses.kl_penalty(new, old, "low_var_kl")),
         ("pyppo::kl_penalty", lambda: ca.kl_penalty_forward(new, old, "k1")),
@@ -1218,10 +1322,15 @@ def _call_sites(peer):
         ("pyppo::gather_logprobs", lambda: naive.logprobs_from_logits(logits, labels)),
         ("pyppo::gather_logprobs", lambda: tf.entropy_from_logits(logits)),
         ("pyppo::gae", lambda: ca.get_adv_estimator_fn("reinforce_plus_plus")(adv, mi, algo)),
-        *[("pyppo::group_advantages", lambda name=name: ca.get_adv_estimator_fn(name)(adv, mi, index))
-          for name in REGISTRY if name != "reinforce_plus_plus"],
-        ("pyppo::group_advantages",
-         lambda: ca.compute_grpo_outcome_advantage(adv, mi, index, norm_adv_by_std_in_grpo=False)),
+        *[
+            ("pyppo::group_advantages", lambda name=name: ca.get_adv_estimator_fn(name)(adv, mi, index))
+            for name in REGISTRY
+            if name != "reinforce_plus_plus"
+        ],
+        (
+            "pyppo::group_advantages",
+            lambda: ca.compute_grpo_outcome_advantage(adv, mi, index, norm_adv_by_std_in_grpo=False),
+        ),
         # veRL functions that are not replaced but call replaced ones through their module
         ("pyppo::group_advantages", lambda: ca.compute_gdpo_outcome_advantage(adv, mi, index)),
         ("pyppo::masked_var", lambda: ca.compute_gdpo_outcome_advantage(adv, mi, index)),
@@ -1355,7 +1464,8 @@ def test_seq_mean_token_mean_drops_an_empty_row_under_a_float16_mask(peer):
 def test_chunk_size_takes_any_integer_veRL_takes(peer):
     logits = torch.randn(4, 9, generator=gen(1))
     for n in (2, np.int64(2), torch.tensor(2)):
-        torch.testing.assert_close(pv.entropy_from_logits_with_chunking(logits, n),
-                                   peer.entropy_from_logits_with_chunking(logits, n))
+        torch.testing.assert_close(
+            pv.entropy_from_logits_with_chunking(logits, n), peer.entropy_from_logits_with_chunking(logits, n)
+        )
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         pv.entropy_from_logits_with_chunking(logits, 2.0)

@@ -77,7 +77,10 @@ def test_patch_replaces_every_reference_in_the_package_and_unpatch_restores(peer
 
     p = _patching.patch(peer)
     assert set(p.originals) == {
-        f"{PACKAGE}.f", f"{PACKAGE}.core.f", f"{PACKAGE}.user.f", f"{PACKAGE}.core.REGISTRY['f']",
+        f"{PACKAGE}.f",
+        f"{PACKAGE}.core.f",
+        f"{PACKAGE}.user.f",
+        f"{PACKAGE}.core.REGISTRY['f']",
     }
     assert all(fn is original for fn in p.originals.values())
     assert p.version == "1.0" and len(p) == 4
@@ -131,8 +134,9 @@ def test_missing_peer_and_broken_import_raise_importerror(peer_root, monkeypatch
     absent = Peer("fake", "pyppo-no-such-dist", PACKAGE, ("1.0",), ())
     with pytest.raises(ImportError, match=r"pyppo-no-such-dist is not installed.*pyppo-no-such-dist==1\.0"):
         _patching.patch(absent)
-    broken = Peer("fake", PACKAGE, PACKAGE, ("1.0",), (Target(f"{PACKAGE}.nope", "f", adapter),),
-                  import_help="Install the thing.")
+    broken = Peer(
+        "fake", PACKAGE, PACKAGE, ("1.0",), (Target(f"{PACKAGE}.nope", "f", adapter),), import_help="Install the thing."
+    )
     with pytest.raises(ImportError, match=rf"cannot import {PACKAGE}\.nope.*Install the thing\."):
         _patching.patch(broken)
 

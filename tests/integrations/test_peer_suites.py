@@ -62,8 +62,21 @@ def run_suite(peer: str, root: Path, files: tuple[str, ...], tmp_path: Path) -> 
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
     # -c: none of this repository's or the peer's pytest settings; no cache (nor bytecode) is
     # written into site-packages.
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "support.peer_suite_plugin", "-p", "no:cacheprovider",
-           "-c", os.devnull, "--rootdir", str(root), *files]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "support.peer_suite_plugin",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        os.devnull,
+        "--rootdir",
+        str(root),
+        *files,
+    ]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"{peer}'s own tests failed with pyppo patched in:\n{tail}"
@@ -92,8 +105,15 @@ def test_verl_cpu_suite_passes_with_pyppo_patched_in(tmp_path):
         assert any(e["ops"] for e in entries), f"no pyppo op ran in veRL's {name}"
     # The op families patch() routes veRL through, each reached by veRL's own tests (agg_loss and
     # the value and policy losses through masked_mean).
-    for op in ("gae", "kl_penalty", "kl_penalty_backward", "group_advantages", "masked_mean", "masked_var",
-               "masked_whiten"):
+    for op in (
+        "gae",
+        "kl_penalty",
+        "kl_penalty_backward",
+        "group_advantages",
+        "masked_mean",
+        "masked_var",
+        "masked_whiten",
+    ):
         assert f"pyppo::{op}" in ran, (op, sorted(ran))
 
 

@@ -50,8 +50,9 @@ def _ex2(x: np.ndarray, ulps: int, rng: np.random.Generator | None) -> np.ndarra
         steps = rng.integers(-ulps, ulps + 1, size=e.shape)
         noisy = e
         for i in range(ulps):
-            noisy = np.where(steps > i, np.nextafter(noisy, F32(np.inf)),
-                             np.where(-steps > i, np.nextafter(noisy, F32(0)), noisy)).astype(F32)
+            noisy = np.where(
+                steps > i, np.nextafter(noisy, F32(np.inf)), np.where(-steps > i, np.nextafter(noisy, F32(0)), noisy)
+            ).astype(F32)
         e = np.where((x == 0) | ~np.isfinite(e) | (e == 0), e, noisy).astype(F32)
     return np.where(np.abs(e) < np.finfo(F32).tiny, F32(0), e).astype(F32)
 
@@ -115,8 +116,16 @@ def _warp_tree(st: _State, entropy: bool, ex2) -> _State:
     return st
 
 
-def gather_fwd(z: np.ndarray, labels: np.ndarray, *, temperature: float = 1.0, kvec: int = 4,
-               entropy: bool = True, ex2_ulps: int = 0, seed: int = 0):
+def gather_fwd(
+    z: np.ndarray,
+    labels: np.ndarray,
+    *,
+    temperature: float = 1.0,
+    kvec: int = 4,
+    entropy: bool = True,
+    ex2_ulps: int = 0,
+    seed: int = 0,
+):
     """(logprobs, entropy, lse) of rows ``z [R, V]`` (float32 values of the logits, already
     converted from their dtype) at ``labels [R]`` (all valid, in range), as the kernel computes
     them. ``kvec`` is the elements per 16-byte chunk: 4 for float32, 8 for bfloat16/float16."""
@@ -169,12 +178,22 @@ def gather_fwd(z: np.ndarray, labels: np.ndarray, *, temperature: float = 1.0, k
         lp = ((x_label - m).astype(F32) - ln_s).astype(F32)
         lp = np.where(lp > 0, F32(0), lp)
     nan = F32(np.nan)
-    return (np.where(row_bad, nan, lp).astype(F32), np.where(row_bad, nan, ent).astype(F32),
-            np.where(row_bad, nan, lse).astype(F32))
+    return (
+        np.where(row_bad, nan, lp).astype(F32),
+        np.where(row_bad, nan, ent).astype(F32),
+        np.where(row_bad, nan, lse).astype(F32),
+    )
 
 
-def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: float, lam: float,
-        last_values: np.ndarray | None = None):
+def gae(
+    rewards: np.ndarray,
+    values: np.ndarray,
+    mask: np.ndarray,
+    *,
+    gamma: float,
+    lam: float,
+    last_values: np.ndarray | None = None,
+):
     """(advantages, returns) ``[B, T]`` float32, bit for bit as ``gae_warp_kernel`` computes them."""
     rewards = np.asarray(rewards, F32)
     values = np.asarray(values, F32)
@@ -226,8 +245,9 @@ def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: flo
             upd = lane + off < 32
             D, C = np.where(upd, (D + (C * oD).astype(F32)).astype(F32), D), np.where(upd, (C * oC).astype(F32), C)
         right_C, right_D = _shfl_down(C, 1), _shfl_down(D, 1)
-        a_edge = np.where(lane < 31, (right_D + (right_C * carry_a[:, None]).astype(F32)).astype(F32),
-                          carry_a[:, None]).astype(F32)
+        a_edge = np.where(
+            lane < 31, (right_D + (right_C * carry_a[:, None]).astype(F32)).astype(F32), carry_a[:, None]
+        ).astype(F32)
         # 3. The recurrence over each segment from its right edge.
         nv, na = v_edge.copy(), a_edge.copy()
         out_a = np.zeros((B, 32, S), F32)
@@ -258,8 +278,15 @@ def _group_members(ids: np.ndarray, g: int) -> list[int]:
     return rows
 
 
-def group_advantages(scores: np.ndarray, ids: np.ndarray, mask: np.ndarray, *, estimator: str = "grpo",
-                     eps: float = 1e-6, std_normalize: bool = True) -> np.ndarray:
+def group_advantages(
+    scores: np.ndarray,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    *,
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+    std_normalize: bool = True,
+) -> np.ndarray:
     """``[B, T]`` advantages (float32, float64 for float64 scores), as ``group_advantages_kernel``
     computes them."""
     out_dtype = np.float64 if scores.dtype == np.float64 else F32
@@ -326,4 +353,3 @@ def kl_k3(lp: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         v = np.where(same, F32(0), np.where(series, v_series, vd.astype(F32)))
         em1 = np.where(same, F32(0), np.where(series, em1_series, ed.astype(F32)))
     return v.astype(F32), em1.astype(F32)
-

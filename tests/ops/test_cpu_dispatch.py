@@ -63,7 +63,9 @@ def _supported():
 def test_each_instruction_set_matches_the_float64_reference(isa):
     env = {**os.environ, "PYPPO_CPU_CAPABILITY": isa}
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, above tests/ops/
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, tests_dir], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tests_dir], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["isa"] == isa.upper()
@@ -76,9 +78,18 @@ def test_each_instruction_set_matches_the_float64_reference(isa):
 
 def test_bad_capability_name_is_a_clear_error():
     env = {**os.environ, "PYPPO_CPU_CAPABILITY": "sse9"}
-    proc = subprocess.run([sys.executable, "-c", "import torch, pyppo.ops as o; o.gae(torch.zeros(1,1), torch.zeros(1,1), torch.ones(1,1)); "
-                           "o.gather_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long))"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, pyppo.ops as o; o.gae(torch.zeros(1,1), torch.zeros(1,1), torch.ones(1,1)); "
+            "o.gather_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "PYPPO_CPU_CAPABILITY" in proc.stderr and "sse9" in proc.stderr
 

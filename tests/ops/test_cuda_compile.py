@@ -52,7 +52,9 @@ def _find_nvcc() -> str | None:
 
 
 NVCC = _find_nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check the kernels)")
+pytestmark = pytest.mark.skipif(
+    NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check the kernels)"
+)
 
 # The same device flags as cmake/cuda.cmake; -O2 keeps the check quick.
 NVCC_FLAGS = ["-std=c++17", "-O2", "--expt-relaxed-constexpr", "-c", "-I", str(CSRC)]
@@ -187,7 +189,10 @@ def test_kernels_include_only_cuda_headers(path):
         name = m.group(2) if m.group(1) == "<" else f'"{m.group(2)}"'
         if path.name == "kernels.h" and name in ('"kl_estimators.h"', '"row_layout.h"'):
             continue  # plain C++ shared with the CPU kernels (PYPPO_HD, PYPPO_ROW_HD)
-        assert _ALLOWED_CU_INCLUDES.match(name), f"{path.name} includes {name}; kernels may include only CUDA headers, cuda/kernels/kernels.h and cuda/kernels/launch.h"
+        assert _ALLOWED_CU_INCLUDES.match(name), (
+            f"{path.name} includes {name}; kernels may include only CUDA headers, cuda/kernels/kernels.h "
+            "and cuda/kernels/launch.h"
+        )
 
 
 @pytest.mark.cuda

@@ -10,11 +10,11 @@ and depend only on their group, and k3 values and gradients that are the CPU ker
 
 from __future__ import annotations
 
+import cuda_emulation as emu
 import numpy as np
 import pytest
 import torch
 
-import cuda_emulation as emu
 from support.reference import F64, bits_equal, ref_gae, ref_kl_penalty
 
 
@@ -144,8 +144,14 @@ def test_emulated_gae_bits_do_not_change_with_right_padding(with_last):
     adv, ret = emu.gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=lv)
     for T in (1023, 1024, 1300, 2048):
         # Junk rewards and values at the padding: masked, so never read.
-        a, r = emu.gae(_padded(rewards, T, 7.0), _padded(values, T, -3.0), _padded(mask, T, False),
-                       gamma=0.99, lam=0.95, last_values=lv)
+        a, r = emu.gae(
+            _padded(rewards, T, 7.0),
+            _padded(values, T, -3.0),
+            _padded(mask, T, False),
+            gamma=0.99,
+            lam=0.95,
+            last_values=lv,
+        )
         assert np.array_equal(a[:, :1000].view(np.uint32), adv.view(np.uint32)), T
         assert np.array_equal(r[:, :1000].view(np.uint32), ret.view(np.uint32)), T
         assert (a[:, 1000:] == 0).all() and (r[:, 1000:] == 0).all()
@@ -155,8 +161,14 @@ def test_emulated_gae_bits_do_not_change_with_right_padding(with_last):
 def test_emulated_gae_matches_reference(T):
     rewards, values, mask, last = _gae_inputs(5, T, seed=T)
     adv, ret = emu.gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=last)
-    ref_a, ref_r = ref_gae(torch.from_numpy(rewards), torch.from_numpy(values), torch.from_numpy(mask),
-                           gamma=0.99, lam=0.95, last_values=torch.from_numpy(last))
+    ref_a, ref_r = ref_gae(
+        torch.from_numpy(rewards),
+        torch.from_numpy(values),
+        torch.from_numpy(mask),
+        gamma=0.99,
+        lam=0.95,
+        last_values=torch.from_numpy(last),
+    )
     t = dict(rtol=1e-4, atol=1e-4 * max(1.0, T / 256))
     torch.testing.assert_close(torch.from_numpy(adv).to(F64), ref_a, **t)
     torch.testing.assert_close(torch.from_numpy(ret).to(F64), ref_r, **t)
@@ -169,8 +181,14 @@ def test_emulated_gae_equals_the_serial_loop_inside_one_segment():
     adv, _ = emu.gae(rewards, values, mask, gamma=0.9, lam=0.8, last_values=last)
     from pyppo.ops import gae
 
-    cpu, _ = gae(torch.from_numpy(rewards), torch.from_numpy(values), torch.from_numpy(mask), gamma=0.9, lam=0.8,
-                 last_values=torch.from_numpy(last))
+    cpu, _ = gae(
+        torch.from_numpy(rewards),
+        torch.from_numpy(values),
+        torch.from_numpy(mask),
+        gamma=0.9,
+        lam=0.8,
+        last_values=torch.from_numpy(last),
+    )
     assert bits_equal(torch.from_numpy(adv), cpu)
 
 
@@ -202,8 +220,13 @@ def test_emulated_group_advantages_are_the_cpu_bits(dtype, estimator, std_normal
 
     scores, ids, mask = _group_inputs(B, 5, seed=B, dtype=dtype)
     emu_out = emu.group_advantages(scores, ids, mask, estimator=estimator, std_normalize=std_normalize)
-    cpu = group_advantages(torch.from_numpy(scores), torch.from_numpy(mask), group_ids=torch.from_numpy(ids),
-                           estimator=estimator, std_normalize=std_normalize)
+    cpu = group_advantages(
+        torch.from_numpy(scores),
+        torch.from_numpy(mask),
+        group_ids=torch.from_numpy(ids),
+        estimator=estimator,
+        std_normalize=std_normalize,
+    )
     assert bits_equal(torch.from_numpy(emu_out), cpu)
     if (ids == ids[0]).sum() > 1:
         assert (emu_out[ids == ids[0]] == 0).all()
@@ -253,8 +276,9 @@ def test_emulated_k3_is_the_cpu_kernels_bits():
     lp, ref = _k3_inputs(5000, seed=3)
     v, em1 = emu.kl_k3(lp, ref)
     got = kl_penalty(torch.from_numpy(lp), torch.from_numpy(ref), estimator="k3")
-    grad = torch.ops.pyppo.kl_penalty_backward(torch.ones(len(lp)), torch.from_numpy(lp), torch.from_numpy(ref),
-                                               "k3", None, None)
+    grad = torch.ops.pyppo.kl_penalty_backward(
+        torch.ones(len(lp)), torch.from_numpy(lp), torch.from_numpy(ref), "k3", None, None
+    )
     assert bits_equal(got, torch.from_numpy(v))
     assert bits_equal(grad, torch.from_numpy(np.float32(0) - em1))
 
@@ -290,8 +314,13 @@ def test_cuda_group_advantages_match_their_replay_bit_for_bit(dtype, estimator, 
 
     scores, ids, mask = _group_inputs(B, 9, seed=B + 1, dtype=dtype)
     want = emu.group_advantages(scores, ids, mask, estimator=estimator, std_normalize=std_normalize)
-    got = group_advantages(torch.from_numpy(scores).cuda(), torch.from_numpy(mask).cuda(),
-                           group_ids=torch.from_numpy(ids).cuda(), estimator=estimator, std_normalize=std_normalize)
+    got = group_advantages(
+        torch.from_numpy(scores).cuda(),
+        torch.from_numpy(mask).cuda(),
+        group_ids=torch.from_numpy(ids).cuda(),
+        estimator=estimator,
+        std_normalize=std_normalize,
+    )
     assert bits_equal(got.cpu(), torch.from_numpy(want))
 
 
@@ -305,8 +334,14 @@ def test_cuda_gae_matches_its_replay_bit_for_bit(T, with_last):
     rewards, values, mask, last = _gae_inputs(9, T, seed=T + 3)
     lv = last if with_last else None
     adv, ret = emu.gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=lv)
-    a, r = gae(torch.from_numpy(rewards).cuda(), torch.from_numpy(values).cuda(), torch.from_numpy(mask).cuda(),
-               gamma=0.99, lam=0.95, last_values=None if lv is None else torch.from_numpy(lv).cuda())
+    a, r = gae(
+        torch.from_numpy(rewards).cuda(),
+        torch.from_numpy(values).cuda(),
+        torch.from_numpy(mask).cuda(),
+        gamma=0.99,
+        lam=0.95,
+        last_values=None if lv is None else torch.from_numpy(lv).cuda(),
+    )
     assert bits_equal(a.cpu(), torch.from_numpy(adv)) and bits_equal(r.cpu(), torch.from_numpy(ret))
 
 
@@ -344,4 +379,3 @@ def test_cuda_k3_matches_its_replay():
     # Elsewhere CUDA's double expm1 against numpy's: the same float32 but for a near-tie.
     torch.testing.assert_close(got, torch.from_numpy(v), rtol=2.4e-7, atol=0, equal_nan=True)
     torch.testing.assert_close(grad, torch.from_numpy(np.float32(0) - em1), rtol=2.4e-7, atol=0, equal_nan=True)
-

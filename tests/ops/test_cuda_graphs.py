@@ -20,7 +20,10 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available() and bool(getattr(pyppo._C, "with_cuda", False))
 
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device and pyppo built with CUDA")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device and pyppo built with CUDA"),
+]
 
 GATHER = torch.ops.pyppo.gather_logprobs.default
 GATHER_BWD = torch.ops.pyppo.gather_logprobs_backward.default
@@ -48,11 +51,25 @@ def _step(x):
     """The ops of a PPO step that take device tensors only: gather forward and backward, the
     chunked head forward and backward (3 chunks), KL, GAE."""
     lp, ent, lse = GATHER(x["logits"], x["labels"], x["mask"], 0.9, -100, True)
-    g_logits = GATHER_BWD(torch.ones_like(lp), torch.ones_like(ent), x["logits"], x["labels"], x["mask"], lse, ent,
-                          0.9, -100)
+    g_logits = GATHER_BWD(
+        torch.ones_like(lp), torch.ones_like(ent), x["logits"], x["labels"], x["mask"], lse, ent, 0.9, -100
+    )
     llp, lent, llse = LINEAR(x["hidden"], x["weight"], x["labels"], x["mask"], None, 1.0, -100, True, 10)
-    gh, gw, _ = LINEAR_BWD(torch.ones_like(llp), torch.ones_like(lent), x["hidden"], x["weight"], x["labels"],
-                           x["mask"], None, llse, lent, 1.0, -100, 10, [True, True, False])
+    gh, gw, _ = LINEAR_BWD(
+        torch.ones_like(llp),
+        torch.ones_like(lent),
+        x["hidden"],
+        x["weight"],
+        x["labels"],
+        x["mask"],
+        None,
+        llse,
+        lent,
+        1.0,
+        -100,
+        10,
+        [True, True, False],
+    )
     kl = ops.kl_penalty(lp, x["ref"], estimator="k3")
     adv, ret = ops.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95)
     return [lp, ent, g_logits, llp, lent, gh, gw, kl, adv, ret]
@@ -103,8 +120,27 @@ def test_linear_ppo_loss_is_capturable():
 
     def loss_fn():
         return torch.ops.pyppo.linear_ppo_loss.default(
-            x["hidden"], x["weight"], x["labels"], old, adv, x["mask"], weights, x["ref"], None, 1.0, -100, 0.2, 0.2,
-            None, 0.1, "k3", 0.01, True, 10, [True, True, False])
+            x["hidden"],
+            x["weight"],
+            x["labels"],
+            old,
+            adv,
+            x["mask"],
+            weights,
+            x["ref"],
+            None,
+            1.0,
+            -100,
+            0.2,
+            0.2,
+            None,
+            0.1,
+            "k3",
+            0.01,
+            True,
+            10,
+            [True, True, False],
+        )
 
     graph, static_out = _capture(loss_fn)
     graph.replay()
@@ -122,8 +158,10 @@ def test_group_advantages_is_capturable_and_replays_bit_for_bit():
     mask = random_mask(64, 33, g).to(d)
 
     def fn():
-        return (ops.group_advantages(scores, mask, group_ids=ids),
-                ops.group_advantages(scores, mask, group_ids=ids, estimator="rloo"))
+        return (
+            ops.group_advantages(scores, mask, group_ids=ids),
+            ops.group_advantages(scores, mask, group_ids=ids, estimator="rloo"),
+        )
 
     graph, static_out = _capture(fn)
     scores.copy_(torch.randn(64, generator=g).to(d))

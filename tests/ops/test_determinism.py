@@ -129,7 +129,8 @@ def test_group_advantages_thread_count_and_repeat():
     mask = random_mask(B, T, g)
     for estimator, std_normalize in (("grpo", True), ("grpo", False), ("rloo", True)):
         one, two, again = run_with_threads(
-            lambda: group_advantages(scores, mask, group_ids=ids, estimator=estimator, std_normalize=std_normalize))
+            lambda: group_advantages(scores, mask, group_ids=ids, estimator=estimator, std_normalize=std_normalize)
+        )
         assert bitwise_equal(one, two) and bitwise_equal(two, again)
 
 
@@ -334,7 +335,9 @@ def test_torch_compile_fullgraph():
     assert x1.grad.abs().sum() > 0
     # a second call with other values (same shapes) reuses the graph and is still right
     logits2 = torch.randn(B, T, V, generator=g)
-    torch.testing.assert_close(compiled(logits2, labels, mask, ref_lp, values), step(logits2, labels, mask, ref_lp, values))
+    torch.testing.assert_close(
+        compiled(logits2, labels, mask, ref_lp, values), step(logits2, labels, mask, ref_lp, values)
+    )
 
 
 def test_torch_compile_group_advantages_fullgraph():
@@ -344,8 +347,9 @@ def test_torch_compile_group_advantages_fullgraph():
     mask = random_mask(12, 7, g)
 
     def advantages(scores, mask):
-        return group_advantages(scores, mask, group_size=4), group_advantages(scores, mask, group_size=3,
-                                                                              estimator="rloo")
+        return group_advantages(scores, mask, group_size=4), group_advantages(
+            scores, mask, group_size=3, estimator="rloo"
+        )
 
     compiled = torch.compile(advantages, fullgraph=True)
     for a, b in zip(compiled(scores, mask), advantages(scores, mask), strict=True):

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from pyppo.ops import gae
 from support.reference import (
-    FLOAT_DTYPES,
     F64,
+    FLOAT_DTYPES,
     assert_same_error,
     bits_equal,
     gen,
@@ -172,7 +172,9 @@ def test_hypothesis(B, T, gamma, lam, p_valid, with_last, dtype, seed):
 def test_opcheck():
     rewards, values, mask, last = make_inputs(4, 7, torch.float32, 7, with_last=True)
     torch.library.opcheck(OP, (rewards, values, mask, 1.0, 0.95, None))
-    torch.library.opcheck(OP, (rewards.double().t().contiguous().t(), values.double(), mask.float(), 0.9, 0.8, last.double()))
+    torch.library.opcheck(
+        OP, (rewards.double().t().contiguous().t(), values.double(), mask.float(), 0.9, 0.8, last.double())
+    )
     torch.library.opcheck(OP, (rewards.bfloat16(), values.half(), mask.long(), 0.99, 1.0, last))
 
 
@@ -253,7 +255,11 @@ def test_device_values_match_reference(device, dtype, T, bootstrap):
         mask[2, : T - 2] = False  # only the last two valid
     last = torch.randn(B, generator=g, dtype=F64).to(dtype) if bootstrap else None
     adv, ret = gae(
-        rewards.to(device), values.to(device), mask.to(device), gamma=0.99, lam=0.95,
+        rewards.to(device),
+        values.to(device),
+        mask.to(device),
+        gamma=0.99,
+        lam=0.95,
         last_values=None if last is None else last.to(device),
     )
     assert adv.dtype == out_dtype(dtype) and adv.device.type == device
@@ -296,7 +302,9 @@ def test_device_bits_do_not_change_with_right_padding(device, dtype, bootstrap):
 @pytest.mark.parametrize("T", [5, 1500])
 def test_device_all_masked_and_single_token_rows(device, T):
     rewards, values, mask, last = make_inputs(6, T, torch.float32, 25 + T, with_last=True)
-    adv, ret = gae(rewards.to(device), values.to(device), mask.to(device), gamma=0.9, lam=0.8, last_values=last.to(device))
+    adv, ret = gae(
+        rewards.to(device), values.to(device), mask.to(device), gamma=0.9, lam=0.8, last_values=last.to(device)
+    )
     adv_r, ret_r = ref_gae(rewards, values, mask, gamma=0.9, lam=0.8, last_values=last)
     torch.testing.assert_close(adv.cpu().to(F64), adv_r, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(ret.cpu().to(F64), ret_r, rtol=1e-5, atol=2e-5)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pyppo.ops import gather_logprobs
 from support.reference import (
-    FLOAT_DTYPES,
     F64,
+    FLOAT_DTYPES,
     assert_same_error,
     bits_equal,
     gen,
@@ -466,9 +466,7 @@ def test_gradcheck_float64():
     # across a block boundary
     big = torch.randn(2, 2050, generator=g, dtype=F64, requires_grad=True)
     lab = torch.tensor([2049, 3])
-    assert torch.autograd.gradcheck(
-        lambda x: gather_logprobs(x, lab, return_entropy=True), (big,), fast_mode=True
-    )
+    assert torch.autograd.gradcheck(lambda x: gather_logprobs(x, lab, return_entropy=True), (big,), fast_mode=True)
 
 
 @settings(max_examples=25, deadline=None)
@@ -636,6 +634,7 @@ def test_second_derivative_is_an_error_not_silent_zeros():
 
 
 # ------------------------------------------------------------------------ on every device
+
 
 # Tolerances of a device kernel against the float64 reference on the same rounded inputs: only
 # the float32 accumulation differs (in another order on CUDA).
@@ -847,10 +846,18 @@ def _bad_shape_and_argument_cases():
         "empty_vocab": (lambda z, y: gather_logprobs(z, y), logits[..., :0], labels),
         "zero_dim": (lambda z, y: gather_logprobs(z, y), torch.tensor(1.0), torch.tensor(0)),
         "bwd_grad_shape": (
-            lambda g, z, y, l: bwd(g, None, z, y, None, l, None, 1.0, -100), grads[:, :2], logits, labels, grads
+            lambda g, z, y, l: bwd(g, None, z, y, None, l, None, 1.0, -100),
+            grads[:, :2],
+            logits,
+            labels,
+            grads,
         ),
         "bwd_entropy_missing": (
-            lambda g, z, y, l: bwd(g, g, z, y, None, l, None, 1.0, -100), grads, logits, labels, grads
+            lambda g, z, y, l: bwd(g, g, z, y, None, l, None, 1.0, -100),
+            grads,
+            logits,
+            labels,
+            grads,
         ),
     }
 
@@ -903,10 +910,7 @@ def _device_opcheck_cases(device):
     logits = torch.randn(B, T, V, generator=g).to(device)
     labels = torch.randint(0, V, (B, T), generator=g).to(device)
     mask = random_mask(B, T, g).to(device)
-    return [
-        (logits.clone().requires_grad_(), labels, mask, 0.9, -100, True),
-        (logits, labels, None, 1.0, -100, False),
-    ]
+    return [(logits.clone().requires_grad_(), labels, mask, 0.9, -100, True), (logits, labels, None, 1.0, -100, False)]
 
 
 @pytest.mark.parametrize("case", range(2))

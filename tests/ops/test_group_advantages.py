@@ -11,8 +11,8 @@ import torch
 
 from pyppo.ops import group_advantages, masked_whiten
 from support.reference import (
-    FLOAT_DTYPES,
     F64,
+    FLOAT_DTYPES,
     assert_same_error,
     bits_equal,
     call_on,
@@ -92,11 +92,18 @@ def test_hand_computed_example():
     col = lambda **kw: group_advantages(scores, mask, group_ids=ids, **kw)[:, 0]  # noqa: E731
     # group 0: m = 1/3, σ = sqrt(((2/3)² + 2·(1/3)²) / 2) = 1/sqrt(3); group 1: m = 3, σ = sqrt(2)
     s3, s2 = 1 / math.sqrt(3), math.sqrt(2)
-    grpo = [(2 / 3) / (s3 + 1e-6), -(1 / 3) / (s3 + 1e-6), -(1 / 3) / (s3 + 1e-6), -1 / (s2 + 1e-6),
-            1 / (s2 + 1e-6), 3 / (1 + 1e-6)]
+    grpo = [
+        (2 / 3) / (s3 + 1e-6),
+        -(1 / 3) / (s3 + 1e-6),
+        -(1 / 3) / (s3 + 1e-6),
+        -1 / (s2 + 1e-6),
+        1 / (s2 + 1e-6),
+        3 / (1 + 1e-6),
+    ]
     torch.testing.assert_close(col(), torch.tensor(grpo), rtol=0, atol=1e-7)
-    torch.testing.assert_close(col(std_normalize=False), torch.tensor([2 / 3, -1 / 3, -1 / 3, -1.0, 1.0, 3.0]),
-                               rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        col(std_normalize=False), torch.tensor([2 / 3, -1 / 3, -1 / 3, -1.0, 1.0, 3.0]), rtol=0, atol=1e-7
+    )
     # RLOO: s_i minus the mean of the others: 1 − 0, 0 − 0.5, 0 − 0.5; 2 − 4, 4 − 2; alone: s
     rloo = torch.tensor([1.0, -0.5, -0.5, -2.0, 2.0, 3.0])
     torch.testing.assert_close(col(estimator="rloo"), rloo, rtol=0, atol=1e-7)
@@ -243,8 +250,13 @@ def _bad_cases():
     scores, mask, ids = _ok()
     op = lambda s, m, i, est="grpo", eps=1e-6: group_advantages(s, m, group_ids=i, estimator=est, eps=eps)  # noqa: E731
     return {
-        "estimator": (lambda s, m, i: op(s, m, i, est="ppo"), r"estimator must be one of 'grpo', 'rloo', got 'ppo'",
-                      scores, mask, ids),
+        "estimator": (
+            lambda s, m, i: op(s, m, i, est="ppo"),
+            r"estimator must be one of 'grpo', 'rloo', got 'ppo'",
+            scores,
+            mask,
+            ids,
+        ),
         "estimator_case": (lambda s, m, i: op(s, m, i, est="GRPO"), "estimator", scores, mask, ids),
         "eps_negative": (lambda s, m, i: op(s, m, i, eps=-1e-6), "eps must be a finite number >= 0", scores, mask, ids),
         "eps_nan": (lambda s, m, i: op(s, m, i, eps=math.nan), "eps", scores, mask, ids),
@@ -333,8 +345,9 @@ def test_different_devices_is_a_runtime_error():
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("estimator,std_normalize", ESTIMATORS, ids=EST_IDS)
-@pytest.mark.parametrize("sizes,T", [(SIZES, 37), ([8] * 512, 256), ([1, 4, 300, 2, 700, 5], 3)],
-                         ids=["mixed", "512x8", "large_groups"])
+@pytest.mark.parametrize(
+    "sizes,T", [(SIZES, 37), ([8] * 512, 256), ([1, 4, 300, 2, 700, 5], 3)], ids=["mixed", "512x8", "large_groups"]
+)
 def test_device_matches_the_cpu_bits(device, dtype, estimator, std_normalize, sizes, T):
     # CUDA adds the same float64 numbers in the same order as the CPU: the same bits.
     scores, mask, ids = make_inputs(sizes, T, dtype, len(sizes) + T)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyppo.ops import KL_ESTIMATORS, kl_penalty
-from support.reference import FLOAT_DTYPES, F64, assert_same_error, gen, grad_tol, out_dtype, ref_kl_penalty, tol
+from support.reference import F64, FLOAT_DTYPES, assert_same_error, gen, grad_tol, out_dtype, ref_kl_penalty, tol
 
 OP = torch.ops.pyppo.kl_penalty.default
 OP_BWD = torch.ops.pyppo.kl_penalty_backward.default
@@ -157,7 +157,10 @@ def test_gradcheck_float64(estimator):
     g = gen(11)
     lp = (-torch.rand(3, 4, generator=g, dtype=F64) * 3).requires_grad_()
     # keep d away from 0 (abs has a kink there) and from the clamp edges
-    ref = (lp.detach() + torch.where(torch.rand(3, 4, generator=g) < 0.5, -1.0, 1.0) * (0.2 + torch.rand(3, 4, generator=g))).requires_grad_()
+    ref = (
+        lp.detach()
+        + torch.where(torch.rand(3, 4, generator=g) < 0.5, -1.0, 1.0) * (0.2 + torch.rand(3, 4, generator=g))
+    ).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: kl_penalty(a, b, estimator=estimator), (lp, ref))
     assert torch.autograd.gradcheck(lambda a, b: kl_penalty(a, b, estimator=estimator, clamp=(-0.1, 0.15)), (lp, ref))
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyppo.ops import KL_ESTIMATORS, kl_penalty, shape_rewards
-from support.reference import FLOAT_DTYPES, F64, assert_same_error, gen, out_dtype, ref_shape_rewards, tol
+from support.reference import F64, FLOAT_DTYPES, assert_same_error, gen, out_dtype, ref_shape_rewards, tol
 
 OP = torch.ops.pyppo.shape_rewards.default
 
@@ -97,7 +97,12 @@ def test_non_contiguous_inputs():
     ref_nc = torch.stack([ref, ref], -1)[..., 0]
     mask_nc = mask.t().contiguous().t()
     scores_nc = torch.stack([scores, scores], 1)[:, 1]
-    assert not lp_nc.is_contiguous() and not ref_nc.is_contiguous() and not mask_nc.is_contiguous() and not scores_nc.is_contiguous()
+    assert (
+        not lp_nc.is_contiguous()
+        and not ref_nc.is_contiguous()
+        and not mask_nc.is_contiguous()
+        and not scores_nc.is_contiguous()
+    )
     a = shape_rewards(scores_nc, lp_nc, ref_nc, mask_nc, kl_coef=0.1, estimator="k2")
     b = shape_rewards(scores, lp, ref, mask, kl_coef=0.1, estimator="k2")
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -106,11 +111,10 @@ def test_non_contiguous_inputs():
 
 @pytest.mark.parametrize("B,T", [(0, 5), (0, 0), (1, 1), (3, 1), (1, 300)])
 def test_small_and_empty(B, T):
-    scores, lp, ref, mask = make_inputs(B, T, torch.float32, B * 31 + T, mask_kind="right_pad") if T else (
-        torch.zeros(0),
-        torch.zeros(0, 0),
-        torch.zeros(0, 0),
-        torch.zeros(0, 0, dtype=torch.bool),
+    scores, lp, ref, mask = (
+        make_inputs(B, T, torch.float32, B * 31 + T, mask_kind="right_pad")
+        if T
+        else (torch.zeros(0), torch.zeros(0, 0), torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool))
     )
     rewards, kl = shape_rewards(scores, lp, ref, mask, kl_coef=0.1)
     assert rewards.shape == (B, T) and kl.shape == (B, T)
@@ -136,7 +140,9 @@ def test_hypothesis(B, T, seed, estimator, kl_coef, score_clip, dtype):
 def test_opcheck():
     scores, lp, ref, mask = make_inputs(4, 6, torch.float32, 6)
     torch.library.opcheck(OP, (scores, lp, ref, mask, 0.1, "k1", None))
-    torch.library.opcheck(OP, (scores.double(), lp.double().t().contiguous().t(), ref.double(), mask.float(), 0.5, "k3", 1.0))
+    torch.library.opcheck(
+        OP, (scores.double(), lp.double().t().contiguous().t(), ref.double(), mask.float(), 0.5, "k3", 1.0)
+    )
     torch.library.opcheck(OP, (scores.bfloat16(), lp.bfloat16(), ref.bfloat16(), mask.long(), 0.0, "abs", 0.3))
 
 

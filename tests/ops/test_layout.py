@@ -50,7 +50,7 @@ def _table() -> tuple[list[str], list[dict[str, list[str]]]]:
     lines = CONTRIBUTING.read_text().splitlines()
     start = lines.index(HEADING)
     rows: list[list[str]] = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("## "):
             break
         if line.startswith("|"):
@@ -121,7 +121,7 @@ def test_a_family_has_one_stem(family):
         for p in row[col]:
             name = Path(p).name
             if col == "tests":
-                name = name[len("test_"):] if name.startswith("test_") else "?"
+                name = name[len("test_") :] if name.startswith("test_") else "?"
             if not name.startswith(family):
                 bad.append(p)
     assert not bad, f"files of the {family} family not named after it: {bad}"

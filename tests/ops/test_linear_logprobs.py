@@ -31,8 +31,9 @@ def test_values_and_grads_match_float64_reference(chunk_size, temperature):
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     b = bias.clone().requires_grad_()
-    lp, ent = ops.linear_logprobs(h, w, labels, mask, bias=b, temperature=temperature, return_entropy=True,
-                                  chunk_size=chunk_size)
+    lp, ent = ops.linear_logprobs(
+        h, w, labels, mask, bias=b, temperature=temperature, return_entropy=True, chunk_size=chunk_size
+    )
     (lp * 1.3 + ent * 0.4).sum().backward()
 
     hd, wd, bd = (t.double().requires_grad_() for t in (hidden, weight, bias))
@@ -101,8 +102,7 @@ def test_gradcheck_float64():
     args = [t.double().requires_grad_() for t in (hidden, weight, bias)]
 
     def f(h, w, b):
-        lp, ent = ops.linear_logprobs(h, w, labels, mask, bias=b, temperature=0.7, return_entropy=True,
-                                      chunk_size=2)
+        lp, ent = ops.linear_logprobs(h, w, labels, mask, bias=b, temperature=0.7, return_entropy=True, chunk_size=2)
         return lp, ent
 
     assert torch.autograd.gradcheck(f, args)
@@ -201,25 +201,37 @@ def test_label_errors_are_the_same_on_every_device(device):
     bad[2, 5] = 301
     mask[2, 5] = True
     for chunk in (0, 1, 4):
-        assert_same_error(device, lambda h, w, y, m: OP(h, w, y, m, None, 1.0, -100, True, chunk), hidden, weight, bad,
-                          mask)
+        assert_same_error(
+            device, lambda h, w, y, m: OP(h, w, y, m, None, 1.0, -100, True, chunk), hidden, weight, bad, mask
+        )
     lp, ent, lse = OP(hidden, weight, labels, mask, None, 1.0, -100, True, 4)
     bwd = torch.ops.pyppo.linear_logprobs_backward.default
-    assert_same_error(device, lambda g, h, w, y, m, l: bwd(g, None, h, w, y, m, None, l, None, 1.0, -100, 4,
-                                                           [True, True, False]),
-                      torch.ones_like(lp), hidden, weight, bad, mask, lse)
+    assert_same_error(
+        device,
+        lambda g, h, w, y, m, l: bwd(g, None, h, w, y, m, None, l, None, 1.0, -100, 4, [True, True, False]),
+        torch.ones_like(lp),
+        hidden,
+        weight,
+        bad,
+        mask,
+        lse,
+    )
 
 
 def test_device_opcheck(device):
     hidden, weight, labels, mask, bias = (t.to(device) for t in _inputs(seed=10, shape=(2, 5), H=8, V=33))
-    torch.library.opcheck(OP, (hidden.requires_grad_(), weight.requires_grad_(), labels, mask, None, 1.0, -100, False, 0))
+    torch.library.opcheck(
+        OP, (hidden.requires_grad_(), weight.requires_grad_(), labels, mask, None, 1.0, -100, False, 0)
+    )
 
 
 def test_raw_logsumexp_output_is_not_differentiable():
     hidden = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 9, (6,))
-    logprobs, entropy, lse = torch.ops.pyppo.linear_logprobs.default(hidden, weight, labels, None, None, 1.0, -100, True, 4)
+    logprobs, entropy, lse = torch.ops.pyppo.linear_logprobs.default(
+        hidden, weight, labels, None, None, 1.0, -100, True, 4
+    )
     assert logprobs.requires_grad and entropy.requires_grad
     assert not lse.requires_grad and lse.grad_fn is None
     torch.testing.assert_close(lse, torch.logsumexp(hidden.detach() @ weight.detach().T, -1))

@@ -26,8 +26,7 @@ def _inputs(seed, B=5, T=7, H=12, V=37, dtype=torch.float32, with_bias=True, gar
     bias = torch.randn(V, generator=g, dtype=F64) * 0.1 if with_bias else None
     labels = torch.randint(0, V, (B, T), generator=g)
     mask = random_mask(B, T, g)  # holes, an all-masked row, a single-token row
-    lp = (torch.log_softmax(hidden @ weight.T + (bias if with_bias else 0), -1)
-          .gather(-1, labels[..., None]).squeeze(-1))
+    lp = torch.log_softmax(hidden @ weight.T + (bias if with_bias else 0), -1).gather(-1, labels[..., None]).squeeze(-1)
     old = lp + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
     adv = torch.randn(B, T, generator=g, dtype=F64)
     ref = lp + 0.2 * torch.randn(B, T, generator=g, dtype=F64)
@@ -38,25 +37,68 @@ def _inputs(seed, B=5, T=7, H=12, V=37, dtype=torch.float32, with_bias=True, gar
         ref = torch.where(mask, ref, torch.full_like(ref, math.nan))
     cast = (lambda t: t.to(dtype)) if dtype != F64 else (lambda t: t)
     rollout = F64 if dtype == F64 else torch.float32
-    return dict(hidden=cast(hidden), weight=cast(weight), bias=None if bias is None else cast(bias), labels=labels,
-                old_logprobs=old.to(rollout), advantages=adv.to(rollout), response_mask=mask,
-                ref_logprobs=ref.to(rollout))
+    return dict(
+        hidden=cast(hidden),
+        weight=cast(weight),
+        bias=None if bias is None else cast(bias),
+        labels=labels,
+        old_logprobs=old.to(rollout),
+        advantages=adv.to(rollout),
+        response_mask=mask,
+        ref_logprobs=ref.to(rollout),
+    )
 
 
-def _unfused(hidden, weight, labels, old_logprobs, advantages, response_mask, *, bias=None, ref_logprobs=None,
-             kl_loss_coef=0.0, kl_loss_estimator="k3", entropy_coef=0.0, cliprange_low=0.2, cliprange_high=0.2,
-             dual_clip=None, loss_agg="token-mean", loss_agg_norm=None, normalizer=None, temperature=1.0,
-             chunk_size=None, return_entropy=False):
+def _unfused(
+    hidden,
+    weight,
+    labels,
+    old_logprobs,
+    advantages,
+    response_mask,
+    *,
+    bias=None,
+    ref_logprobs=None,
+    kl_loss_coef=0.0,
+    kl_loss_estimator="k3",
+    entropy_coef=0.0,
+    cliprange_low=0.2,
+    cliprange_high=0.2,
+    dual_clip=None,
+    loss_agg="token-mean",
+    loss_agg_norm=None,
+    normalizer=None,
+    temperature=1.0,
+    chunk_size=None,
+    return_entropy=False,
+):
     """The path linear_ppo_loss fuses, as the docstring writes it."""
-    lp, ent = ops.linear_logprobs(hidden, weight, labels, response_mask, bias=bias, temperature=temperature,
-                                  return_entropy=True, chunk_size=chunk_size)
+    lp, ent = ops.linear_logprobs(
+        hidden,
+        weight,
+        labels,
+        response_mask,
+        bias=bias,
+        temperature=temperature,
+        return_entropy=True,
+        chunk_size=chunk_size,
+    )
     agg = dict(loss_agg=loss_agg, loss_agg_norm=loss_agg_norm, normalizer=normalizer)
-    loss, stats = ops.ppo_policy_loss(lp, old_logprobs, advantages, response_mask, cliprange_low=cliprange_low,
-                                      cliprange_high=cliprange_high, dual_clip=dual_clip, **agg)
+    loss, stats = ops.ppo_policy_loss(
+        lp,
+        old_logprobs,
+        advantages,
+        response_mask,
+        cliprange_low=cliprange_low,
+        cliprange_high=cliprange_high,
+        dual_clip=dual_clip,
+        **agg,
+    )
     stats["policy_loss"] = loss.detach().float()
     if kl_loss_coef > 0:
-        kl_loss = ops.aggregate_loss(ops.kl_penalty(lp, ref_logprobs, estimator=kl_loss_estimator), response_mask,
-                                     **agg)
+        kl_loss = ops.aggregate_loss(
+            ops.kl_penalty(lp, ref_logprobs, estimator=kl_loss_estimator), response_mask, **agg
+        )
         stats["kl_loss"] = kl_loss.detach().float()
         loss = loss + kl_loss_coef * kl_loss
     if entropy_coef > 0:
@@ -97,8 +139,13 @@ def _assert_matches_unfused(inp, rtol=1e-5, atol=1e-7, **kw):
 @pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
 def test_matches_unfused_every_loss_agg(loss_agg, chunk_size):
     inp = _inputs(seed=LOSS_AGG_MODES.index(loss_agg) + (chunk_size or 0))
-    _assert_matches_unfused(inp, loss_agg=loss_agg, chunk_size=chunk_size, cliprange_high=0.28,
-                            loss_agg_norm=11 if loss_agg == "seq-mean-token-sum-norm" else None)
+    _assert_matches_unfused(
+        inp,
+        loss_agg=loss_agg,
+        chunk_size=chunk_size,
+        cliprange_high=0.28,
+        loss_agg_norm=11 if loss_agg == "seq-mean-token-sum-norm" else None,
+    )
 
 
 @pytest.mark.parametrize("estimator", ops.KL_ESTIMATORS)
@@ -112,8 +159,9 @@ def test_entropy_term_dual_clip_and_temperature():
     inp = _inputs(seed=30)
     inp["advantages"] = inp["advantages"] - 0.5  # mostly negative: the dual clip binds
     inp["old_logprobs"] = inp["old_logprobs"] - 0.8  # ratios well above 1 + ε
-    loss, stats, _ = _assert_matches_unfused(inp, entropy_coef=0.05, dual_clip=1.5, temperature=0.7,
-                                             cliprange_low=0.1, cliprange_high=0.3, chunk_size=8)
+    loss, stats, _ = _assert_matches_unfused(
+        inp, entropy_coef=0.05, dual_clip=1.5, temperature=0.7, cliprange_low=0.1, cliprange_high=0.3, chunk_size=8
+    )
     assert stats["clipfrac_lower"] > 0 and stats["entropy_loss"] > 0
     _, _, _, ent = ops.linear_ppo_loss(**inp, entropy_coef=0.05, temperature=0.7)
     assert ent is not None and ent.shape == inp["labels"].shape
@@ -153,8 +201,13 @@ def test_matches_float64_reference(case):
         "plain": dict(),
         "kl_k2_entropy": dict(kl_loss_coef=0.2, kl_loss_estimator="k2", entropy_coef=0.03),
         "dual_seq_mean": dict(dual_clip=2.0, loss_agg="seq-mean-token-mean", cliprange_high=0.3),
-        "sum_norm_temperature": dict(loss_agg="seq-mean-token-sum-norm", loss_agg_norm=9, temperature=0.6,
-                                     kl_loss_coef=0.1, kl_loss_estimator="abs"),
+        "sum_norm_temperature": dict(
+            loss_agg="seq-mean-token-sum-norm",
+            loss_agg_norm=9,
+            temperature=0.6,
+            kl_loss_coef=0.1,
+            kl_loss_estimator="abs",
+        ),
     }[case]
     inp = _inputs(seed=40 + len(case))
     inp["advantages"] = inp["advantages"] - 0.3  # some negative advantages with ratios past 1 + ε
@@ -162,11 +215,24 @@ def test_matches_float64_reference(case):
 
     leaves = {k: inp[k].double().requires_grad_() for k in ("hidden", "weight", "bias")}
     ref_loss, lp_r, _ = ref_linear_ppo_loss(
-        leaves["hidden"], leaves["weight"], inp["labels"], inp["old_logprobs"], inp["advantages"],
-        inp["response_mask"], bias=leaves["bias"], ref=inp["ref_logprobs"], kl_coef=kw.get("kl_loss_coef", 0.0),
-        estimator=kw.get("kl_loss_estimator", "k3"), entropy_coef=kw.get("entropy_coef", 0.0),
-        lo=kw.get("cliprange_low", 0.2), hi=kw.get("cliprange_high", 0.2), dual=kw.get("dual_clip"),
-        mode=kw.get("loss_agg", "token-mean"), norm=kw.get("loss_agg_norm"), temperature=kw.get("temperature", 1.0))
+        leaves["hidden"],
+        leaves["weight"],
+        inp["labels"],
+        inp["old_logprobs"],
+        inp["advantages"],
+        inp["response_mask"],
+        bias=leaves["bias"],
+        ref=inp["ref_logprobs"],
+        kl_coef=kw.get("kl_loss_coef", 0.0),
+        estimator=kw.get("kl_loss_estimator", "k3"),
+        entropy_coef=kw.get("entropy_coef", 0.0),
+        lo=kw.get("cliprange_low", 0.2),
+        hi=kw.get("cliprange_high", 0.2),
+        dual=kw.get("dual_clip"),
+        mode=kw.get("loss_agg", "token-mean"),
+        norm=kw.get("loss_agg_norm"),
+        temperature=kw.get("temperature", 1.0),
+    )
     ref_loss.backward()
     assert loss.dtype == torch.float32 and loss.dim() == 0
     torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
@@ -182,8 +248,9 @@ def test_gradcheck_float64():
     rest = {k: v for k, v in inp.items() if k not in ("hidden", "weight", "bias")}
 
     def f(h, w, b):
-        return ops.linear_ppo_loss(h, w, bias=b, **rest, kl_loss_coef=0.1, entropy_coef=0.02, dual_clip=3.0,
-                                   temperature=0.8, chunk_size=5)[0]
+        return ops.linear_ppo_loss(
+            h, w, bias=b, **rest, kl_loss_coef=0.1, entropy_coef=0.02, dual_clip=3.0, temperature=0.8, chunk_size=5
+        )[0]
 
     assert f(*args).dtype == F64
     assert torch.autograd.gradcheck(f, args)
@@ -226,15 +293,21 @@ def test_clip_bounds(where, nudge):
     inp = _inputs(seed=61)
     m, adv = inp["response_mask"], inp["advantages"]
     _, r = _ratios(inp)
-    pick = {"upper": m & (adv > 0) & (r > 1.05), "lower": m & (adv < 0) & (r < 0.95),
-            "dual": m & (adv < 0) & (r > 1.25)}[where]
+    pick = {
+        "upper": m & (adv > 0) & (r > 1.05),
+        "lower": m & (adv < 0) & (r < 0.95),
+        "dual": m & (adv < 0) & (r > 1.25),
+    }[where]
     k = tuple(int(i) for i in pick.nonzero()[0])
     bound = r[k]  # float32, so 1 ± ε below round back to it exactly
     if nudge:
         bound = torch.nextafter(bound, torch.tensor(1.0))
     bound = bound.item()
-    kw = {"upper": dict(cliprange_high=bound - 1.0), "lower": dict(cliprange_low=1.0 - bound),
-          "dual": dict(dual_clip=bound)}[where]
+    kw = {
+        "upper": dict(cliprange_high=bound - 1.0),
+        "lower": dict(cliprange_low=1.0 - bound),
+        "dual": dict(dual_clip=bound),
+    }[where]
     _assert_matches_unfused(inp, **kw)
     h = inp["hidden"].clone().requires_grad_()
     loss, *_ = ops.linear_ppo_loss(**{**inp, "hidden": h}, **kw)
@@ -256,8 +329,14 @@ def test_micro_batches_with_normalizer_sum_to_the_minibatch(loss_agg):
     torch.testing.assert_close(plain, full_loss)  # same thing on the whole minibatch
     total, grads_w, grads_h = 0.0, 0.0, []
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):  # row 1 is all-masked
-        part = {k: (v[rows] if k in ("hidden", "labels", "old_logprobs", "advantages", "response_mask",
-                                    "ref_logprobs") else v) for k, v in inp.items()}
+        part = {
+            k: (
+                v[rows]
+                if k in ("hidden", "labels", "old_logprobs", "advantages", "response_mask", "ref_logprobs")
+                else v
+            )
+            for k, v in inp.items()
+        }
         loss, _, _, g = _run(ops.linear_ppo_loss, part, normalizer=normalizer, **kw)
         total = total + loss
         grads_w = grads_w + g["weight"]
@@ -305,9 +384,28 @@ def test_raw_op_loss_is_the_weighted_sum():
     kw = dict(kl_loss_coef=0.2, entropy_coef=0.05, dual_clip=2.0)
     loss, *_ = ops.linear_ppo_loss(**inp, loss_agg="seq-mean-token-mean", **kw)
     w = ops.loss_token_weights(inp["response_mask"], "seq-mean-token-mean")
-    raw = OP(inp["hidden"], inp["weight"], inp["labels"], inp["old_logprobs"], inp["advantages"],
-             inp["response_mask"], w, inp["ref_logprobs"], inp["bias"], 1.0, -100, 0.2, 0.2, 2.0, 0.2, "k3", 0.05,
-             False, 0, [False, False, False])
+    raw = OP(
+        inp["hidden"],
+        inp["weight"],
+        inp["labels"],
+        inp["old_logprobs"],
+        inp["advantages"],
+        inp["response_mask"],
+        w,
+        inp["ref_logprobs"],
+        inp["bias"],
+        1.0,
+        -100,
+        0.2,
+        0.2,
+        2.0,
+        0.2,
+        "k3",
+        0.05,
+        False,
+        0,
+        [False, False, False],
+    )
     torch.testing.assert_close(raw[0], loss, rtol=1e-6, atol=1e-7)
     assert raw[2].numel() > 0  # entropy, which the entropy term needs, is returned
     assert all(t.numel() == 0 for t in raw[3:])  # no gradient asked for, none computed
@@ -349,9 +447,19 @@ def test_reduced_precision_matches_unfused(dtype):
         torch.testing.assert_close(grads[k], grads_u[k], **grad_tol(dtype), msg=k)
     # Against float64 on the same rounded logits: the tolerance of a float32 op.
     leaves = {k: inp[k].double().requires_grad_() for k in ("hidden", "weight")}
-    ref_loss, _, _ = ref_linear_ppo_loss(leaves["hidden"], leaves["weight"], inp["labels"], inp["old_logprobs"],
-                                         inp["advantages"], inp["response_mask"], bias=inp["bias"],
-                                         ref=inp["ref_logprobs"], kl_coef=0.1, entropy_coef=0.01, logits_dtype=dtype)
+    ref_loss, _, _ = ref_linear_ppo_loss(
+        leaves["hidden"],
+        leaves["weight"],
+        inp["labels"],
+        inp["old_logprobs"],
+        inp["advantages"],
+        inp["response_mask"],
+        bias=inp["bias"],
+        ref=inp["ref_logprobs"],
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        logits_dtype=dtype,
+    )
     torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=2e-5, atol=2e-5)
 
 
@@ -359,12 +467,28 @@ def test_reduced_precision_matches_unfused(dtype):
 
 
 def _raw_args(inp, **over):
-    a = dict(hidden=inp["hidden"], weight=inp["weight"], labels=inp["labels"], old_logprobs=inp["old_logprobs"],
-             advantages=inp["advantages"], response_mask=inp["response_mask"],
-             token_weights=ops.loss_token_weights(inp["response_mask"]), ref_logprobs=inp["ref_logprobs"],
-             bias=inp["bias"], temperature=0.9, ignore_index=-100, cliprange_low=0.2, cliprange_high=0.25,
-             dual_clip=3.0, kl_loss_coef=0.1, kl_loss_estimator="k3", entropy_coef=0.02, return_entropy=True,
-             chunk_size=3, output_mask=[True, True, True])
+    a = dict(
+        hidden=inp["hidden"],
+        weight=inp["weight"],
+        labels=inp["labels"],
+        old_logprobs=inp["old_logprobs"],
+        advantages=inp["advantages"],
+        response_mask=inp["response_mask"],
+        token_weights=ops.loss_token_weights(inp["response_mask"]),
+        ref_logprobs=inp["ref_logprobs"],
+        bias=inp["bias"],
+        temperature=0.9,
+        ignore_index=-100,
+        cliprange_low=0.2,
+        cliprange_high=0.25,
+        dual_clip=3.0,
+        kl_loss_coef=0.1,
+        kl_loss_estimator="k3",
+        entropy_coef=0.02,
+        return_entropy=True,
+        chunk_size=3,
+        output_mask=[True, True, True],
+    )
     a.update(over)
     return tuple(a.values())
 

@@ -56,8 +56,9 @@ def test_policy_loss_matches_reference(mode, dual, clips, seed):
     lo, hi = clips
     norm = 7.0 if mode == "seq-mean-token-sum-norm" else None
     lp_a = lp.clone().requires_grad_(True)
-    loss, stats = ppo_policy_loss(lp_a, old, adv, mask, cliprange_low=lo, cliprange_high=hi, dual_clip=dual,
-                                  loss_agg=mode, loss_agg_norm=norm)
+    loss, stats = ppo_policy_loss(
+        lp_a, old, adv, mask, cliprange_low=lo, cliprange_high=hi, dual_clip=dual, loss_agg=mode, loss_agg_norm=norm
+    )
     lp_r = lp.clone().requires_grad_(True)
     ref, ref_stats = ref_ppo_policy_loss(lp_r, old, adv, mask, lo, hi, dual, mode, norm)
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
@@ -102,8 +103,14 @@ def test_rows_without_valid_tokens_are_excluded_from_seq_means():
 
 def test_clipfrac_and_dual_clip_hand_cases():
     # (ratio, advantage): clipped-term larger?  dual bound active (c=3)?
-    cases = [(1.5, 1.0, True, False), (0.5, 1.0, False, False), (1.5, -1.0, False, False),
-             (0.5, -1.0, True, False), (5.0, -1.0, False, True), (1.0, 2.0, False, False)]
+    cases = [
+        (1.5, 1.0, True, False),
+        (0.5, 1.0, False, False),
+        (1.5, -1.0, False, False),
+        (0.5, -1.0, True, False),
+        (5.0, -1.0, False, True),
+        (1.0, 2.0, False, False),
+    ]
     ratio = torch.tensor([[c[0] for c in cases]], dtype=torch.float64)
     adv = torch.tensor([[c[1] for c in cases]], dtype=torch.float64)
     old = torch.full_like(ratio, -1.0)
@@ -267,7 +274,8 @@ def test_infinite_log_probs_at_valid_positions(dtype):
     assert g[0, 3].item() == pytest.approx(-0.5 * r3 / 4, rel=1e-6)
     assert all(torch.isfinite(v) for v in stats.values())
     assert stats["approx_kl"].item() == pytest.approx(
-        ((E20 - 1 - 20) + (math.exp(-20) - 1 + 20) + (math.exp(-20) - 1 + 20) + (r3 - 1 + 0.1)) / 4, rel=1e-6)
+        ((E20 - 1 - 20) + (math.exp(-20) - 1 + 20) + (math.exp(-20) - 1 + 20) + (r3 - 1 + 0.1)) / 4, rel=1e-6
+    )
     assert stats["logratio_clampfrac"].item() == 0.75
 
 
@@ -287,10 +295,12 @@ def test_ordinary_log_ratios_are_unchanged_by_the_clamp(mode, dual):
     ref_stats["logratio_clampfrac"] = 0.0
     assert_stats_match(stats, ref_stats)
     # float32 inputs: float32 arithmetic against the same textbook float64 value.
-    loss32, _ = ppo_policy_loss(lp.float(), old.float(), adv.float(), mask, dual_clip=dual, loss_agg=mode,
-                                loss_agg_norm=norm)
-    ref32, _ = ref_ppo_policy_loss(lp.float(), old.float(), adv.float(), mask, dual=dual, mode=mode, norm=norm,
-                                   log_ratio_clamp=None)
+    loss32, _ = ppo_policy_loss(
+        lp.float(), old.float(), adv.float(), mask, dual_clip=dual, loss_agg=mode, loss_agg_norm=norm
+    )
+    ref32, _ = ref_ppo_policy_loss(
+        lp.float(), old.float(), adv.float(), mask, dual=dual, mode=mode, norm=norm, log_ratio_clamp=None
+    )
     assert loss32.item() == pytest.approx(ref32.item(), rel=1e-5, abs=1e-5)
 
 
@@ -363,14 +373,17 @@ def test_explained_variance_edge_cases(values, returns, mask, expected):
     ev = explained_variance(torch.tensor(values), torch.tensor(returns), torch.tensor(mask))
     assert ev.item() == pytest.approx(expected, abs=1e-6)
     assert ref_explained_variance(torch.tensor(values), torch.tensor(returns), torch.tensor(mask)) == pytest.approx(
-        expected, abs=1e-12)
+        expected, abs=1e-12
+    )
 
 
 def test_explained_variance_non_finite_at_a_valid_position_is_nan():
     ret = torch.tensor([1.0, 2.0, 3.0])
     mask = torch.ones(3, dtype=torch.bool)
     assert math.isnan(explained_variance(torch.tensor([1.0, math.nan, 3.0]), ret, mask).item())
-    assert math.isnan(explained_variance(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, math.inf, 3.0]), mask).item())
+    assert math.isnan(
+        explained_variance(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, math.inf, 3.0]), mask).item()
+    )
 
 
 def test_explained_variance_is_detached_and_not_a_mean_over_micro_batches():
@@ -386,8 +399,10 @@ def test_explained_variance_is_detached_and_not_a_mean_over_micro_batches():
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))
     assert explained_variance(v[perm], ret[perm], mask[perm]).item() == pytest.approx(full.item(), rel=1e-6)
     # ...while the per-micro-batch mean the trainer used to log depends on the split.
-    means = [torch.stack([explained_variance(v[i:i + k], ret[i:i + k], mask[i:i + k]) for i in range(0, 8, k)]).mean()
-             for k in (2, 4)]
+    means = [
+        torch.stack([explained_variance(v[i : i + k], ret[i : i + k], mask[i : i + k]) for i in range(0, 8, k)]).mean()
+        for k in (2, 4)
+    ]
     assert abs(means[0].item() - full.item()) > 1e-3 and abs(means[0].item() - means[1].item()) > 1e-3
 
 
@@ -446,12 +461,16 @@ def test_normalizer_makes_micro_batches_sum_to_minibatch(mode):
     kw = dict(loss_agg=mode, dual_clip=2.5)
     full, _ = ppo_policy_loss(lp, old, adv, mask, **kw)
     n = loss_normalizer(mask, mode)
-    parts = [ppo_policy_loss(lp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], normalizer=n, **kw)[0]
-             for i in range(0, 8, 2)]  # rows 1 and 2 (all-masked / one token) fall in the same micro-batch
+    parts = [
+        ppo_policy_loss(lp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], normalizer=n, **kw)[0]
+        for i in range(0, 8, 2)
+    ]  # rows 1 and 2 (all-masked / one token) fall in the same micro-batch
     torch.testing.assert_close(sum(parts), full, rtol=1e-12, atol=1e-12)
     vfull, _ = ppo_value_loss(lp, old, adv, mask, loss_agg=mode)
-    vparts = [ppo_value_loss(lp[i:i + 4], old[i:i + 4], adv[i:i + 4], mask[i:i + 4], loss_agg=mode, normalizer=n)[0]
-              for i in range(0, 8, 4)]
+    vparts = [
+        ppo_value_loss(lp[i : i + 4], old[i : i + 4], adv[i : i + 4], mask[i : i + 4], loss_agg=mode, normalizer=n)[0]
+        for i in range(0, 8, 4)
+    ]
     torch.testing.assert_close(sum(vparts), vfull, rtol=1e-12, atol=1e-12)
 
 
@@ -477,8 +496,12 @@ def test_loss_token_weights_are_the_gradient_of_aggregate_loss(mode, normalizer,
     w = loss_token_weights(mask, mode, norm, normalizer, dtype=dtype)
     assert w.dtype == dtype and torch.equal(w, grad)
     assert (w[~mask] == 0).all() and (w[mask] > 0).all()
-    torch.testing.assert_close(torch.where(mask, w * loss_mat, 0).sum(),
-                               aggregate_loss(loss_mat, mask, mode, norm, normalizer), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.where(mask, w * loss_mat, 0).sum(),
+        aggregate_loss(loss_mat, mask, mode, norm, normalizer),
+        rtol=1e-6,
+        atol=0,
+    )
 
 
 def test_loss_token_weights_errors():

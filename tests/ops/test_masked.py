@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from pyppo.ops import masked_mean, masked_var, masked_whiten
 from support.reference import (
-    FLOAT_DTYPES,
     F64,
+    FLOAT_DTYPES,
     assert_same_error,
     bits_equal,
     call_on,
@@ -158,7 +158,9 @@ def test_nan_in_masked_out_position_is_ignored():
 def test_hypothesis(n, p_valid, dtype, seed, unbiased, shift_mean):
     x, mask = make_inputs((n,), dtype, seed, p_valid)
     torch.testing.assert_close(masked_mean(x, mask).to(F64), ref_masked_mean(x, mask), **tol(dtype))
-    torch.testing.assert_close(masked_var(x, mask, unbiased).to(F64), ref_masked_var(x, mask, unbiased), **tol(dtype, 5))
+    torch.testing.assert_close(
+        masked_var(x, mask, unbiased).to(F64), ref_masked_var(x, mask, unbiased), **tol(dtype, 5)
+    )
     torch.testing.assert_close(
         masked_whiten(x, mask, shift_mean=shift_mean, unbiased=unbiased).to(F64),
         ref_masked_whiten(x, mask, shift_mean=shift_mean, unbiased=unbiased),

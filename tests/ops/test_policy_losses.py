@@ -67,12 +67,12 @@ REFS = {"gspo": ref_gspo, "cispo": ref_cispo}
 @pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
 @pytest.mark.parametrize("name", LOSSES)
 def test_matches_float64_reference(name, loss_agg, dtype):
-    lp, old, adv, m = _inputs(seed=LOSS_AGG_MODES.index(loss_agg) + 10 * LOSSES.index(name), B=7, T=11,
-                              dtype=dtype)
+    lp, old, adv, m = _inputs(seed=LOSS_AGG_MODES.index(loss_agg) + 10 * LOSSES.index(name), B=7, T=11, dtype=dtype)
     norm = 13 if loss_agg == "seq-mean-token-sum-norm" else None
     x = lp.clone().requires_grad_()
-    loss, stats = POLICY_LOSSES[name](x, old, adv, m, cliprange_low=0.05, cliprange_high=0.08, loss_agg=loss_agg,
-                                      loss_agg_norm=norm)
+    loss, stats = POLICY_LOSSES[name](
+        x, old, adv, m, cliprange_low=0.05, cliprange_high=0.08, loss_agg=loss_agg, loss_agg_norm=norm
+    )
     loss.backward()
     xr = lp.to(F64).requires_grad_()
     ref = REFS[name](xr, old, adv, m, 0.05, 0.08, loss_agg, norm)
@@ -80,8 +80,12 @@ def test_matches_float64_reference(name, loss_agg, dtype):
     assert loss.dtype == (F64 if dtype == F64 else torch.float32)
     tol = dict(rtol=1e-12, atol=1e-14) if dtype == F64 else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss.double(), ref.detach(), **tol)
-    torch.testing.assert_close(x.grad.double(), xr.grad, **({} if dtype != F64 else tol),
-                               **({} if dtype == F64 else dict(rtol=1e-2, atol=1e-4)))
+    torch.testing.assert_close(
+        x.grad.double(),
+        xr.grad,
+        **({} if dtype != F64 else tol),
+        **({} if dtype == F64 else dict(rtol=1e-2, atol=1e-4)),
+    )
     assert (x.grad[~m] == 0).all()
     assert 0 < stats["clipfrac"] < 1  # the inputs straddle the clip range: both branches are tested
 
@@ -153,8 +157,11 @@ def _gradcheck_case(name, adv, old, lp):
     gradient is that of the paper's sequence objective, eq. 5), CISPO's where every weight is
     clipped. Returns (advantages, old_logprobs, loss kwargs) making that so."""
     if name == "gspo":
-        return adv[:, :1].expand_as(adv).contiguous(), old, dict(loss_agg="seq-mean-token-mean",
-                                                                cliprange_low=0.1, cliprange_high=0.1)
+        return (
+            adv[:, :1].expand_as(adv).contiguous(),
+            old,
+            dict(loss_agg="seq-mean-token-mean", cliprange_low=0.1, cliprange_high=0.1),
+        )
     far = torch.where(lp > old, lp + 0.3, lp - 0.3)  # every |log-ratio| = 0.3 > log(1 + ε)
     return adv, far.detach(), dict(cliprange_low=0.01, cliprange_high=0.01)
 
@@ -165,16 +172,18 @@ def test_gradcheck(name):
     adv, old, kw = _gradcheck_case(name, adv, old, lp)
     _, stats = POLICY_LOSSES[name](lp, old, adv, m, **kw)
     assert name == "gspo" or stats["clipfrac"] == 1
-    assert torch.autograd.gradcheck(lambda x: POLICY_LOSSES[name](x, old, adv, m, **kw)[0],
-                                    (lp.clone().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda x: POLICY_LOSSES[name](x, old, adv, m, **kw)[0], (lp.clone().requires_grad_(),)
+    )
 
 
 def test_gradcheck_fails_where_the_gradient_is_a_surrogate():
     """Token-level advantages: GSPO-token's gradient is not its value's derivative (the detached
     sequence ratio), which is why test_gradcheck picks its inputs."""
     lp, old, adv, m = _inputs(seed=5, B=3, T=5)
-    assert not torch.autograd.gradcheck(lambda x: ops.gspo_policy_loss(x, old, adv, m)[0],
-                                        (lp.clone().requires_grad_(),), raise_exception=False)
+    assert not torch.autograd.gradcheck(
+        lambda x: ops.gspo_policy_loss(x, old, adv, m)[0], (lp.clone().requires_grad_(),), raise_exception=False
+    )
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -208,8 +217,14 @@ def _linear_inputs(seed, B=5, T=7, H=12, V=37, spread=0.05):
     labels = torch.where(mask, labels, torch.full_like(labels, V + 5))  # garbage where masked
     old = torch.where(mask, old, torch.full_like(old, -math.inf))
     adv = torch.where(mask, adv, torch.full_like(adv, math.nan))
-    return dict(hidden=hidden.float(), weight=weight.float(), labels=labels, old_logprobs=old.float(),
-                advantages=adv.float(), response_mask=mask)
+    return dict(
+        hidden=hidden.float(),
+        weight=weight.float(),
+        labels=labels,
+        old_logprobs=old.float(),
+        advantages=adv.float(),
+        response_mask=mask,
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [None, 4, 35])  # one chunk, chunks splitting rows, exactly N
@@ -218,8 +233,9 @@ def test_fused_matches_unfused(name, chunk_size):
     inp = _linear_inputs(seed=20 + (chunk_size or 0))
     kw = dict(cliprange_low=0.02, cliprange_high=0.03, loss_agg="seq-mean-token-mean")
     h, w = inp["hidden"].clone().requires_grad_(), inp["weight"].clone().requires_grad_()
-    loss, stats, lp, _ = ops.linear_ppo_loss(**{**inp, "hidden": h, "weight": w}, policy_loss=name,
-                                             chunk_size=chunk_size, **kw)
+    loss, stats, lp, _ = ops.linear_ppo_loss(
+        **{**inp, "hidden": h, "weight": w}, policy_loss=name, chunk_size=chunk_size, **kw
+    )
     loss.backward()
     hu, wu = inp["hidden"].clone().requires_grad_(), inp["weight"].clone().requires_grad_()
     lpu = ops.linear_logprobs(hu, wu, inp["labels"], inp["response_mask"], chunk_size=chunk_size)
@@ -257,17 +273,41 @@ def test_fused_gradcheck_and_opcheck(name):
     weight = (torch.randn(V, H, generator=g, dtype=F64) * 0.3).requires_grad_()
     labels = torch.randint(0, V, (B, T), generator=g)
     m = random_mask(B, T, g)
-    old = (torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[..., None]).squeeze(-1)
-           + 0.05 * torch.randn(B, T, generator=g, dtype=F64)).detach()
+    old = (
+        torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[..., None]).squeeze(-1)
+        + 0.05 * torch.randn(B, T, generator=g, dtype=F64)
+    ).detach()
     adv = torch.randn(B, T, generator=g, dtype=F64)
     with torch.no_grad():
         lp = ops.linear_logprobs(hidden, weight, labels, m)
     adv, old, kw = _gradcheck_case(name, adv, old, lp)
     assert torch.autograd.gradcheck(
         lambda h, w: ops.linear_ppo_loss(h, w, labels, old, adv, m, policy_loss=name, chunk_size=3, **kw)[0],
-        (hidden, weight))
-    args = (hidden, weight, labels, old, adv, m, ops.loss_token_weights(m, dtype=F64), None, None, 1.0, -100, 0.2,
-            0.2, None, 0.0, "k3", 0.0, False, 3, [True, True, False], name)
+        (hidden, weight),
+    )
+    args = (
+        hidden,
+        weight,
+        labels,
+        old,
+        adv,
+        m,
+        ops.loss_token_weights(m, dtype=F64),
+        None,
+        None,
+        1.0,
+        -100,
+        0.2,
+        0.2,
+        None,
+        0.0,
+        "k3",
+        0.0,
+        False,
+        3,
+        [True, True, False],
+        name,
+    )
     torch.library.opcheck(torch.ops.pyppo.linear_ppo_loss.default, args)
 
 
@@ -282,8 +322,9 @@ def test_fused_errors():
 # ------------------------------------------------------------------ against veRL 0.9.1
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                      "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 @pytest.mark.parametrize("name", LOSSES)
 def test_matches_verl(name, loss_agg):
     """Value, gradient and clip fraction of veRL's registered loss on the same inputs. veRL's
@@ -291,8 +332,14 @@ def test_matches_verl(name, loss_agg):
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     from verl.workers.config import ActorConfig
 
-    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
-                         clip_ratio_low=0.04, clip_ratio_high=0.06)
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        clip_ratio_low=0.04,
+        clip_ratio_high=0.06,
+    )
     for dtype in (torch.float32, F64):
         lp, old, adv, m = _inputs(seed=60 + LOSSES.index(name), dtype=dtype, spread=0.2)
         m[:, 0] = True  # veRL's mean over an empty row divides 0 by 1e-8 (fine) but keep rows alive

@@ -46,9 +46,7 @@ from support.reference import (  # noqa: E402
 #: default (1) is small and derandomized, for CI.
 _SCALE = int(os.environ.get("PYPPO_PROPERTY_SCALE", "1"))
 SETTINGS = dict(
-    deadline=None,
-    derandomize=_SCALE == 1,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    deadline=None, derandomize=_SCALE == 1, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LAYOUTS = ("contiguous", "transposed", "sliced", "expanded")
@@ -86,8 +84,9 @@ def _mask(data, g, shape, *, allow_none=False):
         m = torch.ones(shape, dtype=torch.bool)
     else:
         m = torch.rand(shape, generator=g) < 0.6
-    as_dtype = data.draw(st.sampled_from([torch.bool, torch.bool, torch.int64, torch.float32, torch.uint8]),
-                         label="mask dtype")
+    as_dtype = data.draw(
+        st.sampled_from([torch.bool, torch.bool, torch.int64, torch.float32, torch.uint8]), label="mask dtype"
+    )
     m = m.to(as_dtype)
     return _layout(m, data.draw(st.sampled_from(LAYOUTS), label="mask layout"))
 
@@ -133,11 +132,12 @@ def test_gather_logprobs_property(data):
     logits = _layout(logits, data.draw(st.sampled_from(LAYOUTS), label="logits layout"))
 
     ignore_index = data.draw(st.sampled_from([-100, -1, 0, 7]), label="ignore_index")
-    kind = data.draw(st.sampled_from(["in range", "in range", "with ignore", "out of range", "negative"]),
-                     label="labels")
+    kind = data.draw(
+        st.sampled_from(["in range", "in range", "with ignore", "out of range", "negative"]), label="labels"
+    )
     labels = torch.randint(0, max(V, 1), lead, generator=g)
     if kind == "with ignore" and labels.numel():
-        labels.view(-1)[:: 2] = ignore_index
+        labels.view(-1)[::2] = ignore_index
     elif kind == "out of range" and labels.numel():
         labels.view(-1)[-1] = V + data.draw(st.integers(0, 5))
     elif kind == "negative" and labels.numel():
@@ -156,8 +156,12 @@ def test_gather_logprobs_property(data):
         valid &= mask != 0
     bad_label = bool(((labels.long() < 0) | (labels.long() >= V))[valid].any())
     expect_error = temperature <= 0 or bad_label or V == 0
-    res = _run(lambda: gather_logprobs(logits, labels, mask, temperature=temperature, ignore_index=ignore_index,
-                                       return_entropy=entropy), expect_error)
+    res = _run(
+        lambda: gather_logprobs(
+            logits, labels, mask, temperature=temperature, ignore_index=ignore_index, return_entropy=entropy
+        ),
+        expect_error,
+    )
     if res is None:
         return
     lp, ent = res if entropy else (res, None)
@@ -234,16 +238,23 @@ def test_linear_logprobs_property(data):
     if mask is not None:
         valid &= mask != 0
     expect_error = temperature <= 0 or bool(((labels < 0) | (labels >= V))[valid].any())
-    res = _run(lambda: linear_logprobs(hidden, weight, labels, mask, bias=bias, temperature=temperature,
-                                       return_entropy=entropy, chunk_size=chunk), expect_error)
+    res = _run(
+        lambda: linear_logprobs(
+            hidden, weight, labels, mask, bias=bias, temperature=temperature, return_entropy=entropy, chunk_size=chunk
+        ),
+        expect_error,
+    )
     if res is None:
         return
     lp, ent = res if entropy else (res, None)
     # The GEMM runs in the input dtype: the reference starts from the same rounded logits.
     logits = hidden @ weight.T + (bias if bias is not None else 0)
     ref_lp, ref_ent = ref_gather_logprobs(logits, labels, mask, temperature=temperature)
-    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else (
-        dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1))
+    tol = (
+        dict(rtol=1e-9, atol=1e-9)
+        if dtype == torch.float64
+        else (dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1))
+    )
     _close(lp, ref_lp, **tol)
     if ent is not None:
         _close(ent, ref_ent, **tol)
@@ -301,20 +312,25 @@ def test_shape_rewards_property(data):
     scores = torch.randn(B, generator=g, dtype=torch.float64) * 3
     if B and data.draw(st.booleans(), label="bad score"):
         scores[-1] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
-    scores = _layout(scores.to(data.draw(st.sampled_from(DTYPES))), data.draw(st.sampled_from(["contiguous", "sliced"])))
+    scores = _layout(
+        scores.to(data.draw(st.sampled_from(DTYPES))), data.draw(st.sampled_from(["contiguous", "sliced"]))
+    )
     kl_coef = data.draw(st.sampled_from([0.0, 0.05, 1.0, -0.1]))
     estimator = data.draw(st.sampled_from(["k1", "k2", "k3", "abs"]))
     score_clip = data.draw(st.sampled_from([None, 0.5, 10.0]))
 
     empty_row = bool(((mask != 0).sum(dim=1) == 0).any()) if B else False
     expect_error = empty_row or kl_coef < 0 or not bool(torch.isfinite(scores).all())
-    res = _run(lambda: shape_rewards(scores, lp, ref, mask, kl_coef=kl_coef, estimator=estimator,
-                                     score_clip=score_clip), expect_error)
+    res = _run(
+        lambda: shape_rewards(scores, lp, ref, mask, kl_coef=kl_coef, estimator=estimator, score_clip=score_clip),
+        expect_error,
+    )
     if res is None:
         return
     rewards, kl = res
-    exp_rewards, exp_kl = ref_shape_rewards(scores, lp, ref, mask, kl_coef=kl_coef, estimator=estimator,
-                                            score_clip=score_clip)
+    exp_rewards, exp_kl = ref_shape_rewards(
+        scores, lp, ref, mask, kl_coef=kl_coef, estimator=estimator, score_clip=score_clip
+    )
     _close(kl, exp_kl, **_tols(dtype))
     _close(rewards, exp_rewards, **_tols(dtype))
 
@@ -336,7 +352,9 @@ def test_gae_property(data):
     lam = data.draw(st.sampled_from([0.95, 1.0, 0.0, 0.3, 1.5, -0.5]))
     last_values = None
     if data.draw(st.booleans(), label="last_values"):
-        last_values = _layout(torch.randn(B, generator=g).to(dtype), data.draw(st.sampled_from(["contiguous", "sliced"])))
+        last_values = _layout(
+            torch.randn(B, generator=g).to(dtype), data.draw(st.sampled_from(["contiguous", "sliced"]))
+        )
     expect_error = not (0 <= gamma <= 1 and 0 <= lam <= 1)
     res = _run(lambda: gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values), expect_error)
     if res is None:
@@ -376,8 +394,12 @@ def test_group_advantages_property(data):
     eps = data.draw(st.sampled_from([1e-6, 0.0, 0.5, -1.0, math.nan]), label="eps")
 
     expect_error = bad_score or bad_id or estimator == "ppo" or not eps >= 0
-    res = _run(lambda: group_advantages(scores, mask, group_ids=ids, estimator=estimator, eps=eps,
-                                        std_normalize=std_normalize), expect_error)
+    res = _run(
+        lambda: group_advantages(
+            scores, mask, group_ids=ids, estimator=estimator, eps=eps, std_normalize=std_normalize
+        ),
+        expect_error,
+    )
     if res is None:
         return
     expected = ref_group_advantages(scores, mask, ids, estimator=estimator, eps=eps, std_normalize=std_normalize)
@@ -450,7 +472,13 @@ def test_masked_mean_out_of_range_dim_is_a_value_error():
 
 
 def test_shape_rewards_zero_kl_coef_ignores_an_infinite_kl():
-    rewards, kl = shape_rewards(torch.tensor([0.5]), torch.tensor([[-200.0]]), torch.tensor([[0.0]]),
-                                torch.ones(1, 1, dtype=torch.bool), kl_coef=0.0, estimator="k3")
+    rewards, kl = shape_rewards(
+        torch.tensor([0.5]),
+        torch.tensor([[-200.0]]),
+        torch.tensor([[0.0]]),
+        torch.ones(1, 1, dtype=torch.bool),
+        kl_coef=0.0,
+        estimator="k3",
+    )
     assert torch.isposinf(kl).all()  # as documented for unclamped k3
     assert rewards.tolist() == [[0.5]]

@@ -17,8 +17,7 @@ INSTALLED = {name: allocator.find_allocator(name) for name in allocator.ALLOCATO
 
 
 def _child_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", allocator.ENV, "PYPPO_ALLOCATOR_REEXEC")}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV, "PYPPO_ALLOCATOR_REEXEC")}
     env.update(extra)
     return env
 
@@ -56,35 +55,55 @@ def test_preload_env_puts_the_allocator_first_and_keeps_the_rest(monkeypatch):
     assert allocator.preload_env("jemalloc", {}) is None
 
 
-_PROBE = ("from pyppo.run.allocator import reexec_with_allocator, active_allocator\n"
-          "reexec_with_allocator()\nprint(active_allocator())\n")
+_PROBE = (
+    "from pyppo.run.allocator import reexec_with_allocator, active_allocator\n"
+    "reexec_with_allocator()\nprint(active_allocator())\n"
+)
 
 
 @pytest.mark.parametrize("name", sorted(allocator.ALLOCATORS))
 def test_reexec_preloads_the_allocator_asked_for(name):
     if INSTALLED[name] is None:
         pytest.skip(f"{name} is not installed (scripts/setup.sh installs it)")
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=_child_env(**{allocator.ENV: name}),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        env=_child_env(**{allocator.ENV: name}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [name]
 
 
 def test_reexec_leaves_a_system_process_alone():
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=_child_env(**{allocator.ENV: "system"}),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        env=_child_env(**{allocator.ENV: "system"}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.split() == ["glibc"], out.stderr[-2000:]
 
 
 def test_a_bad_setting_is_one_line_for_train_and_ignored_by_info(tmp_path):
     bad = _child_env(**{allocator.ENV: "fast"})
-    out = subprocess.run([sys.executable, "-m", "pyppo", "train", "--output", str(tmp_path / "o")], env=bad,
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "pyppo", "train", "--output", str(tmp_path / "o")],
+        env=bad,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == ("pyppo: error: PYPPO_ALLOCATOR='fast': expected auto, system, "
-                                                   "jemalloc, tcmalloc")
-    info = subprocess.run([sys.executable, "-m", "pyppo", "info", "--json"], env=bad, capture_output=True,
-                          text=True, timeout=120)
+    assert out.stderr.strip().splitlines()[-1] == (
+        "pyppo: error: PYPPO_ALLOCATOR='fast': expected auto, system, jemalloc, tcmalloc"
+    )
+    info = subprocess.run(
+        [sys.executable, "-m", "pyppo", "info", "--json"], env=bad, capture_output=True, text=True, timeout=120
+    )
     alloc = json.loads(info.stdout)["allocator"]
     assert info.returncode == 0 and alloc["train"] is None and "expected auto, system" in alloc["error"]
 
@@ -100,8 +119,9 @@ def test_a_preloaded_allocator_is_kept_said_and_reported():
     env[allocator.ENV] = "auto"
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["jemalloc"] and "already runs on" not in out.stderr
-    info = subprocess.run([sys.executable, "-m", "pyppo", "info", "--json"], env=env, capture_output=True,
-                          text=True, timeout=120)
+    info = subprocess.run(
+        [sys.executable, "-m", "pyppo", "info", "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
     alloc = json.loads(info.stdout)["allocator"]
     assert alloc["active"] == "jemalloc" and alloc["train"] == "jemalloc"
 
@@ -115,12 +135,35 @@ def test_pyppo_train_runs_its_steps_on_the_preferred_allocator(tiny_dir, prompts
         "def score(prompts, responses):\n"
         "    with open(os.environ['PROBE_OUT'], 'a') as f:\n"
         "        f.write(active_allocator() + '\\n')\n"
-        "    return [0.0] * len(responses)\n")
+        "    return [0.0] * len(responses)\n"
+    )
     seen = tmp_path / "seen.txt"
-    argv = [sys.executable, "-m", "pyppo", "train", "--model", str(tiny_dir), "--prompts", str(prompts_file),
-            "--reward", f"{tmp_path / 'probe_reward.py'}:score", "--steps", "1", "--batch-size", "2",
-            "--mini-batch-size", "1", "--ppo-epochs", "1", "--max-new-tokens", "2", "--output", str(tmp_path / "run")]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env=_child_env(PROBE_OUT=str(seen)))
+    argv = [
+        sys.executable,
+        "-m",
+        "pyppo",
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts_file),
+        "--reward",
+        f"{tmp_path / 'probe_reward.py'}:score",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--mini-batch-size",
+        "1",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--output",
+        str(tmp_path / "run"),
+    ]
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_child_env(PROBE_OUT=str(seen))
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert set(seen.read_text().split()) == {allocator.PREFERRED}

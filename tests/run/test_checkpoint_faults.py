@@ -17,10 +17,8 @@ import torch
 from pyppo import cli
 from pyppo.run.checkpoint import CHECKPOINT_FILES
 from pyppo.run.checkpoint import find as find_checkpoint
-from support.trainer_fixture import make_trainer, small_config
-
 from support.run_fixture import TESTS, ckpt_step, prompts_file, read_rows, run_toml, tiny_dir, untimed  # noqa: F401 (fixtures)
-
+from support.trainer_fixture import make_trainer, small_config
 
 # ----------------------------------------------------------------------------- SIGKILL mid-save
 
@@ -54,8 +52,17 @@ _KILLER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def straight_rows(tiny_dir, prompts_file, run_toml, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
-    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--config", str(run_toml),
-            "--output", str(out)]
+    argv = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts_file),
+        "--config",
+        str(run_toml),
+        "--output",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     return read_rows(out / "metrics.jsonl")
 
@@ -67,11 +74,21 @@ def test_sigkill_during_checkpoint_save_keeps_previous_and_resume_continues(
     out = tmp_path / "run"
     script = tmp_path / "killer.py"
     script.write_text(_KILLER.format(tests=str(TESTS)))
-    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--config", str(run_toml),
-            "--output", str(out)]
+    argv = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts_file),
+        "--config",
+        str(run_toml),
+        "--output",
+        str(out),
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    res = subprocess.run([sys.executable, str(script), mode, *argv], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, str(script), mode, *argv], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
 
     # Killed during the step-2 save: step 2 was logged, the step-1 checkpoint is intact.
@@ -111,23 +128,43 @@ def test_checkpoint_holds_every_state_and_restores_rngs(tmp_path):
     tr.step()
     tr.save_checkpoint(tmp_path / "ck")
     st = torch.load(tmp_path / "ck" / "trainer_state.pt", weights_only=True)
-    for key in ("step", "kl_ctl", "sampler", "shuffle_generator", "rng_torch", "rng_numpy", "rng_python",
-                "consecutive_skips", "skipped_updates_total", "config"):
+    for key in (
+        "step",
+        "kl_ctl",
+        "sampler",
+        "shuffle_generator",
+        "rng_torch",
+        "rng_numpy",
+        "rng_python",
+        "consecutive_skips",
+        "skipped_updates_total",
+        "config",
+    ):
         assert key in st, key
     opt = torch.load(tmp_path / "ck" / "optimizers.pt", weights_only=True)
     assert set(opt) == {"policy", "value"} and opt["policy"]["state"]  # AdamW moments after a step
-    expected = (torch.rand(4), np.random.rand(3), [__import__("random").random() for _ in range(3)],
-                torch.randperm(16, generator=tr.shuffle_generator), tr.sampler.sample(5))
+    expected = (
+        torch.rand(4),
+        np.random.rand(3),
+        [__import__("random").random() for _ in range(3)],
+        torch.randperm(16, generator=tr.shuffle_generator),
+        tr.sampler.sample(5),
+    )
 
     torch.manual_seed(999), np.random.seed(999), __import__("random").seed(999)
     other = make_trainer(small_config(steps=1, ppo_epochs=1))
     assert other.load_checkpoint(tmp_path / "ck") == tmp_path / "ck"
-    got = (torch.rand(4), np.random.rand(3), [__import__("random").random() for _ in range(3)],
-           torch.randperm(16, generator=other.shuffle_generator), other.sampler.sample(5))
+    got = (
+        torch.rand(4),
+        np.random.rand(3),
+        [__import__("random").random() for _ in range(3)],
+        torch.randperm(16, generator=other.shuffle_generator),
+        other.sampler.sample(5),
+    )
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
     assert got[2] == expected[2] and torch.equal(got[3], expected[3]) and got[4] == expected[4]
     assert other.step_count == 1
-    for a, b in zip(tr.value_model.parameters(), other.value_model.parameters()):
+    for a, b in zip(tr.critic.model.parameters(), other.critic.model.parameters()):
         assert torch.equal(a, b)
 
 

@@ -9,13 +9,11 @@ import math
 import pytest
 import torch
 
-from pyppo.run.checkpoint import find as find_checkpoint
 from pyppo.config import PPOConfig
-from pyppo.run.nonfinite import NonFiniteUpdateError
-from support.trainer_fixture import PROMPTS, make_trainer, small_config
-
+from pyppo.run.checkpoint import find as find_checkpoint
+from pyppo.trainer.guards import NonFiniteUpdateError
 from support.run_fixture import ckpt_step, prompts_file, read_rows, tiny_dir  # noqa: F401 (fixtures)
-
+from support.trainer_fixture import PROMPTS, make_trainer, small_config
 
 # ----------------------------------------------------------------------------- non-finite updates
 
@@ -42,7 +40,7 @@ def test_nan_loss_skips_that_update_only(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"epoch 1, minibatch 2: non-finite policy_loss=nan.*update skipped"):
         m = tr.step().metrics
     assert m["skipped_updates"] == 1 and tr.skips.total == 1 and tr.skips.consecutive == 0
-    assert _adam_steps(tr.policy_optimizer) == {3} and _adam_steps(tr.value_optimizer) == {3}
+    assert _adam_steps(tr.policy_optimizer) == {3} and _adam_steps(tr.critic.optimizer) == {3}
     assert all(math.isfinite(v) for v in m.values()), m  # averages over the applied updates
     assert all(torch.isfinite(p).all() for p in tr.policy.parameters())
 
@@ -73,7 +71,7 @@ def test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint(
 
 def test_all_skipped_step_reports_nan_losses_and_counts_across_steps():
     tr = make_trainer(small_config(steps=2, max_consecutive_skips=6, target_kl=1.0))
-    param = next(p for p in tr.value_model.parameters() if p.requires_grad)
+    param = next(p for p in tr.critic.model.parameters() if p.requires_grad)
     param.register_hook(lambda g: torch.full_like(g, math.inf))
     with pytest.warns(RuntimeWarning, match="value_grad_norm=inf"):
         m = tr.step().metrics
@@ -92,10 +90,11 @@ def test_metrics_of_an_all_skipped_step_are_strict_json(tmp_path):
     def strict(line):
         def refuse(constant):
             raise AssertionError(f"bare {constant} in {line!r}")
+
         return json.loads(line, parse_constant=refuse)
 
     tr = make_trainer(small_config(steps=2, max_consecutive_skips=9))
-    param = next(p for p in tr.value_model.parameters() if p.requires_grad)
+    param = next(p for p in tr.critic.model.parameters() if p.requires_grad)
     handle = param.register_hook(lambda g: torch.full_like(g, math.inf))
     with pytest.warns(RuntimeWarning, match="value_grad_norm=inf"):
         history = tr.train(tmp_path, progress=False)
@@ -117,7 +116,6 @@ def test_max_consecutive_skips_is_validated():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_consecutive_skips"):
             PPOConfig(max_consecutive_skips=bad)
-
 
 
 # ----------------------------------------------------------------------------- odd inputs
@@ -145,21 +143,43 @@ def test_diverged_model_is_reported_before_whitening_keeping_the_checkpoint(tmp_
     assert ckpt_step(tmp_path / "checkpoint") == 1 and [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1]
 
 
-def test_lr_1e30_names_no_checkpoint_good_when_it_holds_the_weights_that_diverged(tiny_dir, prompts_file, tmp_path,
-                                                                                  capsys):
+def test_lr_1e30_names_no_checkpoint_good_when_it_holds_the_weights_that_diverged(
+    tiny_dir, prompts_file, tmp_path, capsys
+):
     from pyppo import cli
 
     # The user's command: step 1's update takes the weights to about 1e30 (finite), step 2's
     # rollout from them is NaN; the checkpoint of step 1 holds those weights.
     out = tmp_path / "run"
-    argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out), "--steps", "3",
-            "--batch-size", "2", "--mini-batch-size", "1", "--max-new-tokens", "4", "--lr", "1e30", "--save-every", "1"]
+    argv = [
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts_file),
+        "--output",
+        str(out),
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--mini-batch-size",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--lr",
+        "1e30",
+        "--save-every",
+        "1",
+    ]
     assert cli.main(argv) == 1
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pyppo: error: ")]
     assert line.startswith("pyppo: error: step 2: the rollout has non-finite ")
     assert "last good" not in line
-    assert line.endswith(f"no checkpoint is good to resume from: {str(out / 'checkpoint')!r} (step 1) holds the "
-                         "weights that gave this rollout; start the run over")
+    assert line.endswith(
+        f"no checkpoint is good to resume from: {str(out / 'checkpoint')!r} (step 1) holds the "
+        "weights that gave this rollout; start the run over"
+    )
     weights = torch.load(out / "checkpoint" / "policy.pt", weights_only=True)
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert max(float(w.abs().max()) for w in weights.values()) > 1e29

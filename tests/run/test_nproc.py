@@ -30,30 +30,66 @@ def reward(prompts, responses):
     time.sleep(float(os.environ.get("PYPPO_TEST_SLEEP", "0")))
     return [float(r.count("e")) - 0.1 * len(r) for r in responses]
 """
-FLAGS = ["--nproc", "2", "--device", "cpu", "--steps", "3", "--batch-size", "2", "--mini-batch-size", "2",
-         "--ppo-epochs", "1", "--max-new-tokens", "4", "--seed", "3", "--save-every", "100"]
+FLAGS = [
+    "--nproc",
+    "2",
+    "--device",
+    "cpu",
+    "--steps",
+    "3",
+    "--batch-size",
+    "2",
+    "--mini-batch-size",
+    "2",
+    "--ppo-epochs",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--seed",
+    "3",
+    "--save-every",
+    "100",
+]
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "PYPPO_DEBUG")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYPPO_DEBUG")
+    }
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
 def _argv(tiny_dir, prompts_file, tmp_path, out) -> list:
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    return [sys.executable, "-m", "pyppo", "train", "--model", str(tiny_dir), "--prompts", str(prompts_file),
-            "--reward", f"{reward}:reward", "--output", str(out), *FLAGS]
+    return [
+        sys.executable,
+        "-m",
+        "pyppo",
+        "train",
+        "--model",
+        str(tiny_dir),
+        "--prompts",
+        str(prompts_file),
+        "--reward",
+        f"{reward}:reward",
+        "--output",
+        str(out),
+        *FLAGS,
+    ]
 
 
 def test_ctrl_c_keeps_a_step_longer_than_torchruns_grace_period_and_the_resume_command_works(
-        tiny_dir, prompts_file, tmp_path):
+    tiny_dir, prompts_file, tmp_path
+):
     out, mark = tmp_path / "run", tmp_path / "mark"
     # torchrun's grace period shortened to 1 s; each step takes over 4 s (the reward sleeps).
     env = _env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1", PYPPO_TEST_SLEEP="4", PYPPO_TEST_MARK=str(mark))
-    proc = subprocess.Popen(_argv(tiny_dir, prompts_file, tmp_path, out), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _argv(tiny_dir, prompts_file, tmp_path, out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 300
     while not (tmp_path / "mark.2").exists():  # step 2 is scoring: 4 s of it are left
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
@@ -68,8 +104,9 @@ def test_ctrl_c_keeps_a_step_longer_than_torchruns_grace_period_and_the_resume_c
     command = err.split("its checkpoint is at step 2 of 3; continue with: ")[1].splitlines()[0]
     assert command == f"pyppo train --resume {out} --nproc 2"
 
-    res = subprocess.run([sys.executable, "-m", *shlex.split(command)], env=_env(), capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", *shlex.split(command)], env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["step"] for r in read_rows(out / "metrics.jsonl")] == [1, 2, 3]
 
@@ -80,8 +117,10 @@ def test_a_reward_failing_on_rank_1_only_is_shown_and_the_last_finished_step_kep
     res = subprocess.run(argv, env=_env(PYPPO_TEST_FAIL_RANK="1"), capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("pyppo: error: ")]
-    assert errors == [f"pyppo: error: reward '{tmp_path / 'reward.py'}:reward' raised ValueError: rank 1's reward "
-                      f"broke (step 2, scoring 1 responses) (on process 1 of 2); its checkpoint is at step 1 of 3; "
-                      f"continue with: pyppo train --resume {out} --nproc 2"], res.stderr[-3000:]
+    assert errors == [
+        f"pyppo: error: reward '{tmp_path / 'reward.py'}:reward' raised ValueError: rank 1's reward "
+        f"broke (step 2, scoring 1 responses) (on process 1 of 2); its checkpoint is at step 1 of 3; "
+        f"continue with: pyppo train --resume {out} --nproc 2"
+    ], res.stderr[-3000:]
     assert "Connection closed" not in res.stderr and "Traceback" not in res.stderr
     assert ckpt_step(out / "checkpoint") == 1

@@ -16,15 +16,27 @@ import pytest
 
 from pyppo import cli
 from pyppo.run.checkpoint import find as find_checkpoint
-
 from support.run_fixture import ckpt_step, prompts_file, read_rows, tiny_dir, untimed  # noqa: F401 (fixtures)
-
 
 # ----------------------------------------------------------------------------- SIGINT / SIGTERM
 
 # A tiny run checkpointed only at its end, so that every stop before it has to write one.
-STOP_FLAGS = ["--steps", "3", "--batch-size", "2", "--mini-batch-size", "1", "--ppo-epochs", "1",
-              "--max-new-tokens", "4", "--seed", "3", "--save-every", "100"]
+STOP_FLAGS = [
+    "--steps",
+    "3",
+    "--batch-size",
+    "2",
+    "--mini-batch-size",
+    "1",
+    "--ppo-epochs",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--seed",
+    "3",
+    "--save-every",
+    "100",
+]
 
 # `pyppo train` in a child process that may also signal itself at a chosen moment: "loading" (as
 # the model loads), "saveN" (before the N-th file a checkpoint save writes) or "none".
@@ -63,15 +75,31 @@ _SIGNALLER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def stop_straight_rows(tiny_dir, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("stop-straight") / "run"
-    assert cli.main(["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out),
-                     *STOP_FLAGS]) == 0
+    assert (
+        cli.main(["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out), *STOP_FLAGS])
+        == 0
+    )
     return [untimed(r) for r in read_rows(out / "metrics.jsonl")]
 
 
 def _signal_during(monkeypatch, method: str, plan: dict):
     """Make ``PPOTrainer.<method>`` send this process the signals ``plan[step]`` (a list) when it
-    runs during that step (1-based)."""
-    from pyppo.trainer import PPOTrainer
+    runs during that step (1-based). ``method = "generate"``: the rollout engine's sampling, whose
+    k-th call is step k's (these runs evaluate nothing and sample once a step)."""
+    if method == "generate":
+        from pyppo.rollout.hf_generate import HFGenerateEngine
+
+        real_generate, calls = HFGenerateEngine.generate, []
+
+        def sampling(self, prompts):
+            calls.append(1)
+            for signum in plan.pop(len(calls), []):
+                os.kill(os.getpid(), signum)
+            return real_generate(self, prompts)
+
+        monkeypatch.setattr(HFGenerateEngine, "generate", sampling)
+        return
+    from pyppo import PPOTrainer
 
     real = getattr(PPOTrainer, method)
 
@@ -86,8 +114,8 @@ def _signal_during(monkeypatch, method: str, plan: dict):
 @pytest.mark.parametrize(
     "method, signals, status, kept",
     [
-        ("rollout", [signal.SIGTERM], 143, 2),  # step 2 finishes and is checkpointed
-        ("rollout", [signal.SIGINT, signal.SIGINT], 130, 1),  # step 2 abandoned before its update
+        ("generate", [signal.SIGTERM], 143, 2),  # step 2 finishes and is checkpointed
+        ("generate", [signal.SIGINT, signal.SIGINT], 130, 1),  # step 2 abandoned before its update
         ("warm_up_learning_rates", [signal.SIGINT, signal.SIGTERM], 130, 1),  # ... at its first optimizer step
         ("clip_grad_norm", [signal.SIGTERM, signal.SIGINT], 143, 2),  # late enough: ... finished
     ],
@@ -100,8 +128,8 @@ def test_signal_in_process_checkpoints_last_finished_step_and_resume_is_exact(
     argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out), *STOP_FLAGS]
     plan = {2: list(signals)}
     if method == "clip_grad_norm":  # the second signal after step 2's first optimizer step
-        _signal_during(monkeypatch, "rollout", {2: signals[:1]})
-        from pyppo.trainer import PPOTrainer
+        _signal_during(monkeypatch, "generate", {2: signals[:1]})
+        from pyppo import PPOTrainer
 
         real, calls = PPOTrainer.clip_grad_norm, []
 
@@ -118,8 +146,9 @@ def test_signal_in_process_checkpoints_last_finished_step_and_resume_is_exact(
     err = capsys.readouterr().err
     assert "Traceback" not in err
     name = signal.Signals(signals[0]).name
-    assert (f"pyppo: stopped by {name}; its checkpoint is at step {kept} of 3; "
-            f"continue with: pyppo train --resume {out}") in err
+    assert (
+        f"pyppo: stopped by {name}; its checkpoint is at step {kept} of 3; continue with: pyppo train --resume {out}"
+    ) in err
     assert ckpt_step(out / "checkpoint") == kept
     assert [r["step"] for r in read_rows(out / "metrics.jsonl")] == list(range(1, kept + 1))
     assert (out / "curves.png").is_file()
@@ -135,7 +164,7 @@ def test_signal_before_first_step_is_started_over_by_the_same_command(
 ):
     out = tmp_path / "run"
     argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out), *STOP_FLAGS]
-    _signal_during(monkeypatch, "rollout", {1: [signal.SIGTERM, signal.SIGTERM]})
+    _signal_during(monkeypatch, "generate", {1: [signal.SIGTERM, signal.SIGTERM]})
     assert cli.main(argv) == 143
     err = capsys.readouterr().err
     assert "no step finished, so there is nothing to keep: the same command, or " in err
@@ -147,8 +176,9 @@ def test_signal_before_first_step_is_started_over_by_the_same_command(
     assert [untimed(r) for r in read_rows(out / "metrics.jsonl")] == stop_straight_rows
 
 
-def test_resume_of_a_run_without_checkpoint_starts_it_over(tiny_dir, prompts_file, stop_straight_rows, tmp_path,
-                                                            capsys):
+def test_resume_of_a_run_without_checkpoint_starts_it_over(
+    tiny_dir, prompts_file, stop_straight_rows, tmp_path, capsys
+):
     out = tmp_path / "run"
     argv = ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out), *STOP_FLAGS]
     assert cli.main(argv) == 0
@@ -170,8 +200,9 @@ def test_resume_of_a_run_without_checkpoint_starts_it_over(tiny_dir, prompts_fil
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
-def _run_child(script: Path, mode: str, signum: int, count: int, argv: list, rng, external: int, window: float,
-               cwd: Path) -> tuple:
+def _run_child(
+    script: Path, mode: str, signum: int, count: int, argv: list, rng, external: int, window: float, cwd: Path
+) -> tuple:
     """Run the signalling child; send it ``external`` signals at random moments within ``window``
     seconds after it starts talking (its handlers are installed by then). Returns (status, stderr,
     signals sent)."""
@@ -180,8 +211,14 @@ def _run_child(script: Path, mode: str, signum: int, count: int, argv: list, rng
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PYPPO_DEBUG", None)
-    proc = subprocess.Popen([sys.executable, str(script), mode, str(int(signum)), str(count), *argv], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode, str(int(signum)), str(count), *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines, talking = [], threading.Event()
 
     def read():
@@ -238,15 +275,27 @@ def test_random_signals_never_lose_work(tiny_dir, prompts_file, stop_straight_ro
             assert rounds < 60, f"seed {seed}: the run never finished"
             before = ckpt_step(find_checkpoint(out / "checkpoint")) if find_checkpoint(out / "checkpoint") else 0
             resume = find_checkpoint(out / "checkpoint") is not None
-            argv = (["train", "--resume", str(out)] if resume else
-                    ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--output", str(out),
-                     *STOP_FLAGS])
+            argv = (
+                ["train", "--resume", str(out)]
+                if resume
+                else [
+                    "train",
+                    "--model",
+                    str(tiny_dir),
+                    "--prompts",
+                    str(prompts_file),
+                    "--output",
+                    str(out),
+                    *STOP_FLAGS,
+                ]
+            )
             # Few rounds (each child imports torch: seconds), many signals each.
             mode = rng.choice(["none", "none", "none", "loading", "save1", "save3"])
             count = rng.choice([1, 2, 3]) if mode != "none" else 0
             external = rng.choice([2, 3, 3]) if mode == "none" else rng.choice([0, 1, 2])
-            status, err, sent = _run_child(script, mode, rng.choice([signal.SIGINT, signal.SIGTERM]), count,
-                                           argv, rng, external, window, tmp_path)
+            status, err, sent = _run_child(
+                script, mode, rng.choice([signal.SIGINT, signal.SIGTERM]), count, argv, rng, external, window, tmp_path
+            )
             where = f"seed {seed}, round {rounds}, mode {mode} x{count}, {sent} external: {err[-2000:]}"
             assert "Traceback" not in err, where
             # -2 / -15: the signal's default action, which Python has before pyppo installs its
@@ -259,8 +308,12 @@ def test_random_signals_never_lose_work(tiny_dir, prompts_file, stop_straight_ro
             if "its checkpoint is at step" in err:  # a graceful stop: its last finished step is checkpointed
                 done = int(err.split("its checkpoint is at step ")[1].split()[0])
                 assert ckpt_step(find_checkpoint(out / "checkpoint")) == done == len(rows), where
-            if status == 0 and len(rows) == 3 and find_checkpoint(out / "checkpoint") is not None \
-                    and ckpt_step(find_checkpoint(out / "checkpoint")) == 3:
+            if (
+                status == 0
+                and len(rows) == 3
+                and find_checkpoint(out / "checkpoint") is not None
+                and ckpt_step(find_checkpoint(out / "checkpoint")) == 3
+            ):
                 break
             after = ckpt_step(find_checkpoint(out / "checkpoint")) if find_checkpoint(out / "checkpoint") else 0
             window = base_window if after > before else min(2 * window, 120.0)
@@ -275,7 +328,8 @@ def test_a_signal_while_loading_deletes_the_registered_scratch_directory(tmp_pat
     scratch, kept = tmp_path / "scratch", tmp_path / "kept"
     code = f"""
 import os, pathlib, signal, time
-from pyppo.run.stopping import GracefulStop, removed_at_exit
+from pyppo.run.stopping import GracefulStop
+from pyppo.scratch import removed_at_exit
 for d in ({str(scratch)!r}, {str(kept)!r}):
     pathlib.Path(d, "weights").mkdir(parents=True)
 with GracefulStop(say=False).installed(), removed_at_exit({str(scratch)!r}):

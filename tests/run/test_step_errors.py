@@ -8,17 +8,27 @@ from __future__ import annotations
 
 import pytest
 
-from pyppo import cli
+from pyppo import PPOTrainer, cli
 from pyppo.rewards import RewardError
-from pyppo.trainer import PPOTrainer
+from support.run_fixture import ckpt_step, prompts_file, read_rows, tiny_dir, untimed  # noqa: F401 (fixtures)
 from support.tiny_models import tiny_causal_lm, tiny_tokenizer
 from support.trainer_fixture import PROMPTS, small_config
 
-from support.run_fixture import ckpt_step, prompts_file, read_rows, tiny_dir, untimed  # noqa: F401 (fixtures)
-
 # save_every is left at pyppo train's default (10): nothing is checkpointed before step 5.
-FLAGS = ["--steps", "5", "--batch-size", "2", "--mini-batch-size", "1", "--ppo-epochs", "1", "--max-new-tokens", "4",
-         "--seed", "3"]
+FLAGS = [
+    "--steps",
+    "5",
+    "--batch-size",
+    "2",
+    "--mini-batch-size",
+    "1",
+    "--ppo-epochs",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--seed",
+    "3",
+]
 
 # Fails at its N-th call (one call a step), N = $PYPPO_TEST_FAIL_AT; each run loads the file afresh.
 FLAKY = """\
@@ -33,13 +43,24 @@ def flaky(prompts, responses):
 
 
 def test_a_reward_failing_at_step_3_of_5_keeps_step_2_and_resume_continues_exactly(
-        tiny_dir, prompts_file, tmp_path, capsys, monkeypatch):
+    tiny_dir, prompts_file, tmp_path, capsys, monkeypatch
+):
     reward = tmp_path / "flaky.py"
     reward.write_text(FLAKY)
 
     def argv(out):
-        return ["train", "--model", str(tiny_dir), "--prompts", str(prompts_file), "--reward", f"{reward}:flaky",
-                "--output", str(out), *FLAGS]
+        return [
+            "train",
+            "--model",
+            str(tiny_dir),
+            "--prompts",
+            str(prompts_file),
+            "--reward",
+            f"{reward}:flaky",
+            "--output",
+            str(out),
+            *FLAGS,
+        ]
 
     straight = tmp_path / "straight"
     assert cli.main(argv(straight)) == 0
@@ -65,8 +86,9 @@ def test_a_reward_failing_at_step_3_of_5_keeps_step_2_and_resume_continues_exact
     # The printed command continues it: the uninterrupted run's metrics, step for step.
     assert cli.main(["train", "--resume", str(out)]) == 0
     assert "resuming" in capsys.readouterr().err
-    assert [untimed(r) for r in read_rows(out / "metrics.jsonl")] == \
-        [untimed(r) for r in read_rows(straight / "metrics.jsonl")]
+    assert [untimed(r) for r in read_rows(out / "metrics.jsonl")] == [
+        untimed(r) for r in read_rows(straight / "metrics.jsonl")
+    ]
 
 
 def test_an_error_in_the_evaluation_keeps_the_step_it_follows(tmp_path):
@@ -77,8 +99,16 @@ def test_an_error_in_the_evaluation_keeps_the_step_it_follows(tmp_path):
             raise RuntimeError("the judge of held-out prompts is down")
         return [float(r.count("e")) for r in responses]
 
-    tr = PPOTrainer(small_config(steps=3, eval_every=2), tiny_causal_lm(seed=0), None, None, tiny_tokenizer(), reward,
-                    PROMPTS, eval_prompts=held_out)
+    tr = PPOTrainer(
+        small_config(steps=3, eval_every=2),
+        tiny_causal_lm(seed=0),
+        None,
+        None,
+        tiny_tokenizer(),
+        reward,
+        PROMPTS,
+        eval_prompts=held_out,
+    )
     with pytest.raises(RewardError, match="the judge of held-out prompts is down"):
         tr.train(tmp_path, progress=False)
     # Step 2 finished before its evaluation failed: logged (without eval/*) and checkpointed.

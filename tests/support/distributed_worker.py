@@ -1,4 +1,4 @@
-"""Run by tests/trainer/test_distributed.py under ``torchrun``: from one fixed rollout (a saved batch),
+"""Run by tests/test_distributed.py under ``torchrun``: from one fixed rollout (a saved batch),
 each rank takes its share, computes the advantages and one minibatch update, and rank 0 saves
 what it got; or (``kl-controller OUT``) each rank runs one whole step with the adaptive KL
 controller, and rank 0 saves every rank's batch and coefficient. Not a test module itself."""
@@ -13,19 +13,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests folder: support.*
 
-from support.tiny_models import tiny_causal_lm  # noqa: E402
-from support.trainer_fixture import make_trainer, small_config  # noqa: E402
-
 from pyppo.run import checkpoint  # noqa: E402
 from pyppo.trainer.step_stats import RunningStats  # noqa: E402
+from support.tiny_models import tiny_causal_lm  # noqa: E402
+from support.trainer_fixture import make_trainer, small_config  # noqa: E402
 
 
 def update_config(fsdp: bool, batch_size: int):
     # adam_eps 1e-4: AdamW's first step moves a weight by lr · g / (|g| + eps), which turns the
     # reduction-order rounding of a gradient near eps into up to lr / eps times as much; with
     # 1e-4 that factor is 10, and the two updates agree to float32 rounding.
-    return small_config(steps=1, batch_size=batch_size, mini_batch_size=batch_size, micro_batch_size=None,
-                        ppo_epochs=1, device="cpu", fsdp=fsdp, adam_eps=1e-4)
+    return small_config(
+        steps=1,
+        batch_size=batch_size,
+        mini_batch_size=batch_size,
+        micro_batch_size=None,
+        ppo_epochs=1,
+        device="cpu",
+        fsdp=fsdp,
+        adam_eps=1e-4,
+    )
 
 
 def one_update(trainer, batch, kl_coef: float) -> dict:
@@ -33,10 +40,15 @@ def one_update(trainer, batch, kl_coef: float) -> dict:
     trainer.advantages(batch, kl_coef)
     stats = RunningStats()
     trainer.minibatch_step(batch, stats, "test")
-    policy, _ = checkpoint.training_state(trainer.policy_module, trainer.policy_optimizer, prefix="model.")
-    value, _ = checkpoint.training_state(trainer.value_module, trainer.value_optimizer)
-    return {"policy": policy, "value": value, "advantages": batch.advantages, "returns": batch.returns,
-            "stats": stats.means()}
+    policy, _ = checkpoint.training_state(trainer.models.policy_module, trainer.policy_optimizer, prefix="model.")
+    value, _ = checkpoint.training_state(trainer.critic.module, trainer.critic.optimizer)
+    return {
+        "policy": policy,
+        "value": value,
+        "advantages": batch.advantages,
+        "returns": batch.returns,
+        "stats": stats.means(),
+    }
 
 
 def main(batch_path: str, out_path: str, fsdp: str) -> None:
@@ -63,8 +75,17 @@ def main(batch_path: str, out_path: str, fsdp: str) -> None:
 def controller_config(target_kl: float):
     """2 responses a rank; ``kl_horizon`` 20 samples, so one step of the batch's 4 moves the
     controller by a fifth of its error."""
-    return small_config(steps=1, batch_size=4, mini_batch_size=4, micro_batch_size=None, ppo_epochs=1,
-                        device="cpu", kl_coef=0.2, target_kl=target_kl, kl_horizon=20.0)
+    return small_config(
+        steps=1,
+        batch_size=4,
+        mini_batch_size=4,
+        micro_batch_size=None,
+        ppo_epochs=1,
+        device="cpu",
+        kl_coef=0.2,
+        target_kl=target_kl,
+        kl_horizon=20.0,
+    )
 
 
 def kl_controller(out_path: str) -> None:
@@ -76,8 +97,13 @@ def kl_controller(out_path: str) -> None:
     target = probe.step().metrics["kl_mean"] / 1.07
     trainer = make_trainer(controller_config(target), ref=tiny_causal_lm(seed=1))
     b = trainer.step().batch
-    mine = {"old_logprobs": b.old_logprobs, "ref_logprobs": b.ref_logprobs, "response_ids": b.response_ids,
-            "kl_coef": trainer.kl_ctl.value, "target": target}
+    mine = {
+        "old_logprobs": b.old_logprobs,
+        "ref_logprobs": b.ref_logprobs,
+        "response_ids": b.response_ids,
+        "kl_coef": trainer.kl_ctl.value,
+        "target": target,
+    }
     ranks = [None] * trainer.world.size
     torch.distributed.all_gather_object(ranks, mine)
     if trainer.world.rank == 0:

@@ -17,10 +17,10 @@ import importlib.util
 from contextlib import contextmanager
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyppo.integrations.openrlhf import install_flash_attn_stub
+
 
 def import_peer(module: str):
     """Import ``module`` of a peer package, or skip the calling test if the peer is absent."""

@@ -172,8 +172,9 @@ def ref_shape_rewards(
     return rewards, kl
 
 
-def ref_sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_ids: torch.Tensor, eos: int,
-                    estimator: str = "k1") -> list[float]:
+def ref_sequence_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_ids: torch.Tensor, eos: int, estimator: str = "k1"
+) -> list[float]:
     """Each response's KL in nats, float64: the per-token estimator summed over its sampled tokens,
     up to and including the first ``eos`` (every token when there is none)."""
     kl = ref_kl_unclamped(logprobs, ref_logprobs, estimator)
@@ -372,8 +373,7 @@ def gen(seed: int) -> torch.Generator:
 # ---------------------------------------------------------------------------------------------
 
 
-def ref_aggregate_loss(rows: list, mode: str, norm: float | None,
-                       normalizer: float | None = None) -> torch.Tensor:
+def ref_aggregate_loss(rows: list, mode: str, norm: float | None, normalizer: float | None = None) -> torch.Tensor:
     """rows: one list per sequence of its valid tokens' float64 losses (0-d tensors; may be empty).
 
     token-mean: mean over all tokens. seq-*: over the sequences with at least one token, the
@@ -450,14 +450,38 @@ def ref_ppo_policy_loss(
             kl += float((tok["r"] - 1 - tok["d"]).detach())
             ratios.append(float(tok["r"].detach()))
         rows.append(row)
-    stats = dict(clipfrac=clipped / n, clipfrac_lower=lower / n, approx_kl=kl / n,
-                 ratio_mean=sum(ratios) / n, ratio_max=max(ratios), logratio_clampfrac=clamped / n)
+    stats = dict(
+        clipfrac=clipped / n,
+        clipfrac_lower=lower / n,
+        approx_kl=kl / n,
+        ratio_mean=sum(ratios) / n,
+        ratio_max=max(ratios),
+        logratio_clampfrac=clamped / n,
+    )
     return ref_aggregate_loss(rows, mode, norm), stats
 
 
 def ref_linear_ppo_loss(
-    hidden, weight, labels, old, adv, mask, *, bias=None, ref=None, kl_coef=0.0, estimator="k3", entropy_coef=0.0,
-    lo=0.2, hi=0.2, dual=None, mode="token-mean", norm=None, normalizer=None, temperature=1.0, logits_dtype=None,
+    hidden,
+    weight,
+    labels,
+    old,
+    adv,
+    mask,
+    *,
+    bias=None,
+    ref=None,
+    kl_coef=0.0,
+    estimator="k3",
+    entropy_coef=0.0,
+    lo=0.2,
+    hi=0.2,
+    dual=None,
+    mode="token-mean",
+    norm=None,
+    normalizer=None,
+    temperature=1.0,
+    logits_dtype=None,
 ):
     """linear_ppo_loss in float64, token by token: ``(loss, logprobs, entropy)``.
 
@@ -465,8 +489,9 @@ def ref_linear_ppo_loss(
     the entropy of ref_linear_logprobs), reduced with ``mode`` (``norm`` defaults to T).
     Differentiable w.r.t. hidden, weight and bias.
     """
-    lp, ent = ref_linear_logprobs(hidden, weight, labels, mask, bias=bias, temperature=temperature,
-                                  logits_dtype=logits_dtype)
+    lp, ent = ref_linear_logprobs(
+        hidden, weight, labels, mask, bias=bias, temperature=temperature, logits_dtype=logits_dtype
+    )
     kl = ref_kl_unclamped(lp, ref, estimator) if kl_coef > 0 else None
     old64, adv64 = old.to(F64), adv.to(F64)
     rows = []
@@ -488,9 +513,13 @@ def ref_linear_ppo_loss(
 
 def ref_explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 − Var[R − V] / Var[R] over the valid tokens, with math.fsum; 0.0 where Var[R] = 0."""
-    pairs = [(float(v), float(r)) for v, r, k in
-             zip(values.to(F64).flatten().tolist(), returns.to(F64).flatten().tolist(), mask.flatten().tolist())
-             if k != 0]
+    pairs = [
+        (float(v), float(r))
+        for v, r, k in zip(
+            values.to(F64).flatten().tolist(), returns.to(F64).flatten().tolist(), mask.flatten().tolist()
+        )
+        if k != 0
+    ]
     n = len(pairs)
     if n == 0:
         return 0.0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pyppo import PPOTrainer
 from pyppo.config import PPOConfig
-from pyppo.trainer import PPOTrainer
 from support.tiny_models import tiny_causal_lm, tiny_tokenizer
 
 PROMPTS = [f"say something {'nice ' * (i % 4)}about {i}" for i in range(24)]
@@ -21,9 +21,18 @@ def count_e(prompts, responses):
 
 def small_config(**overrides):
     # float32 unless a test asks: `auto` would make these tests' tolerances depend on the CPU
-    # (bf16 on AVX512_BF16/AMX); tests/trainer/test_precision.py runs `auto` itself.
-    cfg = dict(steps=2, batch_size=8, mini_batch_size=4, micro_batch_size=2, ppo_epochs=2,
-               max_new_tokens=8, lr=1e-3, seed=0, dtype="float32")
+    # (bf16 on AVX512_BF16/AMX); tests/test_precision.py runs `auto` itself.
+    cfg = dict(
+        steps=2,
+        batch_size=8,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        ppo_epochs=2,
+        max_new_tokens=8,
+        lr=1e-3,
+        seed=0,
+        dtype="float32",
+    )
     cfg.update(overrides)
     return PPOConfig(**cfg)
 

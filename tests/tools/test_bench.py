@@ -18,14 +18,22 @@ import torch
 import pyppo.ops as ops
 from pyppo import bench, cli
 from pyppo.bench import eager
-from pyppo.bench.environment import cuda_usable
 from pyppo.bench.cases import group_advantages as group_cases
+from pyppo.bench.environment import cuda_usable
 from pyppo.bench.inputs import bt_inputs, linear_ppo_inputs
 from pyppo.bench.memory import peak_extra_bytes
 from pyppo.bench.timing import HostClock, measure
 
-OPS = {"gather_logprobs", "linear_logprobs", "linear_ppo_loss", "kl_penalty", "shape_rewards", "gae", "masked_whiten",
-       "group_advantages"}
+OPS = {
+    "gather_logprobs",
+    "linear_logprobs",
+    "linear_ppo_loss",
+    "kl_penalty",
+    "shape_rewards",
+    "gae",
+    "masked_whiten",
+    "group_advantages",
+}
 
 
 # --------------------------------------------------------------------------- the harness
@@ -66,8 +74,12 @@ def test_tiny_run_writes_table_json_and_png(tiny_run):
     rows = result["rows"]
     assert {r["op"] for r in rows} == OPS
     labels = {(r["label"], r["dtype"]) for r in rows}
-    for need in [("gather_logprobs fwd", "float32"), ("gather_logprobs fwd", "bfloat16"),
-                 ("gather_logprobs fwd+bwd", "float32"), ("gather_logprobs+entropy fwd", "float32")]:
+    for need in [
+        ("gather_logprobs fwd", "float32"),
+        ("gather_logprobs fwd", "bfloat16"),
+        ("gather_logprobs fwd+bwd", "float32"),
+        ("gather_logprobs+entropy fwd", "float32"),
+    ]:
         assert need in labels
     eagers = {r["eager"] for r in rows if r["op"] == "gather_logprobs"}
     assert {"log_softmax.gather", "trl selective_log_softmax"} <= eagers
@@ -101,8 +113,9 @@ def test_tiny_run_prints_the_table_last(tiny_run):
 
 
 def test_cli_runs_only_the_named_ops(tmp_path):
-    status, _ = _bench("--sizes", "tiny", "--ops", "gae,kl_penalty", "--no-sweeps", "--memory", "off",
-                       "--output", str(tmp_path))
+    status, _ = _bench(
+        "--sizes", "tiny", "--ops", "gae,kl_penalty", "--no-sweeps", "--memory", "off", "--output", str(tmp_path)
+    )
     assert status == 0
     (path,) = tmp_path.glob("bench-*.json")
     rows = json.loads(path.read_text())["rows"]
@@ -113,8 +126,9 @@ def test_cli_runs_only_the_named_ops(tmp_path):
 def test_quick_run_writes_into_output_dir_and_nothing_into_the_package(tmp_path):
     before = _files(PACKAGE_DIR)
     out = tmp_path / "results"
-    status, stdout = _bench("--quick", "--ops", "kl_penalty,gae", "--no-sweeps", "--memory", "off",
-                            "--output", str(out))
+    status, stdout = _bench(
+        "--quick", "--ops", "kl_penalty,gae", "--no-sweeps", "--memory", "off", "--output", str(out)
+    )
     assert status == 0, stdout
     (path,) = out.glob("bench-*.json")
     assert json.loads(path.read_text())["sizes"] == "quick"
@@ -129,8 +143,10 @@ def test_output_defaults_to_the_current_directory_and_json_names_a_file(tmp_path
     assert _bench("--sizes", "tiny", "--ops", "kl_penalty", "--no-sweeps", "--memory", "off")[0] == 0
     assert len(list(tmp_path.glob("bench-*.json"))) == 1
     target = tmp_path / "sub" / "gpu_bench.json"
-    assert _bench("--sizes", "tiny", "--ops", "kl_penalty", "--no-sweeps", "--memory", "off",
-                  "--json", str(target))[0] == 0
+    assert (
+        _bench("--sizes", "tiny", "--ops", "kl_penalty", "--no-sweeps", "--memory", "off", "--json", str(target))[0]
+        == 0
+    )
     assert json.loads(target.read_text())["rows"][0]["op"] == "kl_penalty"
     assert len(list(tmp_path.glob("bench-*.json"))) == 1
 
@@ -154,8 +170,19 @@ def test_gpu_suite_needs_cuda(tmp_path, capsys):
     assert cli.main(["bench", "--suite", "gpu", "--sizes", "tiny", "--output", str(tmp_path)]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
-    status, _ = _bench("--suite", "all", "--sizes", "tiny", "--ops", "kl_penalty", "--no-sweeps", "--memory",
-                       "off", "--output", str(tmp_path))
+    status, _ = _bench(
+        "--suite",
+        "all",
+        "--sizes",
+        "tiny",
+        "--ops",
+        "kl_penalty",
+        "--no-sweeps",
+        "--memory",
+        "off",
+        "--output",
+        str(tmp_path),
+    )
     assert status == 0
     assert "gpu suite is skipped" in capsys.readouterr().err
     (path,) = tmp_path.glob("bench-*.json")
@@ -339,9 +366,16 @@ def test_group_inputs_put_the_score_at_the_last_valid_token():
     assert len(set(inp["index"])) == 64 // group_cases.GROUP_SIZE and inp["index"][:8] == [inp["index"][0]] * 8
 
 
-@pytest.mark.parametrize("make", [group_cases.grpo_case, lambda s, d: group_cases.grpo_case(s, d, vectorized=True),
-                                  group_cases.rloo_case, group_cases.reinforce_pp_baseline_case],
-                         ids=["grpo", "grpo_vectorized", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        group_cases.grpo_case,
+        lambda s, d: group_cases.grpo_case(s, d, vectorized=True),
+        group_cases.rloo_case,
+        group_cases.reinforce_pp_baseline_case,
+    ],
+    ids=["grpo", "grpo_vectorized", "rloo", "reinforce_pp_baseline"],
+)
 def test_eager_group_advantages_match_pyppo(make):
     case = make((64, 16), torch.float32)
     inp = _group(10)

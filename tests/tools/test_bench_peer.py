@@ -69,8 +69,18 @@ def test_peer_run_prints_the_table_last(peer_run):
     peer, _, out, stdout = peer_run
     assert str(out) in stdout.split("pyppo bench (")[0]  # "wrote ..." before the table
     header = next(line for line in stdout.splitlines() if line.startswith("function "))
-    for col in ("shape", "dtype", "peer ms", "pyppo ms", "speed-up", "peer extra", "pyppo extra", "extra ratio",
-                "max abs err", "check"):
+    for col in (
+        "shape",
+        "dtype",
+        "peer ms",
+        "pyppo ms",
+        "speed-up",
+        "peer extra",
+        "pyppo extra",
+        "extra ratio",
+        "max abs err",
+        "check",
+    ):
         assert col in header
     assert f"peer {peer} {pc.PINS[peer][1]} against pyppo.integrations.{peer}:" in stdout
     assert "shapes (cpu):" in stdout and "threads: torch" in stdout
@@ -88,8 +98,11 @@ def hide(monkeypatch):
     real = importlib.util.find_spec
 
     def hide(*names):
-        monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a, **k: None if name.split(".")[0] in names else real(name, *a, **k))
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a, **k: None if name.split(".")[0] in names else real(name, *a, **k),
+        )
 
     return hide
 

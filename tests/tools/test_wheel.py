@@ -82,11 +82,25 @@ print(json.dumps({"err": float((lp - ref).abs().max()), "adv_finite": bool(torch
     assert info["torch_running"] == torch.__version__
 
     # pyppo bench from site-packages writes where it is run, not into the installed package.
-    site_pkg = Path(_run([str(py), "-c", "import pyppo, os; print(os.path.dirname(pyppo.__file__))"], cwd=work,
-                         env=env).strip())
+    site_pkg = Path(
+        _run([str(py), "-c", "import pyppo, os; print(os.path.dirname(pyppo.__file__))"], cwd=work, env=env).strip()
+    )
     before = sorted(p for p in site_pkg.rglob("*") if "__pycache__" not in p.parts)
-    _run([str(env_dir / "bin" / "pyppo"), "bench", "--sizes", "tiny", "--ops", "kl_penalty,gae", "--no-sweeps",
-          "--memory", "off"], cwd=work, env=env)
+    _run(
+        [
+            str(env_dir / "bin" / "pyppo"),
+            "bench",
+            "--sizes",
+            "tiny",
+            "--ops",
+            "kl_penalty,gae",
+            "--no-sweeps",
+            "--memory",
+            "off",
+        ],
+        cwd=work,
+        env=env,
+    )
     (result,) = work.glob("bench-*.json")
     assert {r["op"] for r in json.loads(result.read_text())["rows"]} == {"kl_penalty", "gae"}
     assert sorted(p for p in site_pkg.rglob("*") if "__pycache__" not in p.parts) == before

@@ -12,8 +12,9 @@ _BLOCK = "import sys; sys.modules['numpy'] = None\n"
 
 
 def _run(code: str, cwd) -> str:
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _BLOCK + code], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _BLOCK + code], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 

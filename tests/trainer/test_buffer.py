@@ -90,8 +90,9 @@ def test_model_inputs_from_left_padding():
 def test_shape_validation_names_the_field():
     buf = make_buffer(B=4, T=5)
     with pytest.raises(ValueError, match="old_logprobs"):
-        RolloutBuffer(buf.query_ids, buf.query_mask, buf.response_ids, buf.response_mask,
-                      old_logprobs=torch.zeros(4, 6))
+        RolloutBuffer(
+            buf.query_ids, buf.query_mask, buf.response_ids, buf.response_mask, old_logprobs=torch.zeros(4, 6)
+        )
     with pytest.raises(ValueError, match="scores"):
         RolloutBuffer(buf.query_ids, buf.query_mask, buf.response_ids, buf.response_mask, scores=torch.zeros(3))
     with pytest.raises(ValueError, match="response_ids"):

@@ -6,14 +6,21 @@ import torch
 
 from pyppo import ops
 from pyppo.trainer.buffer import RolloutBuffer
-from pyppo.trainer.group_filter import varied_groups
 from pyppo.trainer.overlong import overlong_penalty
+from pyppo.trainer.sampling import varied_groups
 from support.trainer_fixture import count_e, make_trainer, small_config
 
 
 def group_config(**overrides):
-    base = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, samples_per_prompt=4, advantage_estimator="grpo",
-                kl_coef=0.0, steps=1)
+    base = dict(
+        batch_size=8,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        samples_per_prompt=4,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        steps=1,
+    )
     return small_config(**{**base, **overrides})
 
 
@@ -49,10 +56,12 @@ def test_mask_truncated_takes_responses_without_eos_out_of_the_loss_after_their_
     truncated = ~b.has_eos
     assert 0 < int(truncated.sum()) < len(b)  # both kinds are in the batch
     assert m["truncated_masked"] == int(truncated.sum())
-    assert not b.response_mask[truncated].any() and (b.advantages[truncated] == 0).all()
+    assert not b.loss_mask[truncated].any() and (b.advantages[truncated] == 0).all()
+    # only the loss mask is cleared: the truncated responses' tokens are still in the sequence
+    assert b.response_mask[truncated].all() and torch.equal(b.loss_mask[~truncated], b.response_mask[~truncated])
     # the kept rows' advantages are GRPO's over every score of their group, truncated ones included
     full = ops.group_advantages(b.scores, torch.ones(8, 1, dtype=torch.bool), group_size=4)[:, 0]
-    kept = b.response_mask
+    kept = b.loss_mask
     torch.testing.assert_close(b.advantages[kept], full[:, None].expand_as(kept)[kept])
     assert (full[truncated] != 0).any()  # had they been scored 0 instead, the kept rows' baseline would differ
     assert m["response_length_mean"] > 0 and m["eos_fraction"] == pytest.approx(float(b.has_eos.float().mean()))
@@ -87,7 +96,7 @@ def test_filter_groups_keeps_varied_groups_and_samples_again_until_the_batch_is_
     assert len(b) == 8 and varied_groups(b.scores, 4).all()
     groups = [b.prompts[i] for i in range(0, 8, 4)]
     assert all(int(p.split()[-1]) % 2 == 1 for p in groups)
-    assert all(b.prompts[i:i + 4] == [b.prompts[i]] * 4 for i in range(0, 8, 4))  # groups stay whole
+    assert all(b.prompts[i : i + 4] == [b.prompts[i]] * 4 for i in range(0, 8, 4))  # groups stay whole
     assert m["filter_groups_tries"] >= 2 and m["filter_groups_dropped"] >= 1 and m["filter_groups_filled"] == 0
     assert (b.advantages[b.response_mask] != 0).any()
 
@@ -111,11 +120,22 @@ def test_without_filter_groups_one_draw_and_no_filter_metrics():
 
 
 def test_cat_pads_prompts_left_and_responses_right():
-    a = RolloutBuffer(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool),
-                      torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.bool),
-                      scores=torch.ones(2), prompts=["a", "b"])
-    b = RolloutBuffer(torch.full((1, 1), 2), torch.ones(1, 1, dtype=torch.bool), torch.full((1, 4), 3),
-                      torch.ones(1, 4, dtype=torch.bool), scores=torch.zeros(1), prompts=["c"])
+    a = RolloutBuffer(
+        torch.ones(2, 3, dtype=torch.long),
+        torch.ones(2, 3, dtype=torch.bool),
+        torch.ones(2, 2, dtype=torch.long),
+        torch.ones(2, 2, dtype=torch.bool),
+        scores=torch.ones(2),
+        prompts=["a", "b"],
+    )
+    b = RolloutBuffer(
+        torch.full((1, 1), 2),
+        torch.ones(1, 1, dtype=torch.bool),
+        torch.full((1, 4), 3),
+        torch.ones(1, 4, dtype=torch.bool),
+        scores=torch.zeros(1),
+        prompts=["c"],
+    )
     c = RolloutBuffer.cat([a, b])
     assert c.query_ids.tolist()[2] == [0, 0, 2] and c.query_mask.tolist()[2] == [False, False, True]
     assert c.response_ids.tolist()[0] == [1, 1, 0, 0] and c.response_mask.tolist()[0] == [True, True, False, False]

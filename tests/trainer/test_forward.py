@@ -17,8 +17,12 @@ def _batch(V=128, B=3, P=5, T=4, seed=0):
     query_mask[1, :2] = False  # left padding
     response_mask = torch.ones(B, T, dtype=torch.bool)
     response_mask[2, 2:] = False
-    return RolloutBuffer(query_ids=torch.randint(4, V, (B, P), generator=g), query_mask=query_mask,
-                         response_ids=torch.randint(4, V, (B, T), generator=g), response_mask=response_mask)
+    return RolloutBuffer(
+        query_ids=torch.randint(4, V, (B, P), generator=g),
+        query_mask=query_mask,
+        response_ids=torch.randint(4, V, (B, T), generator=g),
+        response_mask=response_mask,
+    )
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -30,8 +34,12 @@ def test_logprobs_match_the_full_logits_for_every_family(arch, temperature):
     mb = _batch()
     with torch.no_grad():
         lp, ent = head(mb, return_entropy=True)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                       position_ids=mb.position_ids).logits[:, mb.prompt_length - 1:-1].double() / temperature
+        logits = (
+            model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+            .logits[:, mb.prompt_length - 1 : -1]
+            .double()
+            / temperature
+        )
     expected = torch.log_softmax(logits, -1).gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
     expected = torch.where(mb.response_mask, expected, torch.zeros_like(expected))
     torch.testing.assert_close(lp.double(), expected, rtol=1e-5, atol=1e-5)

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from pyppo import PPOTrainer
 from pyppo.config import ADVANTAGE_ESTIMATORS, PPOConfig
-from pyppo.trainer import PPOTrainer
 from pyppo.trainer.advantages import ADVANTAGE_ESTIMATORS as REGISTRY
 from support.tiny_models import tiny_causal_lm, tiny_tokenizer
 from support.trainer_fixture import PROMPTS, count_e, make_trainer, small_config
@@ -21,8 +21,14 @@ VALUE_KEYS = ("value_loss", "explained_variance", "value_grad_norm", "vf_clipfra
 
 
 def group_config(estimator, k=4, **overrides):
-    base = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, samples_per_prompt=k,
-                advantage_estimator=estimator, kl_coef=0.05)
+    base = dict(
+        batch_size=8,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        samples_per_prompt=k,
+        advantage_estimator=estimator,
+        kl_coef=0.05,
+    )
     base.update(overrides)
     return small_config(**base)
 
@@ -68,28 +74,52 @@ def test_the_config_names_and_the_registry_agree():
     assert PPOConfig(advantage_estimator="reinforce_pp").uses_critic is False  # no group: one response is enough
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(batch_size=8, mini_batch_size=4, samples_per_prompt=3), r"samples_per_prompt \(3\) must divide batch_size \(8\)"),
-    (dict(advantage_estimator="grpo", samples_per_prompt=2, lora_rank=4, value_lora=True),
-     r"value_lora = True has no effect here: it needs a value model \(advantage_estimator = 'gae'; 'grpo' trains none\)"),
-    (dict(advantage_estimator="rloo", samples_per_prompt=2, vf_coef=0.5), r"vf_coef = 0.5 has no effect here"),
-    (dict(advantage_estimator="reinforce_pp", value_lr=1e-4), r"value_lr = 0.0001 has no effect here"),
-    (dict(advantage_estimator="reinforce_pp", lam=0.9), r"lam = 0.9 has no effect here"),
-    (dict(advantage_estimator="grpo", samples_per_prompt=2, cliprange_value=None),
-     r"cliprange_value = None has no effect here"),
-    (dict(advantage_estimator="grpo", samples_per_prompt=2, gamma=0.99), r"gamma = 0.99 has no effect here: it needs token returns"),
-    (dict(advantage_estimator="reinforce_pp_baseline", samples_per_prompt=2, gamma=0.9),
-     r"gamma = 0.9 has no effect here: it needs token returns \(advantage_estimator 'gae' or 'reinforce_pp', not "
-     r"'reinforce_pp_baseline'\)"),
-    (dict(advantage_estimator="grpo", samples_per_prompt=2, whiten_advantages=False),
-     r"whiten_advantages = False has no effect here: it needs a batch-whitened estimator \('grpo' normalises"),
-    (dict(advantage_estimator="rloo", samples_per_prompt=2, grpo_std_normalize=False),
-     r"grpo_std_normalize = False has no effect here: it needs advantage_estimator = 'grpo', not 'rloo'"),
-    (dict(policy_loss="cispo", dual_clip=3.0), r"dual_clip = 3.0 has no effect here: it needs policy_loss = 'ppo', not 'cispo'"),
-    (dict(policy_loss="sapo"), r"policy_loss must be one of"),
-    (dict(advantage_estimator="dapo"), r"advantage_estimator must be one of"),
-    (dict(advantage_estimator="rloo"), r"samples_per_prompt must be >= 2 with advantage_estimator = 'rloo', got 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            dict(batch_size=8, mini_batch_size=4, samples_per_prompt=3),
+            r"samples_per_prompt \(3\) must divide batch_size \(8\)",
+        ),
+        (
+            dict(advantage_estimator="grpo", samples_per_prompt=2, lora_rank=4, value_lora=True),
+            r"value_lora = True has no effect here: it needs a value model "
+            r"\(advantage_estimator = 'gae'; 'grpo' trains none\)",
+        ),
+        (dict(advantage_estimator="rloo", samples_per_prompt=2, vf_coef=0.5), r"vf_coef = 0.5 has no effect here"),
+        (dict(advantage_estimator="reinforce_pp", value_lr=1e-4), r"value_lr = 0.0001 has no effect here"),
+        (dict(advantage_estimator="reinforce_pp", lam=0.9), r"lam = 0.9 has no effect here"),
+        (
+            dict(advantage_estimator="grpo", samples_per_prompt=2, cliprange_value=None),
+            r"cliprange_value = None has no effect here",
+        ),
+        (
+            dict(advantage_estimator="grpo", samples_per_prompt=2, gamma=0.99),
+            r"gamma = 0.99 has no effect here: it needs token returns",
+        ),
+        (
+            dict(advantage_estimator="reinforce_pp_baseline", samples_per_prompt=2, gamma=0.9),
+            r"gamma = 0.9 has no effect here: it needs token returns "
+            r"\(advantage_estimator 'gae' or 'reinforce_pp', not "
+            r"'reinforce_pp_baseline'\)",
+        ),
+        (
+            dict(advantage_estimator="grpo", samples_per_prompt=2, whiten_advantages=False),
+            r"whiten_advantages = False has no effect here: it needs a batch-whitened estimator \('grpo' normalises",
+        ),
+        (
+            dict(advantage_estimator="rloo", samples_per_prompt=2, grpo_std_normalize=False),
+            r"grpo_std_normalize = False has no effect here: it needs advantage_estimator = 'grpo', not 'rloo'",
+        ),
+        (
+            dict(policy_loss="cispo", dual_clip=3.0),
+            r"dual_clip = 3.0 has no effect here: it needs policy_loss = 'ppo', not 'cispo'",
+        ),
+        (dict(policy_loss="sapo"), r"policy_loss must be one of"),
+        (dict(advantage_estimator="dapo"), r"advantage_estimator must be one of"),
+        (dict(advantage_estimator="rloo"), r"samples_per_prompt must be >= 2 with advantage_estimator = 'rloo', got 1"),
+    ],
+)
 def test_bad_sizes_and_settings_are_refused_with_the_argument_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**kwargs)
@@ -106,8 +136,11 @@ def test_knobs_that_act_are_accepted_with_their_estimator():
 def test_a_group_is_never_split_between_processes():
     cfg = PPOConfig(batch_size=12, mini_batch_size=6, samples_per_prompt=3)
     cfg.check_world_size(1)
-    with pytest.raises(ValueError, match=r"samples_per_prompt \(3\) must divide each process's share of batch_size "
-                                         r"\(12 / 2 = 6\)|a prompt's group"):
+    with pytest.raises(
+        ValueError,
+        match=r"samples_per_prompt \(3\) must divide each process's share of batch_size "
+        r"\(12 / 2 = 6\)|a prompt's group",
+    ):
         PPOConfig(batch_size=8, mini_batch_size=4, samples_per_prompt=4).check_world_size(4)
     cfg.check_world_size(2)  # 6 per process: two groups of 3
 
@@ -115,7 +148,7 @@ def test_a_group_is_never_split_between_processes():
 def test_each_prompt_is_sampled_samples_per_prompt_times_in_a_row_and_ranks_take_whole_groups():
     tr = make_trainer(group_config("grpo", k=4, batch_size=16, mini_batch_size=8))
     first = tr.sampler.sample_groups(16, 4)
-    assert len(first) == 16 and all(first[g * 4:(g + 1) * 4] == [first[g * 4]] * 4 for g in range(4))
+    assert len(first) == 16 and all(first[g * 4 : (g + 1) * 4] == [first[g * 4]] * 4 for g in range(4))
     assert len(set(first)) == 4
     # Two ranks of the same run: rank r takes the r-th consecutive half of the same prompt draw.
     shares = []
@@ -134,7 +167,7 @@ def test_a_critic_free_step_has_no_value_model_and_its_advantages_match_float64(
     # A discount away from 1 where the estimator has token returns, so that it shows.
     gamma = dict(gamma=0.8) if estimator == "reinforce_pp" else {}
     tr = make_trainer(group_config(estimator, k=k, steps=1, **gamma))
-    assert tr.value_model is None and tr.value_module is None and tr.value_optimizer is None and tr.critic is None
+    assert tr.critic is None and tr.models.critic is None and tr.checkpoint_parts()["value"] is None
     metrics, batch = tr.step()
     assert not any(key in metrics for key in VALUE_KEYS), sorted(set(VALUE_KEYS) & set(metrics))
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in metrics.values()), metrics
@@ -143,14 +176,15 @@ def test_a_critic_free_step_has_no_value_model_and_its_advantages_match_float64(
     want = reference(batch, estimator, k, **gamma)
     torch.testing.assert_close(batch.advantages.double(), want, rtol=1e-5, atol=1e-5)
     # The groups are real: every group's responses are to one prompt.
-    assert all(len(set(batch.prompts[g * k:(g + 1) * k])) == 1 for g in range(len(batch) // k))
+    assert all(len(set(batch.prompts[g * k : (g + 1) * k])) == 1 for g in range(len(batch) // k))
 
 
 def test_dr_grpo_does_not_divide_by_the_group_std():
     tr = make_trainer(group_config("grpo", steps=1, grpo_std_normalize=False))
     _, batch = tr.step()
-    torch.testing.assert_close(batch.advantages.double(), reference(batch, "grpo", 4, std_normalize=False),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        batch.advantages.double(), reference(batch, "grpo", 4, std_normalize=False), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_group_advantages_are_not_whitened_over_the_batch():
@@ -172,8 +206,9 @@ def test_a_value_model_given_to_a_critic_free_estimator_is_refused():
     from pyppo.models import ValueModel
 
     with pytest.raises(ValueError, match=r"value_model: advantage_estimator = 'rloo' trains no value model"):
-        PPOTrainer(group_config("rloo"), policy, None, ValueModel.from_causal_lm(policy), tiny_tokenizer(), count_e,
-                   PROMPTS)
+        PPOTrainer(
+            group_config("rloo"), policy, None, ValueModel.from_causal_lm(policy), tiny_tokenizer(), count_e, PROMPTS
+        )
 
 
 def test_a_critic_free_checkpoint_holds_no_value_model_and_resumes_exactly(tmp_path):
@@ -192,10 +227,14 @@ def test_a_critic_free_checkpoint_holds_no_value_model_and_resumes_exactly(tmp_p
     assert {k: got[k] for k in keep} == {k: want[1][k] for k in keep}
 
     # A GAE run cannot resume it, nor the reverse.
-    with pytest.raises(ValueError, match=r"has no value model, and this run \(advantage_estimator = 'gae'\) trains one"):
+    with pytest.raises(
+        ValueError, match=r"has no value model, and this run \(advantage_estimator = 'gae'\) trains one"
+    ):
         make_trainer(small_config()).load_checkpoint(path)
     gae_path = make_trainer(small_config()).save_checkpoint(tmp_path / "gae")
-    with pytest.raises(ValueError, match=r"has a value model, and this run \(advantage_estimator = 'grpo'\) trains none"):
+    with pytest.raises(
+        ValueError, match=r"has a value model, and this run \(advantage_estimator = 'grpo'\) trains none"
+    ):
         make_trainer(cfg).load_checkpoint(gae_path)
 
 
@@ -212,11 +251,44 @@ def test_pyppo_train_grpo_with_the_math_reward_and_prompt_records(tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": f"What is {a} + 1?", "answer": str(a + 1)}) for a in range(6)))
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "pyppo", "train", "--model", str(model), "--prompts", str(prompts), "--reward", "math",
-         "--eval-prompts", str(prompts), "--advantage-estimator", "grpo", "--samples-per-prompt", "2",
-         "--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1", "--max-new-tokens", "4", "--steps", "2",
-         "--kl-coef", "0", "--kl-loss-coef", "0.001", "--output", str(out)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pyppo",
+            "train",
+            "--model",
+            str(model),
+            "--prompts",
+            str(prompts),
+            "--reward",
+            "math",
+            "--eval-prompts",
+            str(prompts),
+            "--advantage-estimator",
+            "grpo",
+            "--samples-per-prompt",
+            "2",
+            "--batch-size",
+            "4",
+            "--mini-batch-size",
+            "2",
+            "--ppo-epochs",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--steps",
+            "2",
+            "--kl-coef",
+            "0",
+            "--kl-loss-coef",
+            "0.001",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and not any(k in row for row in rows for k in VALUE_KEYS)
@@ -224,10 +296,38 @@ def test_pyppo_train_grpo_with_the_math_reward_and_prompt_records(tmp_path):
     assert torch.load(out / "checkpoint" / "value_model.pt") == {}
     # Without eval prompts (a field-taking reward once refused their absence).
     proc = subprocess.run(
-        [sys.executable, "-m", "pyppo", "train", "--model", str(model), "--prompts", str(prompts), "--reward", "math",
-         "--advantage-estimator", "rloo", "--samples-per-prompt", "2", "--batch-size", "4", "--mini-batch-size", "4",
-         "--ppo-epochs", "1", "--max-new-tokens", "4", "--steps", "1", "--output", str(tmp_path / "no_eval")],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pyppo",
+            "train",
+            "--model",
+            str(model),
+            "--prompts",
+            str(prompts),
+            "--reward",
+            "math",
+            "--advantage-estimator",
+            "rloo",
+            "--samples-per-prompt",
+            "2",
+            "--batch-size",
+            "4",
+            "--mini-batch-size",
+            "4",
+            "--ppo-epochs",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--steps",
+            "1",
+            "--output",
+            str(tmp_path / "no_eval"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.load(out / "checkpoint" / "optimizers.pt")["value"] is None
     assert (out / "policy" / "config.json").is_file() and (out / "curves.png").is_file()

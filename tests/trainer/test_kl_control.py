@@ -17,7 +17,9 @@ def test_fixed_never_changes():
     assert FixedKLController(0.0).value == 0.0
 
 
-@pytest.mark.parametrize("kl, expected_error", [(6.0, 0.2), (4.0, -0.2), (5.5, 0.1), (4.75, -0.05), (5.0, 0.0), (0.0, -0.2)])
+@pytest.mark.parametrize(
+    "kl, expected_error", [(6.0, 0.2), (4.0, -0.2), (5.5, 0.1), (4.75, -0.05), (5.0, 0.0), (0.0, -0.2)]
+)
 def test_adaptive_matches_formula(kl, expected_error):
     ctl = AdaptiveKLController(0.1, target=5.0, horizon=1000)
     new = ctl.update(kl, 16)
@@ -29,10 +31,10 @@ def test_adaptive_moves_towards_target_over_many_steps():
     ctl = AdaptiveKLController(0.1, target=1.0, horizon=100)
     for _ in range(50):
         ctl.update(3.0, 10)  # KL too high: β grows by exactly (1 + 0.2 * 0.1) per step
-    assert ctl.value == pytest.approx(0.1 * 1.02 ** 50, rel=1e-10)
+    assert ctl.value == pytest.approx(0.1 * 1.02**50, rel=1e-10)
     for _ in range(50):
         ctl.update(0.0, 10)
-    assert ctl.value == pytest.approx(0.1 * 1.02 ** 50 * 0.98 ** 50, rel=1e-10)
+    assert ctl.value == pytest.approx(0.1 * 1.02**50 * 0.98**50, rel=1e-10)
 
 
 def test_state_dict_round_trip():
@@ -54,8 +56,14 @@ def test_state_dict_round_trip():
 
 @pytest.mark.parametrize(
     "args, match",
-    [((0.0, 1.0, 10.0), "init_kl_coef"), ((-1.0, 1.0, 10.0), "init_kl_coef"), ((0.1, 0.0, 10.0), "target"),
-     ((0.1, 1.0, 0.0), "horizon"), ((0.1, math.nan, 1.0), "target"), ((0.1, 1.0, math.inf), "horizon")],
+    [
+        ((0.0, 1.0, 10.0), "init_kl_coef"),
+        ((-1.0, 1.0, 10.0), "init_kl_coef"),
+        ((0.1, 0.0, 10.0), "target"),
+        ((0.1, 1.0, 0.0), "horizon"),
+        ((0.1, math.nan, 1.0), "target"),
+        ((0.1, 1.0, math.inf), "horizon"),
+    ],
 )
 def test_adaptive_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):

@@ -16,7 +16,7 @@ from support.trainer_fixture import count_e, make_trainer, small_config
 
 def _optimizer_steps(tr):
     counts = {"policy": 0, "value": 0}
-    for name, opt in (("policy", tr.policy_optimizer), ("value", tr.value_optimizer)):
+    for name, opt in (("policy", tr.policy_optimizer), ("value", tr.critic.optimizer)):
         opt.register_step_post_hook(lambda *a, name=name: counts.__setitem__(name, counts[name] + 1))
     return counts
 
@@ -75,20 +75,30 @@ def check_max_prompt_length(tmp_path, monkeypatch):
         b = make_trainer(small_config(steps=1, max_prompt_length=5, use_chat_template=template)).step().batch
         assert b.prompt_length == 5
         for prompt, ids, mask in zip(b.prompts, b.query_ids, b.query_mask):
-            text = (tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                            add_generation_prompt=True) if template else prompt)
+            text = (
+                tok.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                )
+                if template
+                else prompt
+            )
             full = tok(text, add_special_tokens=not template)["input_ids"]
             assert len(full) > 5 and ids[mask].tolist() == full[-5:], (template, prompt)
 
 
 def check_temperature(tmp_path, monkeypatch):
     tr = make_trainer(small_config(temperature=0.6))
-    assert tr.generation_config.temperature == tr.policy_logprobs.temperature == tr.ref_logprobs.temperature == 0.6
+    assert (
+        tr.engine.gen_config.temperature
+        == tr.models.policy_logprobs.temperature
+        == tr.models.ref_logprobs.temperature
+        == 0.6
+    )
 
 
 def check_top_k_and_top_p(tmp_path, monkeypatch):
     tr = make_trainer(small_config(top_k=5, top_p=0.9))
-    assert (tr.generation_config.top_k, tr.generation_config.top_p) == (5, 0.9)
+    assert (tr.engine.gen_config.top_k, tr.engine.gen_config.top_p) == (5, 0.9)
 
 
 def check_use_chat_template(tmp_path, monkeypatch):
@@ -100,7 +110,7 @@ def check_use_chat_template(tmp_path, monkeypatch):
 
 def check_optimizer_knobs(tmp_path, monkeypatch):
     tr = make_trainer(small_config(lr=3e-4, value_lr=7e-4, weight_decay=0.05, adam_eps=1e-6))
-    (p,), (v,) = tr.policy_optimizer.param_groups, tr.value_optimizer.param_groups
+    (p,), (v,) = tr.policy_optimizer.param_groups, tr.critic.optimizer.param_groups
     assert (p["lr"], v["lr"]) == (3e-4, 7e-4)
     assert p["weight_decay"] == v["weight_decay"] == 0.05 and p["eps"] == v["eps"] == 1e-6
 
@@ -108,21 +118,28 @@ def check_optimizer_knobs(tmp_path, monkeypatch):
 def check_max_grad_norm(tmp_path, monkeypatch):
     tr = make_trainer(small_config(steps=1, max_grad_norm=1e-3))
     norms = []
-    tr.policy_optimizer.register_step_pre_hook(lambda opt, *a: norms.append(float(torch.nn.utils.get_total_norm(
-        [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]))))
+    tr.policy_optimizer.register_step_pre_hook(
+        lambda opt, *a: norms.append(
+            float(
+                torch.nn.utils.get_total_norm(
+                    [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
+                )
+            )
+        )
+    )
     m = tr.step().metrics
     assert norms and max(norms) <= 1e-3 * (1 + 1e-4) and m["policy_grad_norm"] > 1e-3  # clipped
 
 
 def check_logprobs_from_hidden(tmp_path, monkeypatch):
-    assert not make_trainer(small_config(logprobs_from_hidden=False)).policy_logprobs.uses_hidden
-    assert make_trainer(small_config(logprobs_from_hidden=True)).policy_logprobs.uses_hidden
+    assert not make_trainer(small_config(logprobs_from_hidden=False)).models.policy_logprobs.uses_hidden
+    assert make_trainer(small_config(logprobs_from_hidden=True)).models.policy_logprobs.uses_hidden
 
 
 def check_device(tmp_path, monkeypatch):
     tr = make_trainer(small_config(device="cpu"))
     assert tr.device == torch.device("cpu")
-    assert {p.device.type for m in (tr.policy, tr.ref_policy, tr.value_model) for p in m.parameters()} == {"cpu"}
+    assert {p.device.type for m in (tr.policy, tr.models.reference, tr.critic.model) for p in m.parameters()} == {"cpu"}
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda'"):
             make_trainer(small_config(device="cuda"))
@@ -139,9 +156,11 @@ def _spy_policy_loss(monkeypatch, name):
 def check_policy_loss(tmp_path, monkeypatch):
     """Each policy loss is the one the update calls, fused or not (the same update either way),
     and changes the update."""
+
     def policy_after(name, fused):
-        tr = make_trainer(small_config(steps=1, ppo_epochs=2, policy_loss=name, fused_policy_loss=fused,
-                                       cliprange=0.01))
+        tr = make_trainer(
+            small_config(steps=1, ppo_epochs=2, policy_loss=name, fused_policy_loss=fused, cliprange=0.01)
+        )
         m = tr.step().metrics
         return [p.detach().clone() for p in tr.policy.parameters()], m
 
@@ -160,11 +179,21 @@ def check_policy_loss(tmp_path, monkeypatch):
 
 def check_policy_loss_knobs(tmp_path, monkeypatch):
     calls = _spy_policy_loss(monkeypatch, "ppo")
-    cfg = small_config(steps=1, cliprange=0.15, cliprange_high=0.28, dual_clip=2.5,
-                       loss_agg="seq-mean-token-sum-norm", loss_agg_norm=5.0, fused_policy_loss=False)
+    cfg = small_config(
+        steps=1,
+        cliprange=0.15,
+        cliprange_high=0.28,
+        dual_clip=2.5,
+        loss_agg="seq-mean-token-sum-norm",
+        loss_agg_norm=5.0,
+        fused_policy_loss=False,
+    )
     make_trainer(cfg).step()
-    assert calls and all((c["cliprange_low"], c["cliprange_high"], c["dual_clip"], c["loss_agg"], c["loss_agg_norm"])
-                         == (0.15, 0.28, 2.5, "seq-mean-token-sum-norm", 5.0) for c in calls)
+    assert calls and all(
+        (c["cliprange_low"], c["cliprange_high"], c["dual_clip"], c["loss_agg"], c["loss_agg_norm"])
+        == (0.15, 0.28, 2.5, "seq-mean-token-sum-norm", 5.0)
+        for c in calls
+    )
 
 
 def check_fused_policy_loss(tmp_path, monkeypatch):
@@ -175,8 +204,11 @@ def check_fused_policy_loss(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "linear_ppo_loss", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
 
     def policy_after(fused):
-        tr = make_trainer(small_config(steps=1, ppo_epochs=2, fused_policy_loss=fused, entropy_coef=0.01,
-                                       kl_loss_coef=0.1, dual_clip=3.0))
+        tr = make_trainer(
+            small_config(
+                steps=1, ppo_epochs=2, fused_policy_loss=fused, entropy_coef=0.01, kl_loss_coef=0.1, dual_clip=3.0
+            )
+        )
         m = tr.step().metrics
         return [p.detach().clone() for p in tr.policy.parameters()], m
 
@@ -193,7 +225,7 @@ def check_fused_policy_loss(tmp_path, monkeypatch):
 def check_lr_warmup_steps(tmp_path, monkeypatch):
     def lrs(tr):
         seen = []
-        for opt in (tr.policy_optimizer, tr.value_optimizer):
+        for opt in (tr.policy_optimizer, tr.critic.optimizer):
             opt.register_step_pre_hook(lambda o, *a: seen.append(o.param_groups[0]["lr"]))
         return seen
 
@@ -221,8 +253,11 @@ def check_kl_loss(tmp_path, monkeypatch):
     calls = []
     real = forward_mod.kl_penalty
     monkeypatch.setattr(forward_mod, "kl_penalty", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
-    m = make_trainer(small_config(steps=1, kl_loss_coef=0.5, kl_loss_estimator="k2",
-                                  fused_policy_loss=False)).step().metrics
+    m = (
+        make_trainer(small_config(steps=1, kl_loss_coef=0.5, kl_loss_estimator="k2", fused_policy_loss=False))
+        .step()
+        .metrics
+    )
     assert calls and all(c["estimator"] == "k2" for c in calls) and "kl_loss" in m
 
 
@@ -234,13 +269,13 @@ def check_cliprange_value(tmp_path, monkeypatch):
 
 def check_vf_coef(tmp_path, monkeypatch):
     tr = make_trainer(small_config(steps=1, vf_coef=0.0))
-    before = [p.detach().clone() for p in tr.value_model.parameters()]
+    before = [p.detach().clone() for p in tr.critic.model.parameters()]
     tr.step()  # no value gradient: AdamW (no weight decay) leaves the value model as it was
-    assert all(torch.equal(a, b) for a, b in zip(before, tr.value_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.critic.model.parameters()))
     tr = make_trainer(small_config(steps=1, vf_coef=0.5))
-    before = [p.detach().clone() for p in tr.value_model.parameters()]
+    before = [p.detach().clone() for p in tr.critic.model.parameters()]
     tr.step()
-    assert any(not torch.equal(a, b) for a, b in zip(before, tr.value_model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.critic.model.parameters()))
 
 
 def check_entropy_coef(tmp_path, monkeypatch):
@@ -275,20 +310,40 @@ def check_log_samples(tmp_path, monkeypatch):
 
 
 CHECKS = {
-    "steps": check_steps, "batch_size": check_batch_size, "mini_batch_size": check_mini_batch_size_and_ppo_epochs,
-    "ppo_epochs": check_mini_batch_size_and_ppo_epochs, "policy_loss": check_policy_loss,
+    "steps": check_steps,
+    "batch_size": check_batch_size,
+    "mini_batch_size": check_mini_batch_size_and_ppo_epochs,
+    "ppo_epochs": check_mini_batch_size_and_ppo_epochs,
+    "policy_loss": check_policy_loss,
     "micro_batch_size": check_micro_batch_size,
-    "max_new_tokens": check_max_new_tokens, "max_prompt_length": check_max_prompt_length,
-    "temperature": check_temperature, "top_k": check_top_k_and_top_p, "top_p": check_top_k_and_top_p,
-    "use_chat_template": check_use_chat_template, "lr": check_optimizer_knobs, "value_lr": check_optimizer_knobs,
-    "weight_decay": check_optimizer_knobs, "adam_eps": check_optimizer_knobs, "max_grad_norm": check_max_grad_norm,
-    "logprobs_from_hidden": check_logprobs_from_hidden, "device": check_device,
-    "cliprange": check_policy_loss_knobs, "cliprange_high": check_policy_loss_knobs,
-    "dual_clip": check_policy_loss_knobs, "loss_agg": check_policy_loss_knobs,
-    "loss_agg_norm": check_policy_loss_knobs, "cliprange_value": check_cliprange_value,
-    "vf_coef": check_vf_coef, "kl_loss_coef": check_kl_loss, "kl_loss_estimator": check_kl_loss,
-    "fused_policy_loss": check_fused_policy_loss, "lr_warmup_steps": check_lr_warmup_steps, "entropy_coef": check_entropy_coef, "seed": check_seed,
-    "save_every": check_save_every, "log_samples": check_log_samples,
+    "max_new_tokens": check_max_new_tokens,
+    "max_prompt_length": check_max_prompt_length,
+    "temperature": check_temperature,
+    "top_k": check_top_k_and_top_p,
+    "top_p": check_top_k_and_top_p,
+    "use_chat_template": check_use_chat_template,
+    "lr": check_optimizer_knobs,
+    "value_lr": check_optimizer_knobs,
+    "weight_decay": check_optimizer_knobs,
+    "adam_eps": check_optimizer_knobs,
+    "max_grad_norm": check_max_grad_norm,
+    "logprobs_from_hidden": check_logprobs_from_hidden,
+    "device": check_device,
+    "cliprange": check_policy_loss_knobs,
+    "cliprange_high": check_policy_loss_knobs,
+    "dual_clip": check_policy_loss_knobs,
+    "loss_agg": check_policy_loss_knobs,
+    "loss_agg_norm": check_policy_loss_knobs,
+    "cliprange_value": check_cliprange_value,
+    "vf_coef": check_vf_coef,
+    "kl_loss_coef": check_kl_loss,
+    "kl_loss_estimator": check_kl_loss,
+    "fused_policy_loss": check_fused_policy_loss,
+    "lr_warmup_steps": check_lr_warmup_steps,
+    "entropy_coef": check_entropy_coef,
+    "seed": check_seed,
+    "save_every": check_save_every,
+    "log_samples": check_log_samples,
 }
 
 #: Knobs whose effect is asserted by a test elsewhere: field -> (module, test name).
@@ -297,17 +352,26 @@ ELSEWHERE = {
     "kl_coef": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "kl_estimator": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "score_clip": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
-    "missing_eos_penalty": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "missing_eos_penalty": (
+        "trainer/test_trainer.py",
+        "test_rollout_tensors_match_the_references_with_the_config_knobs",
+    ),
     "gamma": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "lam": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "whiten_advantages": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "target_kl": ("trainer/test_trainer.py", "test_adaptive_kl_controller_is_applied"),
     "kl_horizon": ("trainer/test_trainer.py", "test_adaptive_kl_controller_is_applied"),
-    "max_consecutive_skips": ("run/test_nonfinite.py", "test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint"),
+    "max_consecutive_skips": (
+        "run/test_nonfinite.py",
+        "test_nan_gradient_stops_after_max_consecutive_skips_keeping_last_checkpoint",
+    ),
     "truncate_prompts": ("run/test_nonfinite.py", "test_prompt_longer_than_the_context_is_cut_with_one_warning"),
-    "dtype": ("trainer/test_precision.py", "test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters"),
-    "gradient_checkpointing": ("trainer/test_precision.py", "test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update"),
-    "fsdp": ("trainer/test_distributed.py", "test_two_ranks_update_like_one_process"),
+    "dtype": ("test_precision.py", "test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters"),
+    "gradient_checkpointing": (
+        "test_precision.py",
+        "test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update",
+    ),
+    "fsdp": ("test_distributed.py", "test_two_ranks_update_like_one_process"),
     "lora_rank": ("trainer/test_lora.py", "test_only_the_adapters_train_and_there_is_no_reference_copy"),
     "lora_alpha": ("trainer/test_lora.py", "test_target_modules_and_alpha"),
     "lora_target_modules": ("trainer/test_lora.py", "test_target_modules_and_alpha"),
@@ -316,22 +380,35 @@ ELSEWHERE = {
     "eval_every": ("run/test_eval.py", "test_eval_every_logs_scores_kl_and_samples"),
     "rollout_correction": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
     "rollout_is_cap": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
-    "samples_per_prompt": ("trainer/test_group_estimators.py",
-                           "test_each_prompt_is_sampled_samples_per_prompt_times_in_a_row_and_ranks_take_whole_groups"),
-    "advantage_estimator": ("trainer/test_group_estimators.py",
-                            "test_a_critic_free_step_has_no_value_model_and_its_advantages_match_float64"),
+    "samples_per_prompt": (
+        "trainer/test_group_estimators.py",
+        "test_each_prompt_is_sampled_samples_per_prompt_times_in_a_row_and_ranks_take_whole_groups",
+    ),
+    "advantage_estimator": (
+        "trainer/test_group_estimators.py",
+        "test_a_critic_free_step_has_no_value_model_and_its_advantages_match_float64",
+    ),
     "grpo_std_normalize": ("trainer/test_group_estimators.py", "test_dr_grpo_does_not_divide_by_the_group_std"),
-    "filter_groups": ("trainer/test_dapo.py",
-                      "test_filter_groups_keeps_varied_groups_and_samples_again_until_the_batch_is_full"),
-    "filter_groups_max_tries": ("trainer/test_dapo.py",
-                                "test_filter_groups_fills_the_batch_with_equal_groups_when_the_tries_run_out"),
+    "filter_groups": (
+        "trainer/test_dapo.py",
+        "test_filter_groups_keeps_varied_groups_and_samples_again_until_the_batch_is_full",
+    ),
+    "filter_groups_max_tries": (
+        "trainer/test_dapo.py",
+        "test_filter_groups_fills_the_batch_with_equal_groups_when_the_tries_run_out",
+    ),
     "overlong_buffer": ("trainer/test_dapo.py", "test_the_step_subtracts_the_overlong_penalty_from_the_scores"),
     "overlong_penalty": ("trainer/test_dapo.py", "test_the_step_subtracts_the_overlong_penalty_from_the_scores"),
-    "mask_truncated": ("trainer/test_dapo.py",
-                       "test_mask_truncated_takes_responses_without_eos_out_of_the_loss_after_their_group_baseline"),
-    "rollout_engine": ("trainer/test_vllm_engine.py", "test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one"),
-    "vllm_kv_cache_gib": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
-    "vllm_gpu_memory_utilization": ("trainer/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
+    "mask_truncated": (
+        "trainer/test_dapo.py",
+        "test_mask_truncated_takes_responses_without_eos_out_of_the_loss_after_their_group_baseline",
+    ),
+    "rollout_engine": (
+        "rollout/test_vllm_engine.py",
+        "test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one",
+    ),
+    "vllm_kv_cache_gib": ("rollout/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
+    "vllm_gpu_memory_utilization": ("rollout/test_vllm_engine.py", "test_the_engine_knobs_reach_vllm"),
 }
 
 

@@ -3,13 +3,11 @@ adapters disabled, checkpoints hold what trains and resume exactly, the policy e
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from support.trainer_fixture import PROMPTS, count_e, make_trainer, small_config
 from support.tiny_models import save_tiny_causal_lm, tiny_causal_lm
+from support.trainer_fixture import make_trainer, small_config
 
 
 def lora_config(**overrides):
@@ -23,7 +21,7 @@ def trained_names(optimizer, model):
 
 def test_only_the_adapters_train_and_there_is_no_reference_copy():
     tr = make_trainer(lora_config())
-    assert tr.ref_policy is None
+    assert tr.models.reference is None
     names = trained_names(tr.policy_optimizer, tr.policy)
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
     adapted = {n.split(".lora_")[0] for n in names}
@@ -38,7 +36,9 @@ def test_only_the_adapters_train_and_there_is_no_reference_copy():
     assert moved and moved <= names  # frozen base weights stay, adapters move
     assert any(".lora_B." in n for n in moved)
     # The value model is the full backbone copy by default.
-    assert set(trained_names(tr.value_optimizer, tr.value_model)) == {n for n, _ in tr.value_model.named_parameters()}
+    assert set(trained_names(tr.critic.optimizer, tr.critic.model)) == {
+        n for n, _ in tr.critic.model.named_parameters()
+    }
 
 
 def test_reference_is_the_base_model_after_training():
@@ -51,8 +51,8 @@ def test_reference_is_the_base_model_after_training():
 
     with torch.no_grad():
         expected = LogprobHead(base, temperature=1.0)(mb)[0]
-        assert torch.equal(tr.ref_logprobs(mb)[0], expected)
-        assert not torch.equal(tr.policy_module(mb)[0], expected)  # the adapters are back on
+        assert torch.equal(tr.models.ref_logprobs(mb)[0], expected)
+        assert not torch.equal(tr.models.policy_module(mb)[0], expected)  # the adapters are back on
     assert metrics["kl_mean"] != 0.0
 
 
@@ -70,10 +70,10 @@ def test_target_modules_and_alpha():
 
 def test_value_lora_trains_the_value_adapters_and_head_only():
     tr = make_trainer(lora_config(value_lora=True))
-    names = trained_names(tr.value_optimizer, tr.value_model)
+    names = trained_names(tr.critic.optimizer, tr.critic.model)
     assert {"head.weight", "head.bias"} <= names
     assert all(".lora_" in n for n in names - {"head.weight", "head.bias"}) and len(names) > 2
-    with pytest.raises(ValueError, match="value_lora needs lora_rank > 0"):
+    with pytest.raises(ValueError, match="value_lora = True has no effect here: it needs lora_rank > 0"):
         small_config(value_lora=True)
 
 
@@ -87,7 +87,7 @@ def test_checkpoint_holds_what_trains_and_resumes_exactly(tmp_path):
     policy = torch.load(ckpt / "policy.pt", weights_only=True)
     value = torch.load(ckpt / "value_model.pt", weights_only=True)
     assert set(policy) == trained_names(first.policy_optimizer, first.policy)
-    assert set(value) == trained_names(first.value_optimizer, first.value_model)
+    assert set(value) == trained_names(first.critic.optimizer, first.critic.model)
     full = sum(p.numel() for p in first.policy.parameters())
     assert sum(t.numel() for t in policy.values()) < full / 5
 
@@ -100,11 +100,22 @@ def test_checkpoint_holds_what_trains_and_resumes_exactly(tmp_path):
         assert torch.equal(a, b), n
 
 
+def _claim_config(checkpoint, config):
+    """Make a checkpoint's trainer_state claim ``config``, so that loading it gets past the
+    settings check to the weights' own check (a checkpoint of an older pyppo, or edited by hand)."""
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    state["config"] = {**state["config"], **{k: v for k, v in config.to_dict().items() if k != "dtype"}}
+    torch.save(state, checkpoint / "trainer_state.pt")
+
+
 def test_a_lora_checkpoint_does_not_load_into_a_full_fine_tune(tmp_path):
     tr = make_trainer(lora_config(steps=1))
     tr.save_checkpoint(tmp_path / "ckpt")
     full = make_trainer(small_config(steps=1))
     before = {n: p.detach().clone() for n, p in full.policy.named_parameters()}
+    with pytest.raises(ValueError, match=r"lora_rank 4 -> 0"):  # the settings say so first
+        full.load_checkpoint(tmp_path / "ckpt")
+    _claim_config(tmp_path / "ckpt", full.config)
     with pytest.raises(ValueError, match="policy weights do not match this run's trained weights"):
         full.load_checkpoint(tmp_path / "ckpt")
     assert all(torch.equal(before[n], p) for n, p in full.policy.named_parameters())
@@ -114,6 +125,9 @@ def test_a_checkpoint_of_another_lora_rank_is_refused_before_anything_changes(tm
     make_trainer(lora_config(steps=1, lora_rank=4)).save_checkpoint(tmp_path / "ckpt")
     other = make_trainer(lora_config(steps=1, lora_rank=8))
     before = {n: p.detach().clone() for n, p in other.policy.named_parameters()}
+    with pytest.raises(ValueError, match=r"lora_rank 4 -> 8"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    _claim_config(tmp_path / "ckpt", other.config)
     with pytest.raises(ValueError, match="has other shapes for"):
         other.load_checkpoint(tmp_path / "ckpt")
     assert all(torch.equal(before[n], p) for n, p in other.policy.named_parameters())
@@ -133,15 +147,14 @@ def test_policy_export_merges_or_keeps_the_adapter(tmp_path, merge):
     base_dir = save_tiny_causal_lm(tmp_path / "base")
     from transformers import AutoTokenizer
 
-    tr = make_trainer(lora_config(steps=1, merge_lora=merge),
-                      policy=AutoModelForCausalLM.from_pretrained(base_dir))
+    tr = make_trainer(lora_config(steps=1, merge_lora=merge), policy=AutoModelForCausalLM.from_pretrained(base_dir))
     tr.base_model_source = str(base_dir)
     tr.train(tmp_path / "run", progress=False)
     out = tmp_path / "run" / "policy"
     assert (out / "adapter_config.json").is_file() is not merge
-    model = (AutoModelForCausalLM.from_pretrained(out) if merge else load_model_and_tokenizer(out)[0])
+    model = AutoModelForCausalLM.from_pretrained(out) if merge else load_model_and_tokenizer(out)[0]
     assert all(p.requires_grad for p in model.parameters())  # trainable, as any loaded model
-    assert AutoTokenizer.from_pretrained(out).eos_token_id == tr.eos_token_id
+    assert AutoTokenizer.from_pretrained(out).eos_token_id == tr.tokenizer.eos_token_id
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         expected = tr.policy(input_ids=ids).logits

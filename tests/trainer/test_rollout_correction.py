@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from pyppo.config import PPOConfig
+from pyppo.rollout import RolloutEngine
 from pyppo.trainer.buffer import buffer_from_rollout
 from pyppo.trainer.logprob_head import LogprobHead
-from pyppo.trainer.rollout_correction import (ROLLOUT_CORRECTIONS, check_rollout_logprobs, mismatch_metrics,
-                                              rollout_is_weights)
+from pyppo.trainer.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    check_rollout_logprobs,
+    mismatch_metrics,
+    rollout_is_weights,
+)
 from support.peer_support import import_peer
 from support.trainer_fixture import make_trainer, small_config
 
@@ -118,7 +123,8 @@ def _verl_weights(old, rollout, mask, mode, cap):
         log_ratio = log_ratio / mask.sum(dim=1, keepdim=True).clamp_min(1)
     threshold = cap if mode.endswith("truncate") else f"{1 / cap!r}_{cap!r}"
     w, _ = helper.compute_rollout_correction_weights(
-        log_ratio, mask.double(), rollout_is=mode.split("_")[0], rollout_is_threshold=threshold)
+        log_ratio, mask.double(), rollout_is=mode.split("_")[0], rollout_is_threshold=threshold
+    )
     return w
 
 
@@ -170,7 +176,7 @@ def test_bad_rollout_logprobs_name_the_engine():
 # ---------------------------------------------------------------- in the trainer
 
 
-class _OtherTemperatureEngine:
+class _OtherTemperatureEngine(RolloutEngine):
     """Samples with the trainer's engine and reports the policy's log-probs at another temperature
     (the tiny random model's logits are small: 0.1 makes the difference large):
     an engine whose numerics differ from the trainer's, planted."""
@@ -186,7 +192,10 @@ class _OtherTemperatureEngine:
 
 
 def _step(correction, temperature=0.1, **overrides):
-    tr = make_trainer(small_config(steps=1, rollout_correction=correction, **overrides))
+    # PPOConfig refuses a correction with the transformers engine, which reports no log-probs of
+    # its own; the planted engine here does, so the settings are put in after the config's check.
+    tr = make_trainer(small_config(steps=1))
+    tr.config.rollout_correction, tr.config.rollout_is_cap = correction, overrides.get("rollout_is_cap", 2.0)
     tr.engine = _OtherTemperatureEngine(tr, temperature)
     return tr.step()
 
@@ -204,7 +213,7 @@ def test_a_planted_mismatch_shows_and_is_corrected():
     # Same seed, same rollout: the corrected advantages are the plain ones times the weights.
     a, b = plain.batch, corrected.batch
     assert torch.equal(a.response_ids, b.response_ids)
-    w, _ = rollout_is_weights(b.old_logprobs, b.rollout_logprobs, b.response_mask, mode="token_mask", cap=1.5)
+    w, _ = rollout_is_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask, mode="token_mask", cap=1.5)
     torch.testing.assert_close(b.advantages, a.advantages * w)
     assert not torch.equal(a.advantages, b.advantages)
 
@@ -215,7 +224,15 @@ def test_the_same_temperature_is_no_mismatch():
 
 
 def test_a_correction_without_engine_logprobs_is_an_error():
-    tr = make_trainer(small_config(steps=1, rollout_correction="sequence_mask"))
+    with pytest.raises(
+        ValueError,
+        match=r"rollout_correction = 'sequence_mask' has no effect here: it needs "
+        r"rollout_engine = 'vllm'",
+    ):
+        small_config(steps=1, rollout_correction="sequence_mask")
+    # an engine put in by hand that reports no log-probs is named at the step
+    tr = make_trainer(small_config(steps=1))
+    tr.config.rollout_correction = "sequence_mask"
     with pytest.raises(ValueError, match="rollout_correction='sequence_mask' needs the rollout engine's own"):
         tr.step()
     assert "mismatch_kl_k3" not in make_trainer(small_config(steps=1)).step().metrics

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from pyppo.run.nonfinite import NonFiniteUpdateError, SkipPolicy
+from pyppo.trainer.guards import NonFiniteUpdateError, SkipPolicy
 from pyppo.trainer.step_stats import PHASES, PhaseTimer, RunningStats
 
 
 def test_running_stats_divide_once_by_the_total_weight():
     s = RunningStats()
-    s.add({"clipfrac": 0.5, "approx_kl": 1.0}, weight=1)   # 1 token
-    s.add({"clipfrac": 0.0, "approx_kl": 4.0}, weight=3)   # 3 tokens
+    s.add({"clipfrac": 0.5, "approx_kl": 1.0}, weight=1)  # 1 token
+    s.add({"clipfrac": 0.0, "approx_kl": 4.0}, weight=3)  # 3 tokens
     s.add_max("ratio_max", 1.5)
     s.add_max("ratio_max", 1.2)
     assert s.means() == {"clipfrac": 0.125, "approx_kl": 3.25, "ratio_max": 1.5}  # not the mean of means
@@ -36,15 +36,19 @@ def test_running_stats_merge_and_empty():
 def test_skip_policy_counts_and_stops():
     p = SkipPolicy(max_consecutive=2)
     assert p.allows({"policy_loss": 0.3, "value_grad_norm": 1.0}, "step 1")
-    with pytest.warns(RuntimeWarning, match=r"step 1, minibatch 2: non-finite policy_loss=nan; update skipped \(1 in a row"):
+    with pytest.warns(
+        RuntimeWarning, match=r"step 1, minibatch 2: non-finite policy_loss=nan; update skipped \(1 in a row"
+    ):
         assert not p.allows({"policy_loss": math.nan, "value_loss": 0.1}, "step 1, minibatch 2")
     assert (p.consecutive, p.total) == (1, 1)
     assert p.allows({"policy_loss": 0.1}, "step 2")  # a good update resets the run, not the total
     assert (p.consecutive, p.total) == (0, 1)
     with pytest.warns(RuntimeWarning):
         p.allows({"value_grad_norm": math.inf}, "step 3")
-    with pytest.warns(RuntimeWarning), pytest.raises(NonFiniteUpdateError,
-                                                     match=r"training stopped at step 4: 2 updates in a row.*-inf"):
+    with (
+        pytest.warns(RuntimeWarning),
+        pytest.raises(NonFiniteUpdateError, match=r"training stopped at step 4: 2 updates in a row.*-inf"),
+    ):
         p.allows({"policy_grad_norm": -math.inf}, "step 4")
 
 

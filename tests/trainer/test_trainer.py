@@ -16,19 +16,21 @@ from torch import nn
 
 from pyppo.rollout.tokens import response_mask_from_eos
 from pyppo.trainer import METRIC_KEYS, VALUE_METRIC_KEYS
-from support.reference import (ref_adaptive_kl_coef, ref_gae, ref_masked_whiten, ref_sequence_kl,
-                               ref_shape_rewards)
+from support.reference import ref_adaptive_kl_coef, ref_gae, ref_masked_whiten, ref_sequence_kl, ref_shape_rewards
 from support.tiny_models import tiny_batch_mixing_lm, tiny_causal_lm, tiny_dropout_lm
 from support.trainer_fixture import EOS, PROMPTS, count_e, make_trainer, small_config
 
+
 # --------------------------------------------------------------------------- response mask
 def test_response_mask_from_first_eos_when_pad_is_eos():
-    ids = torch.tensor([
-        [5, 6, EOS, EOS, EOS],   # EOS then pad (= EOS): the first EOS stays in
-        [EOS, EOS, EOS, EOS, EOS],  # only EOS: one valid position
-        [5, 6, 7, 8, 9],         # cut by the length limit
-        [5, EOS, 7, EOS, 9],     # junk after the first EOS is cut
-    ])
+    ids = torch.tensor(
+        [
+            [5, 6, EOS, EOS, EOS],  # EOS then pad (= EOS): the first EOS stays in
+            [EOS, EOS, EOS, EOS, EOS],  # only EOS: one valid position
+            [5, 6, 7, 8, 9],  # cut by the length limit
+            [5, EOS, 7, EOS, 9],  # junk after the first EOS is cut
+        ]
+    )
     mask, lengths, has_eos = response_mask_from_eos(ids, EOS)
     assert lengths.tolist() == [3, 1, 5, 2]
     assert has_eos.tolist() == [True, True, False, True]
@@ -86,7 +88,7 @@ def test_two_steps_first_ratio_exactly_one_and_metrics():
             assert m["kl_mean"] == 0.0 and m["reward_mean"] == pytest.approx(m["score_mean"])
     assert m["kl_mean"] != 0.0  # after an update the policy has moved away from the reference
     assert any(not torch.equal(a, b) for a, b in zip(policy_before, tr.policy.parameters()))
-    for p in tr.ref_policy.parameters():
+    for p in tr.models.reference.parameters():
         assert not p.requires_grad
     assert tr.step_count == 2
 
@@ -100,15 +102,15 @@ def test_first_ratio_is_exact_for_a_model_that_is_not_batch_invariant():
     assert m["first_max_abs_logratio"] == 0.0 and m["first_ratio_min"] == m["first_ratio_max"] == 1.0
     # ... and the model really is not batch-invariant: rows 0 and 1 together vs rows 1 and 0.
     with torch.no_grad():
-        a = tr.ref_logprobs(b.select(torch.tensor([0, 1])))[0][0]
-        c = tr.ref_logprobs(b.select(torch.tensor([0, 2])))[0][0]
+        a = tr.models.ref_logprobs(b.select(torch.tensor([0, 1])))[0][0]
+        c = tr.models.ref_logprobs(b.select(torch.tensor([0, 2])))[0][0]
     assert not torch.equal(a, c)
 
 
 @pytest.mark.parametrize("disable", [True, False])
 def test_disable_dropout(disable):
     tr = make_trainer(small_config(steps=1, ppo_epochs=1, disable_dropout=disable), policy=tiny_dropout_lm(p=0.3))
-    ps = {m.p for model in (tr.policy, tr.value_model) for m in model.modules() if isinstance(m, nn.Dropout)}
+    ps = {m.p for model in (tr.policy, tr.critic.model) for m in model.modules() if isinstance(m, nn.Dropout)}
     assert ps == ({0.0} if disable else {0.3})
     m = tr.step().metrics
     if disable:  # training forwards (train mode) repeat the rollout's (eval mode) bit for bit
@@ -124,7 +126,7 @@ def test_logprobs_from_hidden_match_full_logits_over_two_steps(temperature):
     runs = {}
     for from_hidden in (True, False):
         tr = make_trainer(small_config(temperature=temperature, logprobs_from_hidden=from_hidden))
-        assert tr.policy_logprobs.uses_hidden is from_hidden
+        assert tr.models.policy_logprobs.uses_hidden is from_hidden
         results = [tr.step() for _ in range(2)]
         runs[from_hidden] = (tr, results)
     (a, ra), (b, rb) = runs[True], runs[False]
@@ -141,7 +143,7 @@ def test_logprobs_align_with_tokens_and_ignore_left_padding():
     temperature = 0.7
     tr = make_trainer(small_config(steps=1, temperature=temperature, ppo_epochs=1))
     b = tr.step().batch
-    ref = tr.ref_policy  # == the policy that sampled, at step 1
+    ref = tr.models.reference  # == the policy that sampled, at step 1
     for i in range(len(b)):
         # The row alone, without any left padding: logit at position t scores token t+1.
         q = b.query_ids[i][b.query_mask[i]]
@@ -149,7 +151,7 @@ def test_logprobs_align_with_tokens_and_ignore_left_padding():
         r = b.response_ids[i, :n]
         ids = torch.cat([q, r]).unsqueeze(0)
         with torch.no_grad():
-            logits = ref(input_ids=ids).logits[0, len(q) - 1:-1].double() / temperature
+            logits = ref(input_ids=ids).logits[0, len(q) - 1 : -1].double() / temperature
         expected = torch.log_softmax(logits, -1).gather(-1, r.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(b.old_logprobs[i, :n].double(), expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b.ref_logprobs[i, :n].double(), expected, rtol=1e-4, atol=1e-4)
@@ -164,8 +166,18 @@ def test_logprobs_align_with_tokens_and_ignore_left_padding():
 def test_rollout_tensors_match_the_references_with_the_config_knobs(estimator, whiten):
     # A reference that differs from the policy, so the KL is not 0 and its sign matters; gamma
     # and lam far apart, so swapping them shows; a clip and a penalty that both act.
-    cfg = small_config(steps=1, ppo_epochs=1, kl_estimator=estimator, kl_coef=0.3, gamma=0.9, lam=0.6,
-                       whiten_advantages=whiten, score_clip=0.4, missing_eos_penalty=0.25, max_new_tokens=10)
+    cfg = small_config(
+        steps=1,
+        ppo_epochs=1,
+        kl_estimator=estimator,
+        kl_coef=0.3,
+        gamma=0.9,
+        lam=0.6,
+        whiten_advantages=whiten,
+        score_clip=0.4,
+        missing_eos_penalty=0.25,
+        max_new_tokens=10,
+    )
     tr = make_trainer(cfg, eos_bias=2.0, ref=tiny_causal_lm(seed=1))
     b = tr.step().batch
     assert 0 < int(b.has_eos.sum()) < len(b)
@@ -174,8 +186,9 @@ def test_rollout_tensors_match_the_references_with_the_config_knobs(estimator, w
     # The clip acts on the raw score; the penalty comes after it, so the clip cannot absorb it.
     scores = raw.clamp(-0.4, 0.4) - 0.25 * (~b.has_eos).double()
     torch.testing.assert_close(b.scores.double(), scores, rtol=1e-6, atol=1e-6)
-    rewards, kl = ref_shape_rewards(scores, b.old_logprobs, b.ref_logprobs, b.response_mask,
-                                    kl_coef=0.3, estimator=estimator)
+    rewards, kl = ref_shape_rewards(
+        scores, b.old_logprobs, b.ref_logprobs, b.response_mask, kl_coef=0.3, estimator=estimator
+    )
     assert kl[b.response_mask].abs().max() > 1e-3
     torch.testing.assert_close(b.kl.double(), kl, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(b.rewards.double(), rewards, rtol=1e-5, atol=1e-6)
@@ -191,7 +204,7 @@ def test_ratio_and_kl_use_the_sampling_temperature():
     # here the update's too: a policy that has not moved gives ratio 1 at any temperature only if
     # both sides use the same one.
     tr = make_trainer(small_config(steps=1, ppo_epochs=1, temperature=0.5, mini_batch_size=8, micro_batch_size=None))
-    assert tr.policy_logprobs.temperature == tr.ref_logprobs.temperature == 0.5
+    assert tr.models.policy_logprobs.temperature == tr.models.ref_logprobs.temperature == 0.5
     m = tr.step().metrics
     assert m["first_max_abs_logratio"] == 0.0
 
@@ -222,8 +235,15 @@ def test_adaptive_kl_controller_is_applied(estimator, mask_truncated):
     # which side of the target it lies. Some responses hit the length limit: with
     # mask_truncated they leave the loss, but their KL is still the rollout's.
     def trainer(target):
-        cfg = small_config(steps=2, kl_estimator=estimator, kl_coef=0.2, target_kl=target, kl_horizon=40,
-                           mask_truncated=mask_truncated, max_new_tokens=10)
+        cfg = small_config(
+            steps=2,
+            kl_estimator=estimator,
+            kl_coef=0.2,
+            target_kl=target,
+            kl_horizon=40,
+            mask_truncated=mask_truncated,
+            max_new_tokens=10,
+        )
         return make_trainer(cfg, eos_bias=2.0, ref=tiny_causal_lm(seed=1))
 
     measured = _sequence_kl(trainer(1.0).step().batch, estimator)
@@ -240,8 +260,14 @@ def test_adaptive_kl_controller_is_applied(estimator, mask_truncated):
     # Step 2's rewards are shaped with the updated coefficient, which then moves on with step 2's KL.
     m2, b2 = tuple(tr.step())
     assert m2["kl_coef"] == pytest.approx(beta1, rel=1e-6)
-    rewards, _ = ref_shape_rewards(b2.scores, b2.old_logprobs, b2.ref_logprobs,
-                                   response_mask_from_eos(b2.response_ids, EOS)[0], kl_coef=beta1, estimator=estimator)
+    rewards, _ = ref_shape_rewards(
+        b2.scores,
+        b2.old_logprobs,
+        b2.ref_logprobs,
+        response_mask_from_eos(b2.response_ids, EOS)[0],
+        kl_coef=beta1,
+        estimator=estimator,
+    )
     torch.testing.assert_close(b2.rewards.double(), rewards, rtol=1e-5, atol=1e-6)
     beta2 = ref_adaptive_kl_coef(beta1, _sequence_kl(b2, estimator), target, 8, 40)
     assert tr.kl_ctl.value == pytest.approx(beta2, rel=1e-6)
@@ -271,7 +297,12 @@ def test_train_outputs_and_exact_resume(tmp_path):
     first = make_trainer(small_config(steps=1, save_every=1, lr_warmup_steps=6))
     first.train(tmp_path / "run", progress=False)
     ckpt = tmp_path / "run" / "checkpoint"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["optimizers.pt", "policy.pt", "trainer_state.pt", "value_model.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "optimizers.pt",
+        "policy.pt",
+        "trainer_state.pt",
+        "value_model.pt",
+    ]
     assert not [p for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
     torch.manual_seed(12345)  # disturb the global RNG: the checkpoint must restore it

@@ -20,8 +20,14 @@ LOOPS = {"verl loop": eager.gae_loop, "trl loop": eager.gae_loop_trl}
 def case(shape, dtype, *, eager_name: str = "verl loop", targets: tuple[Target, ...] = ()) -> Case:
     loop = LOOPS[eager_name]
     return bt_case(
-        "gae", "gae (mask with holes)", eager_name, shape, dtype,
-        reads=("rewards", "values", "mask"), tol=1e-4, targets=targets,
+        "gae",
+        "gae (mask with holes)",
+        eager_name,
+        shape,
+        dtype,
+        reads=("rewards", "values", "mask"),
+        tol=1e-4,
+        targets=targets,
         pyppo=lambda inp: gae(inp["rewards"], inp["values"], inp["mask"], gamma=GAMMA, lam=LAM),
         eager=lambda inp: loop(inp["rewards"], inp["values"], inp["mask"], GAMMA, LAM),
         # TRL's loop does not skip holes: check pyppo against the hole-aware veRL loop.

@@ -19,10 +19,8 @@ NO_TEMPORARY = Target("gather_logprobs fwd extra peak <= 1% of logits", "pyppo_e
 FWD_BWD_SPEED = Target("gather_logprobs fwd+bwd fp32 >= 2.5x eager", "speedup", ">=", 2.5)
 # On a GPU the forward is one streaming read: it should run near copy bandwidth, and never
 # lose to the peers' memory-saving loop.
-COPY_BANDWIDTH = Target("gather_logprobs fwd reads the logits at >= 80% of copy bandwidth",
-                        "bandwidth_pct", ">=", 80.0)
-NOT_SLOWER_THAN_TRL = Target("gather_logprobs fwd no slower than trl selective_log_softmax",
-                             "speedup", ">=", 1.0)
+COPY_BANDWIDTH = Target("gather_logprobs fwd reads the logits at >= 80% of copy bandwidth", "bandwidth_pct", ">=", 80.0)
+NOT_SLOWER_THAN_TRL = Target("gather_logprobs fwd no slower than trl selective_log_softmax", "speedup", ">=", 1.0)
 
 EAGER = {
     "log_softmax.gather": lambda inp: eager.logsoftmax_gather(inp["logits"], inp["labels"]),
@@ -30,10 +28,7 @@ EAGER = {
 }
 
 # (floor, its name, bytes it moves per byte of logits)
-FLOORS = {
-    "read": (floors.read_logits, "logits.amax(-1)", 1),
-    "copy": (floors.copy_logits, "logits.clone()", 2),
-}
+FLOORS = {"read": (floors.read_logits, "logits.amax(-1)", 1), "copy": (floors.copy_logits, "logits.clone()", 2)}
 
 _logits_bytes = nbytes("logits")
 
@@ -61,32 +56,59 @@ def _fwd_bwd(fn):
     return run
 
 
-def fwd(shape, dtype, *, eager_name: str = "log_softmax.gather", floor: str = "read",
-        targets: tuple[Target, ...] = ()) -> Case:
+def _shared(shape, dtype, fp32_tol: float) -> dict:
+    """The fields every row has alike: the op, its size, and the logits as what its extra memory
+    is relative to."""
+    return {
+        "op": "gather_logprobs",
+        "shape": tuple(shape),
+        "dtype": dtype,
+        "tol": _tol(dtype, fp32_tol),
+        "input_bytes": _logits_bytes,
+    }
+
+
+def fwd(
+    shape, dtype, *, eager_name: str = "log_softmax.gather", floor: str = "read", targets: tuple[Target, ...] = ()
+) -> Case:
     floor_fn, floor_name, floor_passes = FLOORS[floor]
     return Case(
-        op="gather_logprobs", label="gather_logprobs fwd", eager_name=eager_name, shape=tuple(shape), dtype=dtype,
-        make_inputs=LOGITS, pyppo=_pyppo, eager=EAGER[eager_name], floor=floor_fn, floor_name=floor_name,
-        tol=_tol(dtype, 1e-4), input_bytes=_logits_bytes, targets=tuple(targets),
-        bytes_moved=_logits_bytes, floor_bytes_moved=lambda inp: floor_passes * _logits_bytes(inp),
+        **_shared(shape, dtype, 1e-4),
+        label="gather_logprobs fwd",
+        eager_name=eager_name,
+        make_inputs=LOGITS,
+        pyppo=_pyppo,
+        eager=EAGER[eager_name],
+        floor=floor_fn,
+        floor_name=floor_name,
+        targets=tuple(targets),
+        bytes_moved=_logits_bytes,
+        floor_bytes_moved=lambda inp: floor_passes * _logits_bytes(inp),
     )
 
 
 def fwd_entropy(shape, dtype) -> Case:
     return Case(
-        op="gather_logprobs", label="gather_logprobs+entropy fwd",
-        eager_name="log_softmax.gather, -(softmax*log_softmax).sum", shape=tuple(shape), dtype=dtype,
-        make_inputs=LOGITS, pyppo=_pyppo_entropy,
+        **_shared(shape, dtype, 1e-4),
+        label="gather_logprobs+entropy fwd",
+        eager_name="log_softmax.gather, -(softmax*log_softmax).sum",
+        make_inputs=LOGITS,
+        pyppo=_pyppo_entropy,
         eager=lambda inp: eager.logprobs_and_entropy(inp["logits"], inp["labels"]),
-        floor=floors.read_logits, floor_name="logits.amax(-1)", tol=_tol(dtype, 1e-4), input_bytes=_logits_bytes,
+        floor=floors.read_logits,
+        floor_name="logits.amax(-1)",
     )
 
 
 def fwd_bwd(shape, dtype, *, targets: tuple[Target, ...] = ()) -> Case:
     return Case(
-        op="gather_logprobs", label="gather_logprobs fwd+bwd", eager_name="autograd of log_softmax.gather",
-        shape=tuple(shape), dtype=dtype, make_inputs=LOGITS_GRAD,
-        pyppo=_fwd_bwd(gather_logprobs), eager=_fwd_bwd(eager.logsoftmax_gather), floor=floors.fwd_bwd_logits,
-        floor_name="logits.amax(-1) + logits.clone()", tol=_tol(dtype, 1e-5), input_bytes=_logits_bytes,
+        **_shared(shape, dtype, 1e-5),
+        label="gather_logprobs fwd+bwd",
+        eager_name="autograd of log_softmax.gather",
+        make_inputs=LOGITS_GRAD,
+        pyppo=_fwd_bwd(gather_logprobs),
+        eager=_fwd_bwd(eager.logsoftmax_gather),
+        floor=floors.fwd_bwd_logits,
+        floor_name="logits.amax(-1) + logits.clone()",
         targets=tuple(targets),
     )

@@ -36,15 +36,37 @@ def group_inputs(shape, dtype, device, seed) -> Inputs:
     rewards[torch.arange(B), last] = scores
     # veRL's uids (a numpy array of strings there; a list here, as pyppo runs without numpy)
     index = [f"{seed}-{k:06d}" for k in range(B // GROUP_SIZE) for _ in range(GROUP_SIZE)]
-    return {"scores": scores.to(device), "mask": mask.to(device), "token_level_rewards": rewards.to(device),
-            "index": index}
+    return {
+        "scores": scores.to(device),
+        "mask": mask.to(device),
+        "token_level_rewards": rewards.to(device),
+        "index": index,
+    }
 
 
-def _case(label: str, eager_name: str, shape, dtype, pyppo, eager_fn, targets=()) -> Case:
-    return Case(op="group_advantages", label=label, eager_name=eager_name, shape=tuple(shape), dtype=dtype,
-                make_inputs=group_inputs, pyppo=pyppo, eager=eager_fn, floor=sum_each("scores", "mask"),
-                floor_name="sum of scores and mask", tol=1e-4,
-                input_bytes=nbytes("scores", "mask", "token_level_rewards"), targets=tuple(targets))
+# Every row draws the same inputs, and its floor reads what pyppo's op reads.
+_SHARED = {
+    "op": "group_advantages",
+    "make_inputs": group_inputs,
+    "floor": sum_each("scores", "mask"),
+    "floor_name": "sum of scores and mask",
+    "tol": 1e-4,
+    "input_bytes": nbytes("scores", "mask", "token_level_rewards"),
+}
+
+
+def _case(label: str, eager_name: str, shape, dtype, pyppo, verl_fn, targets=()) -> Case:
+    """``verl_fn`` is called the way veRL's trainer calls its estimators."""
+    return Case(
+        **_SHARED,
+        label=label,
+        eager_name=eager_name,
+        shape=tuple(shape),
+        dtype=dtype,
+        pyppo=pyppo,
+        eager=lambda inp: verl_fn(inp["token_level_rewards"], inp["mask"], inp["index"]),
+        targets=tuple(targets),
+    )
 
 
 def grpo_case(shape, dtype, *, vectorized: bool = False, targets: tuple[Target, ...] = ()) -> Case:
@@ -52,15 +74,26 @@ def grpo_case(shape, dtype, *, vectorized: bool = False, targets: tuple[Target, 
         name, fn = "verl compute_grpo_vectorized_outcome_advantage", eager.verl_grpo_vectorized
     else:
         name, fn = "verl compute_grpo_outcome_advantage", eager.verl_grpo
-    return _case("group_advantages grpo", name, shape, dtype,
-                 lambda inp: group_advantages(inp["scores"], inp["mask"], group_size=GROUP_SIZE),
-                 lambda inp: fn(inp["token_level_rewards"], inp["mask"], inp["index"]), targets)
+    return _case(
+        "group_advantages grpo",
+        name,
+        shape,
+        dtype,
+        lambda inp: group_advantages(inp["scores"], inp["mask"], group_size=GROUP_SIZE),
+        fn,
+        targets,
+    )
 
 
 def rloo_case(shape, dtype) -> Case:
-    return _case("group_advantages rloo", "verl compute_rloo_outcome_advantage", shape, dtype,
-                 lambda inp: group_advantages(inp["scores"], inp["mask"], group_size=GROUP_SIZE, estimator="rloo"),
-                 lambda inp: eager.verl_rloo(inp["token_level_rewards"], inp["mask"], inp["index"]))
+    return _case(
+        "group_advantages rloo",
+        "verl compute_rloo_outcome_advantage",
+        shape,
+        dtype,
+        lambda inp: group_advantages(inp["scores"], inp["mask"], group_size=GROUP_SIZE, estimator="rloo"),
+        eager.verl_rloo,
+    )
 
 
 def reinforce_pp_baseline_case(shape, dtype) -> Case:
@@ -68,9 +101,14 @@ def reinforce_pp_baseline_case(shape, dtype) -> Case:
         adv = group_advantages(inp["scores"], inp["mask"], group_size=GROUP_SIZE, std_normalize=False)
         return masked_whiten(adv, inp["mask"])
 
-    return _case("group_advantages + masked_whiten", "verl compute_reinforce_plus_plus_baseline_outcome_advantage",
-                 shape, dtype, pyppo,
-                 lambda inp: eager.verl_reinforce_pp_baseline(inp["token_level_rewards"], inp["mask"], inp["index"]))
+    return _case(
+        "group_advantages + masked_whiten",
+        "verl compute_reinforce_plus_plus_baseline_outcome_advantage",
+        shape,
+        dtype,
+        pyppo,
+        eager.verl_reinforce_pp_baseline,
+    )
 
 
 def cases(shape, dtype, *, with_targets: bool = False) -> list[Case]:

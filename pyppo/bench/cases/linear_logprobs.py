@@ -39,19 +39,47 @@ def _logits_gemm(inp):
         return inp["hidden"] @ inp["weight"].T
 
 
-def fwd(shape, dtype) -> Case:
+# mode: how pyppo's op and the eager formula are both run, the row's label, the eager formula,
+# and the least work either must do (the floor and its name).
+_MODES = {
+    "fwd": (
+        _no_grad,
+        "linear_logprobs fwd (no grad)",
+        "h @ W.T, log_softmax.gather",
+        _logits_gemm,
+        "the logits GEMM alone",
+    ),
+    "fwd+bwd": (
+        _fwd_bwd,
+        "linear_logprobs fwd+bwd",
+        "h @ W.T, log_softmax.gather, autograd",
+        floors.linear_gemms,
+        "the 3 GEMMs alone",
+    ),
+}
+
+
+def _case(mode: str, shape, dtype) -> Case:
+    run, label, eager_name, floor, floor_name = _MODES[mode]
     return Case(
-        op="linear_logprobs", label="linear_logprobs fwd (no grad)", eager_name="h @ W.T, log_softmax.gather",
-        shape=tuple(shape), dtype=dtype, make_inputs=linear_inputs,
-        pyppo=_no_grad(linear_logprobs), eager=_no_grad(eager.linear_logsoftmax_gather),
-        floor=_logits_gemm, floor_name="the logits GEMM alone", tol=1e-4, input_bytes=_inputs_bytes,
+        op="linear_logprobs",
+        label=label,
+        eager_name=eager_name,
+        shape=tuple(shape),
+        dtype=dtype,
+        make_inputs=linear_inputs,
+        pyppo=run(linear_logprobs),
+        eager=run(eager.linear_logsoftmax_gather),
+        floor=floor,
+        floor_name=floor_name,
+        tol=1e-4,
+        input_bytes=_inputs_bytes,
     )
+
+
+def fwd(shape, dtype) -> Case:
+    return _case("fwd", shape, dtype)
 
 
 def fwd_bwd(shape, dtype) -> Case:
-    return Case(
-        op="linear_logprobs", label="linear_logprobs fwd+bwd", eager_name="h @ W.T, log_softmax.gather, autograd",
-        shape=tuple(shape), dtype=dtype, make_inputs=linear_inputs,
-        pyppo=_fwd_bwd(linear_logprobs), eager=_fwd_bwd(eager.linear_logsoftmax_gather),
-        floor=floors.linear_gemms, floor_name="the 3 GEMMs alone", tol=1e-4, input_bytes=_inputs_bytes,
-    )
+    return _case("fwd+bwd", shape, dtype)

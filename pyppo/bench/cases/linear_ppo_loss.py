@@ -24,8 +24,9 @@ _inputs_bytes = nbytes("hidden", "weight")
 
 
 def _fused(inp):
-    return linear_ppo_loss(inp["hidden"], inp["weight"], inp["labels"], inp["old_logprobs"], inp["advantages"],
-                           inp["response_mask"])[0]
+    return linear_ppo_loss(
+        inp["hidden"], inp["weight"], inp["labels"], inp["old_logprobs"], inp["advantages"], inp["response_mask"]
+    )[0]
 
 
 def _unfused(inp):
@@ -34,8 +35,9 @@ def _unfused(inp):
 
 
 def _eager(inp):
-    return eager.linear_ppo_loss(inp["hidden"], inp["weight"], inp["labels"], inp["old_logprobs"],
-                                 inp["advantages"], inp["response_mask"])
+    return eager.linear_ppo_loss(
+        inp["hidden"], inp["weight"], inp["labels"], inp["old_logprobs"], inp["advantages"], inp["response_mask"]
+    )
 
 
 EAGER = {
@@ -63,7 +65,17 @@ def _floor(inp):
 def fwd_bwd(shape, dtype, *, eager_name: str = next(iter(EAGER)), targets: tuple[Target, ...] = ()) -> Case:
     """``shape`` is ``(B, T, H, V)``."""
     return Case(
-        op="linear_ppo_loss", label="linear_ppo_loss fwd+bwd", eager_name=eager_name, shape=tuple(shape),
-        dtype=dtype, make_inputs=linear_ppo_inputs, pyppo=_fwd_bwd(_fused), eager=_fwd_bwd(EAGER[eager_name]),
-        floor=_floor, floor_name="the 3 GEMMs alone", tol=1e-4, input_bytes=_inputs_bytes, targets=tuple(targets),
+        op="linear_ppo_loss",
+        label="linear_ppo_loss fwd+bwd",
+        eager_name=eager_name,
+        shape=tuple(shape),
+        dtype=dtype,
+        make_inputs=linear_ppo_inputs,
+        pyppo=_fwd_bwd(_fused),
+        eager=_fwd_bwd(EAGER[eager_name]),
+        floor=_floor,
+        floor_name="the 3 GEMMs alone",
+        tol=1e-4,
+        input_bytes=_inputs_bytes,
+        targets=tuple(targets),
     )

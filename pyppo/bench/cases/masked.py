@@ -12,8 +12,13 @@ from .bt import bt_case
 
 def masked_whiten_case(shape, dtype) -> Case:
     return bt_case(
-        "masked_whiten", "masked_whiten", "trl masked_whiten + masked_fill", shape, dtype,
-        reads=("x", "mask"), tol=1e-4,
+        "masked_whiten",
+        "masked_whiten",
+        "trl masked_whiten + masked_fill",
+        shape,
+        dtype,
+        reads=("x", "mask"),
+        tol=1e-4,
         pyppo=lambda inp: masked_whiten(inp["x"], inp["mask"]),
         eager=lambda inp: eager.masked_whiten_fill(inp["x"], inp["mask"]),
     )

@@ -7,11 +7,7 @@ ops: positions pyppo defines as 0 (masked) are zeroed the way those trainers zer
 """
 
 from .gae import gae_loop, gae_loop_trl
-from .gather_logprobs import (
-    logprobs_and_entropy,
-    logsoftmax_gather,
-    selective_log_softmax,
-)
+from .gather_logprobs import logprobs_and_entropy, logsoftmax_gather, selective_log_softmax
 from .group_advantages import verl_grpo, verl_grpo_vectorized, verl_reinforce_pp_baseline, verl_rloo
 from .kl import compute_approx_kl, compute_reward, shape_rewards
 from .linear_logprobs import linear_logsoftmax_gather

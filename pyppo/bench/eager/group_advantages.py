@@ -107,8 +107,9 @@ def _group_mean_std(scores, gidx):
 
 
 @torch.no_grad()
-def verl_grpo_vectorized(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
-                         norm_adv_by_std_in_grpo: bool = True):
+def verl_grpo_vectorized(
+    token_level_rewards, response_mask, index, epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True
+):
     """``compute_grpo_vectorized_outcome_advantage``."""
     scores = token_level_rewards.sum(dim=-1)
     g = _as_group_index(index, scores.device)

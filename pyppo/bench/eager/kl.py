@@ -52,8 +52,15 @@ def compute_reward(
     return last_reward + kl_reward
 
 
-def shape_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef: float, estimator: str = "k1",
-                  score_clip: float | None = None):
+def shape_rewards(
+    scores,
+    logprobs,
+    ref_logprobs,
+    response_mask,
+    kl_coef: float,
+    estimator: str = "k1",
+    score_clip: float | None = None,
+):
     """The OpenRLHF experience-maker chain: ``kl = compute_approx_kl(...) * action_mask`` (no
     clamp, to match pyppo's unclamped ``shape_rewards``), then :func:`compute_reward`."""
     mask = response_mask.to(torch.float32)

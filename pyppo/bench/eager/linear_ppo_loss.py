@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def linear_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor,
-                    advantages: torch.Tensor, response_mask: torch.Tensor, cliprange: float = 0.2) -> torch.Tensor:
+def linear_ppo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float = 0.2,
+) -> torch.Tensor:
     """``lm_head`` logits, ``log_softmax().gather()``, then veRL's ``compute_policy_loss_vanilla``
     (``verl/trainer/ppo/core_algos.py``) without its dual clip: the log-ratio clamped to ±20, the
     clipped surrogate, a token mean over ``response_mask``. Autograd keeps the ``[B, T, V]`` logits'

@@ -94,13 +94,28 @@ __all__ = [
 ]
 
 _CORE_ADAPTERS = (
-    compute_gae_advantage_return, compute_grpo_outcome_advantage, compute_grpo_vectorized_outcome_advantage,
-    compute_rloo_outcome_advantage, compute_rloo_vectorized_outcome_advantage,
-    compute_reinforce_plus_plus_baseline_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage, kl_penalty, kl_penalty_forward, agg_loss, compute_policy_loss,
-    compute_policy_loss_vanilla, compute_policy_loss_gspo, compute_policy_loss_cispo, compute_value_loss,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    kl_penalty,
+    kl_penalty_forward,
+    agg_loss,
+    compute_policy_loss,
+    compute_policy_loss_vanilla,
+    compute_policy_loss_gspo,
+    compute_policy_loss_cispo,
+    compute_value_loss,
 )
 _TF_ADAPTERS = (
-    masked_mean, masked_var, masked_whiten, logprobs_from_logits, entropy_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    logprobs_from_logits,
+    entropy_from_logits,
     entropy_from_logits_with_chunking,
 )
 for _adapter in _CORE_ADAPTERS + _TF_ADAPTERS:
@@ -108,10 +123,8 @@ for _adapter in _CORE_ADAPTERS + _TF_ADAPTERS:
     _adapter.__module__ = __name__
 del _adapter
 
-PEER = _patching.Peer(
-    name="verl",
-    distribution="verl",
-    package="verl",
+PEER = _patching.Peer.named(
+    "verl",
     versions=("0.9.1",),
     targets=_patching.targets(core_algos.PEER_MODULE, *_CORE_ADAPTERS)
     + _patching.targets(torch_functional.PEER_MODULE, *_TF_ADAPTERS),

@@ -159,7 +159,9 @@ def _group_ids(fn: str, index: Any, B: int, device: torch.device) -> torch.Tenso
     return torch.from_numpy(np.ascontiguousarray(inv, dtype=np.int64).reshape(-1)).to(device)
 
 
-def _outcome_mask(fn: str, token_level_rewards: Any, response_mask: Any, *, integer_rewards: bool = False) -> torch.Tensor:
+def _outcome_mask(
+    fn: str, token_level_rewards: Any, response_mask: Any, *, integer_rewards: bool = False
+) -> torch.Tensor:
     """The checks every outcome estimator shares: ``[B, T]`` float rewards (integer / bool too
     with ``integer_rewards``) and a bool / 0-1 mask of their shape, returned as bool."""
     if integer_rewards:
@@ -167,16 +169,23 @@ def _outcome_mask(fn: str, token_level_rewards: Any, response_mask: Any, *, inte
     else:
         _float_tensor(fn, "token_level_rewards", token_level_rewards)
     if token_level_rewards.dim() != 2:
-        raise ValueError(
-            f"{fn}: token_level_rewards must be [B, T], got shape {tuple(token_level_rewards.shape)}"
-        )
+        raise ValueError(f"{fn}: token_level_rewards must be [B, T], got shape {tuple(token_level_rewards.shape)}")
     return _bool_mask(fn, "response_mask", response_mask, token_level_rewards)
 
 
 def _group_outcome(
-    fn: str, token_level_rewards, response_mask, index, estimator: str, epsilon: float = 1e-6,
-    std_normalize: bool = True, *, stats_dtype: Optional[torch.dtype] = None, singletons_zero: bool = False,
-    cast: bool = True, integer_rewards: bool = False,
+    fn: str,
+    token_level_rewards,
+    response_mask,
+    index,
+    estimator: str,
+    epsilon: float = 1e-6,
+    std_normalize: bool = True,
+    *,
+    stats_dtype: Optional[torch.dtype] = None,
+    singletons_zero: bool = False,
+    cast: bool = True,
+    integer_rewards: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pyppo.ops.group_advantages`` of veRL's scores (each row's reward summed over **every**
     position, masked ones included, as veRL's ``token_level_rewards.sum(-1)``) grouped by
@@ -238,14 +247,36 @@ _GROUP_ARGS = """Args:
             and any group sizes. A list or a torch tensor is grouped by value too."""
 
 
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Optional[Any] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _verl_adapter(adapter: Callable[..., Any], name: str, doc: str) -> Callable[..., Any]:
+    """``adapter`` (veRL's signature of a family of functions, around one member's computation) as
+    veRL's function ``name``, documented by ``doc`` (the group estimators' ``{args}`` filled in)."""
+    adapter.__name__ = adapter.__qualname__ = name
+    adapter.__doc__ = doc.replace("{args}", _GROUP_ARGS)
+    return adapter
+
+
+def _grpo_estimator(name: str, doc: str, **options: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """veRL's GRPO estimator ``name`` (the plain and the vectorized one share veRL's signature):
+    :func:`_group_outcome`'s ``"grpo"`` advantages with ``options``, returned twice."""
+
+    def estimator(
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: np.ndarray,
+        epsilon: float = 1e-6,
+        norm_adv_by_std_in_grpo: bool = True,
+        config: Optional[Any] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        adv, _ = _group_outcome(
+            name, token_level_rewards, response_mask, index, "grpo", epsilon, norm_adv_by_std_in_grpo, **options
+        )
+        return adv, adv
+
+    return _verl_adapter(estimator, name, doc)
+
+
+compute_grpo_outcome_advantage = _grpo_estimator(
+    "compute_grpo_outcome_advantage",
     r"""GRPO outcome advantages: each response's score against the other responses to its prompt.
 
     For a group with scores ``s_i``, mean ``m`` and unbiased std ``σ``:
@@ -275,20 +306,11 @@ def compute_grpo_outcome_advantage(
     Computed by ``pyppo.ops.group_advantages`` (one pass over the scores, float64 group
     statistics, no Python loop over rows or groups; the labels are numbered with ``np.unique``).
     Matches veRL 0.9.1 ``verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage``.
-    """
-    adv, _ = _group_outcome("compute_grpo_outcome_advantage", token_level_rewards, response_mask, index, "grpo",
-                            epsilon, norm_adv_by_std_in_grpo)
-    return adv, adv
+    """,
+)
 
-
-def compute_grpo_vectorized_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Optional[Any] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+compute_grpo_vectorized_outcome_advantage = _grpo_estimator(
+    "compute_grpo_vectorized_outcome_advantage",
     r"""GRPO / Dr. GRPO outcome advantages, veRL's vectorized variant: the same values as
     :func:`compute_grpo_outcome_advantage`.
 
@@ -309,21 +331,62 @@ def compute_grpo_vectorized_outcome_advantage(
     Computed by ``pyppo.ops.group_advantages`` (deterministic: veRL's ``index_add_`` uses float32
     atomics on CUDA). Matches veRL 0.9.1
     ``verl.trainer.ppo.core_algos.compute_grpo_vectorized_outcome_advantage``.
-    """
-    adv, _ = _group_outcome("compute_grpo_vectorized_outcome_advantage", token_level_rewards, response_mask,
-                            index, "grpo", epsilon, norm_adv_by_std_in_grpo, stats_dtype=torch.float32,
-                            integer_rewards=True)
-    return adv, adv
+    """,
+    stats_dtype=torch.float32,
+    integer_rewards=True,
+)
 
 
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    config: Optional[Any] = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _baseline_estimator(
+    name: str, doc: str, advantages: Callable[[str, Any, Any, Any], torch.Tensor], index_annotation: str = "np.ndarray"
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """veRL's estimator ``name`` of the RLOO / REINFORCE++-baseline signature, whose ``epsilon``,
+    ``config`` and ``kwargs`` are unused: ``advantages(name, token_level_rewards, response_mask,
+    index)``, returned twice. ``index_annotation``: veRL's annotation of ``index``."""
+
+    def estimator(
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: np.ndarray,
+        epsilon: float = 1e-6,
+        config: Optional[Any] = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        adv = advantages(name, token_level_rewards, response_mask, index)
+        return adv, adv
+
+    estimator.__annotations__["index"] = index_annotation
+    return _verl_adapter(estimator, name, doc)
+
+
+def _rloo_advantages(fn: str, token_level_rewards, response_mask, index, **options: Any) -> torch.Tensor:
+    return _group_outcome(fn, token_level_rewards, response_mask, index, "rloo", **options)[0]
+
+
+def _rloo_vectorized_advantages(fn: str, token_level_rewards, response_mask, index) -> torch.Tensor:
+    # veRL subtracts torch.bincount(weights=scores), which is float32 for float32 weights and
+    # float64 for every other dtype (ATen's bincount).
+    f32 = isinstance(token_level_rewards, torch.Tensor) and token_level_rewards.dtype == torch.float32
+    return _rloo_advantages(
+        fn,
+        token_level_rewards,
+        response_mask,
+        index,
+        stats_dtype=torch.float32 if f32 else torch.float64,
+        singletons_zero=True,
+        integer_rewards=True,
+    )
+
+
+def _reinforce_plus_plus_baseline_advantages(fn: str, token_level_rewards, response_mask, index) -> torch.Tensor:
+    centered, m = _group_outcome(fn, token_level_rewards, response_mask, index, "grpo", std_normalize=False, cast=False)
+    with torch.no_grad():
+        adv = _whiten_valid(fn, centered, m, response_mask.dtype)
+    return adv.to(_promote(token_level_rewards.dtype, response_mask.dtype))
+
+
+compute_rloo_outcome_advantage = _baseline_estimator(
+    "compute_rloo_outcome_advantage",
     r"""RLOO outcome advantages: each score minus the mean of the **other** scores of its group.
 
     :math:`a_i = s_i - \frac{1}{n-1}\sum_{j \ne i} s_j = \frac{n}{n-1}(s_i - m)` (Kool et al. 2019;
@@ -346,19 +409,12 @@ def compute_rloo_outcome_advantage(
 
     Computed by ``pyppo.ops.group_advantages(estimator="rloo")``. Matches veRL 0.9.1
     ``verl.trainer.ppo.core_algos.compute_rloo_outcome_advantage``.
-    """
-    adv, _ = _group_outcome("compute_rloo_outcome_advantage", token_level_rewards, response_mask, index, "rloo")
-    return adv, adv
+    """,
+    _rloo_advantages,
+)
 
-
-def compute_rloo_vectorized_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    config: Optional[Any] = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+compute_rloo_vectorized_outcome_advantage = _baseline_estimator(
+    "compute_rloo_vectorized_outcome_advantage",
     r"""RLOO outcome advantages, veRL's vectorized variant: :func:`compute_rloo_outcome_advantage`'s
     values, except that a group of one gets advantage **0** (veRL's ``· (count > 1)``), not its
     score.
@@ -378,24 +434,12 @@ def compute_rloo_vectorized_outcome_advantage(
     Computed by ``pyppo.ops.group_advantages(estimator="rloo")`` with the singleton rows masked
     out of its output. Matches veRL 0.9.1
     ``verl.trainer.ppo.core_algos.compute_rloo_vectorized_outcome_advantage``.
-    """
-    # veRL subtracts torch.bincount(weights=scores), which is float32 for float32 weights and
-    # float64 for every other dtype (ATen's bincount).
-    f32 = isinstance(token_level_rewards, torch.Tensor) and token_level_rewards.dtype == torch.float32
-    adv, _ = _group_outcome("compute_rloo_vectorized_outcome_advantage", token_level_rewards, response_mask, index,
-                            "rloo", stats_dtype=torch.float32 if f32 else torch.float64, singletons_zero=True,
-                            integer_rewards=True)
-    return adv, adv
+    """,
+    _rloo_vectorized_advantages,
+)
 
-
-def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: torch.Tensor,
-    epsilon: float = 1e-6,
-    config: Optional[Any] = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+compute_reinforce_plus_plus_baseline_outcome_advantage = _baseline_estimator(
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
     r"""REINFORCE++-baseline outcome advantages: the score minus its group's mean, then whitened
     over the batch's valid tokens (Hu et al. 2025, "REINFORCE++", arXiv:2501.03262).
 
@@ -420,13 +464,10 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     takes veRL's ``count + 1e-8`` scaling, with ``pyppo.ops.masked_mean`` / ``masked_var``).
     Matches veRL 0.9.1
     ``verl.trainer.ppo.core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage``.
-    """
-    fn = "compute_reinforce_plus_plus_baseline_outcome_advantage"
-    centered, m = _group_outcome(fn, token_level_rewards, response_mask, index, "grpo", std_normalize=False, cast=False)
-    with torch.no_grad():
-        adv = _whiten_valid(fn, centered, m, response_mask.dtype)
-    adv = adv.to(_promote(token_level_rewards.dtype, response_mask.dtype))
-    return adv, adv
+    """,
+    _reinforce_plus_plus_baseline_advantages,
+    index_annotation="torch.Tensor",
+)
 
 
 def compute_reinforce_plus_plus_outcome_advantage(
@@ -484,14 +525,6 @@ def compute_reinforce_plus_plus_outcome_advantage(
         returns, _ = _gae(rewards, zero_values, m, gamma=float(gamma), lam=1.0)
         adv = _whiten_valid(fn, returns, m, response_mask.dtype).to(out_dtype)
     return adv, returns.to(token_level_rewards.dtype)
-
-
-for _fn in (
-    compute_grpo_outcome_advantage, compute_grpo_vectorized_outcome_advantage, compute_rloo_outcome_advantage,
-    compute_rloo_vectorized_outcome_advantage, compute_reinforce_plus_plus_baseline_outcome_advantage,
-):
-    _fn.__doc__ = _fn.__doc__.replace("{args}", _GROUP_ARGS)
-del _fn
 
 
 def kl_penalty_forward(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_penalty) -> torch.FloatTensor:
@@ -588,10 +621,11 @@ def kl_penalty(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_pe
     return k2 - k2.detach() + forward
 
 
-def _agg_impl(loss_mat: torch.Tensor, loss_dtype: torch.dtype, m: torch.Tensor, mask_dtype: torch.dtype,
-              loss_agg_mode: str, dp_size: int = 1, batch_num_tokens: Optional[int] = None,
-              global_batch_size: Optional[int] = None, loss_scale_factor: Optional[int] = None,
-              *, sums: Optional[Callable[[str], torch.Tensor]] = None) -> torch.Tensor:
+def _agg_impl(
+    loss_mat: torch.Tensor, loss_dtype: torch.dtype, m: torch.Tensor, mask_dtype: torch.dtype, loss_agg_mode: str,
+    dp_size: int = 1, batch_num_tokens: Optional[int] = None, global_batch_size: Optional[int] = None,
+    loss_scale_factor: Optional[int] = None, *, sums: Optional[Callable[[str], torch.Tensor]] = None,
+) -> torch.Tensor:  # fmt: skip
     """agg_loss on a validated bool mask ``m``. ``loss_dtype`` is the dtype veRL's loss matrix
     would have (the losses compute theirs in float32), ``mask_dtype`` the caller's mask dtype:
     both take part in veRL's type promotion.
@@ -710,10 +744,8 @@ def agg_loss(
     if loss_mat.dim() == 0:
         raise ValueError(f"{fn}: loss_mat must have a token dimension, got a 0-d tensor")
     m = _bool_mask(fn, "loss_mask", loss_mask, loss_mat)
-    return _agg_impl(
-        loss_mat, loss_mat.dtype, m, loss_mask.dtype, loss_agg_mode,
-        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor,
-    )
+    global_batch = (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    return _agg_impl(loss_mat, loss_mat.dtype, m, loss_mask.dtype, loss_agg_mode, *global_batch)
 
 
 def _tie_weight(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -933,15 +965,51 @@ def compute_policy_loss(
     return pg_loss, stats[0].to(frac_dtype), stats[2].to(kl_dtype), stats[1].to(frac_dtype)
 
 
-def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+def _policy_loss_adapter(
+    name: str, doc: str, loss: Callable[..., tuple[torch.Tensor, dict[str, Any]]], loss_agg_default: str = "token-mean"
+) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:
+    """veRL's policy loss ``name``, of the signature its vanilla, GSPO and CISPO losses share
+    (``POLICY_LOSS_REGISTRY``'s; ``loss_agg_default``: veRL's default mode): ``loss(name,
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)``."""
+
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = loss_agg_default,
+        config: Optional[Any] = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        if config is None:
+            raise AssertionError(f"{name}: config is required (veRL asserts config is not None)")
+        return loss(name, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+    return _verl_adapter(policy_loss, name, doc)
+
+
+def _vanilla_policy_loss(
+    fn: str, old_log_prob, log_prob, advantages, response_mask,
+    loss_agg_mode: str, config: Any, rollout_is_weights: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, Any]]:  # fmt: skip
+    if type(config).__name__ == "AlgoConfig":
+        raise AssertionError(f"{fn}: config must be the actor config, not an AlgoConfig")
+    clip_ratio_low, clip_ratio_high = _clip_ratios(config)
+    clip_ratio_c = config.get("clip_ratio_c", 3.0)
+    pg_losses, loss_dtype, m, stats, _, _ = _policy_terms(
+        fn, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
+    if rollout_is_weights is not None:
+        _tensor(fn, "rollout_is_weights", rollout_is_weights)
+        loss_dtype = torch.promote_types(loss_dtype, rollout_is_weights.dtype)
+        pg_losses = pg_losses * rollout_is_weights.to(_acc(loss_dtype))
+    pg_loss = _agg_impl(pg_losses, loss_dtype, m, response_mask.dtype, loss_agg_mode, **config.global_batch_info)
+    clipfrac, clipfrac_lower, ppo_kl = stats.tolist()
+    return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
+
+
+compute_policy_loss_vanilla = _policy_loss_adapter(
+    "compute_policy_loss_vanilla",
     """veRL's default ("vanilla") PPO policy loss: :func:`compute_policy_loss`'s dual-clip loss
     with the clip ranges from ``config``, optional rollout-correction weights, and the
     global-batch normalisers of ``config.global_batch_info``.
@@ -976,30 +1044,16 @@ def compute_policy_loss_vanilla(
     veRL's ``k1`` ``ppo_kl``, and with veRL's conventions around it is slower and keeps about 4x
     the memory for the backward (``benchmarks/verl_loss.py``), so the adapter writes the formula
     out. Matches veRL 0.9.1 ``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla``.
-    """
-    fn = "compute_policy_loss_vanilla"
-    if config is None:
-        raise AssertionError(f"{fn}: config is required (veRL asserts config is not None)")
-    if type(config).__name__ == "AlgoConfig":
-        raise AssertionError(f"{fn}: config must be the actor config, not an AlgoConfig")
-    clip_ratio_low, clip_ratio_high = _clip_ratios(config)
-    clip_ratio_c = config.get("clip_ratio_c", 3.0)
-    pg_losses, loss_dtype, m, stats, _, _ = _policy_terms(
-        fn, old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
-    )
-    if rollout_is_weights is not None:
-        _tensor(fn, "rollout_is_weights", rollout_is_weights)
-        loss_dtype = torch.promote_types(loss_dtype, rollout_is_weights.dtype)
-        pg_losses = pg_losses * rollout_is_weights.to(_acc(loss_dtype))
-    pg_loss = _agg_impl(pg_losses, loss_dtype, m, response_mask.dtype, loss_agg_mode, **config.global_batch_info)
-    clipfrac, clipfrac_lower, ppo_kl = stats.tolist()
-    return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
+    """,
+    _vanilla_policy_loss,
+)
 
 
 def _op_policy_loss(
-    fn: str, op: Callable[..., Any], old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str,
-    config: Any, rollout_is_weights: Optional[torch.Tensor], kl_clamp: Optional[float], weights_fold_sign: bool,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+    fn: str, op: Callable[..., Any], old_log_prob, log_prob, advantages, response_mask,
+    loss_agg_mode: str, config: Any, rollout_is_weights: Optional[torch.Tensor],
+    kl_clamp: Optional[float], weights_fold_sign: bool,
+) -> tuple[torch.Tensor, dict[str, Any]]:  # fmt: skip
     """A veRL policy loss computed by a pyppo policy-loss op (``gspo_policy_loss``,
     ``cispo_policy_loss``): the op gives the differentiable token sum (or row-mean sum) with
     ``normalizer=1``, :func:`_agg_impl` applies veRL's mode and ``config.global_batch_info``.
@@ -1010,8 +1064,6 @@ def _op_policy_loss(
     the weights: where a weight zeroes a token's ``A·w``, the clip fraction comes from a second,
     gradient-free op call on the unweighted advantages. ``kl_clamp``: veRL's clamp of the
     log-ratio in its ``ppo_kl``."""
-    if config is None:
-        raise AssertionError(f"{fn}: config is required (veRL asserts config is not None)")
     if not any(c.__name__ == "ActorConfig" for c in type(config).__mro__):
         raise AssertionError(
             f"{fn}: config must be a veRL ActorConfig (veRL asserts isinstance(config, ActorConfig)), "
@@ -1035,13 +1087,20 @@ def _op_policy_loss(
     stats: list = []
 
     def sums(kind: str) -> torch.Tensor:
-        loss, st = op(log_prob, old_log_prob, adv, m, loss_agg="token-mean" if kind == "token" else
-                      "seq-mean-token-mean", **kwargs)
+        loss, st = op(
+            log_prob,
+            old_log_prob,
+            adv,
+            m,
+            loss_agg="token-mean" if kind == "token" else "seq-mean-token-mean",
+            **kwargs,
+        )
         stats.append(st)
         return loss
 
-    pg_loss = _agg_impl(log_prob, loss_dtype, m, response_mask.dtype, loss_agg_mode, sums=sums,
-                        **config.global_batch_info)
+    pg_loss = _agg_impl(
+        log_prob, loss_dtype, m, response_mask.dtype, loss_agg_mode, sums=sums, **config.global_batch_info
+    )
     clipfrac = stats[0]["clipfrac"]
     with torch.no_grad():
         if rollout_is_weights is not None and weights_fold_sign and bool((m & (adv == 0) & (advantages != 0)).any()):
@@ -1055,15 +1114,9 @@ def _op_policy_loss(
     return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": 0.0}
 
 
-def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+# The ops are looked up when called, so that a wrapper put on them (the tests count the calls) is used.
+compute_policy_loss_gspo = _policy_loss_adapter(
+    "compute_policy_loss_gspo",
     r"""GSPO's clipped surrogate with a sequence-level ratio (Zheng et al. 2025, "Group Sequence
     Policy Optimization", GSPO-token, eq. 13-14).
 
@@ -1099,20 +1152,13 @@ def compute_policy_loss_gspo(
     by ``pyppo.ops.gspo_policy_loss`` (loss and gradient, ``normalizer=1``), veRL's normalisers
     as :func:`agg_loss`, ``ppo_kl`` by ``pyppo.ops.masked_mean``. Matches veRL 0.9.1
     ``verl.trainer.ppo.core_algos.compute_policy_loss_gspo``.
-    """
-    return _op_policy_loss("compute_policy_loss_gspo", _gspo_policy_loss, old_log_prob, log_prob, advantages,
-                           response_mask, loss_agg_mode, config, rollout_is_weights, None, True)
+    """,
+    lambda fn, *args: _op_policy_loss(fn, _gspo_policy_loss, *args, kl_clamp=None, weights_fold_sign=True),
+    loss_agg_default="seq-mean-token-mean",
+)
 
-
-def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+compute_policy_loss_cispo = _policy_loss_adapter(
+    "compute_policy_loss_cispo",
     r"""CISPO: REINFORCE with a clipped, detached importance weight (MiniMax 2025, "MiniMax-M1",
     eq. 4-5). Per token, ``r = exp(clamp(log_prob − old_log_prob, ±20))`` and
     ``L = −sg(clip(r, 1 − ε_low, 1 + ε_high)) · A · log_prob``, times ``rollout_is_weights``,
@@ -1137,9 +1183,9 @@ def compute_policy_loss_cispo(
     normalisers as :func:`agg_loss`, ``ppo_kl`` by ``pyppo.ops.masked_mean``. The log-prob at a
     masked position is never read (veRL's ``agg_loss`` multiplies it by 0, so a ``−inf`` there is
     NaN in veRL). Matches veRL 0.9.1 ``verl.trainer.ppo.core_algos.compute_policy_loss_cispo``.
-    """
-    return _op_policy_loss("compute_policy_loss_cispo", _cispo_policy_loss, old_log_prob, log_prob, advantages,
-                           response_mask, loss_agg_mode, config, rollout_is_weights, 20.0, False)
+    """,
+    lambda fn, *args: _op_policy_loss(fn, _cispo_policy_loss, *args, kl_clamp=20.0, weights_fold_sign=False),
+)
 
 
 def compute_value_loss(
@@ -1201,10 +1247,8 @@ def compute_value_loss(
     else:
         eps = float(cliprange_value)
     token_loss, clipped_larger = _ClippedValueTokenLoss.apply(vpreds, returns, values, eps, acc)
-    vf_loss = 0.5 * _agg_impl(
-        token_loss, loss_dtype, m, response_mask.dtype, loss_agg_mode,
-        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor,
-    )
+    global_batch = (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    vf_loss = 0.5 * _agg_impl(token_loss, loss_dtype, m, response_mask.dtype, loss_agg_mode, *global_batch)
     with torch.no_grad():
         vf_clipfrac = _mean_impl(clipped_larger.to(acc), m, None, response_mask.dtype)
     return vf_loss, vf_clipfrac.to(_mean_dtype(torch.float32, response_mask.dtype))

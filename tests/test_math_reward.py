@@ -17,24 +17,24 @@ from pyppo.rewards import RewardError, check_reward_fields, load_reward, score_r
     "response, expected",
     [
         ("The answer is \\boxed{19}.", "19"),
-        ("\\boxed{3} at first, then \\boxed{ 4 } finally", "4"),                # the last box counts
-        ("So x = \\boxed{\\frac{3}{4}} and that is 2.", "\\frac{3}{4}"),       # nested braces; a box beats numbers
+        ("\\boxed{3} at first, then \\boxed{ 4 } finally", "4"),  # the last box counts
+        ("So x = \\boxed{\\frac{3}{4}} and that is 2.", "\\frac{3}{4}"),  # nested braces; a box beats numbers
         ("\\boxed{{a}+{b}}", "{a}+{b}"),
-        ("\\boxed{7} then a cut-off \\boxed{12", "7"),                          # an unclosed box is no box
-        ("\\boxed{12 with no close, and 5 later", "5"),                         # ... nor is the only one
-        ("7 + 12 = 19", "19"),                                                  # several numbers: the last
-        ("It is 19.", "19"),                                                    # a closing period is not a decimal
+        ("\\boxed{7} then a cut-off \\boxed{12", "7"),  # an unclosed box is no box
+        ("\\boxed{12 with no close, and 5 later", "5"),  # ... nor is the only one
+        ("7 + 12 = 19", "19"),  # several numbers: the last
+        ("It is 19.", "19"),  # a closing period is not a decimal
         ("The result is -3.", "-3"),
-        ("15-8 is 7, and 8-15", "15"),                                          # a minus between numbers subtracts
+        ("15-8 is 7, and 8-15", "15"),  # a minus between numbers subtracts
         ("x=-3", "-3"),
         ("(-4)", "-4"),
         ("about 2.50 dollars", "2.50"),
         ("a total of 1,234 apples", "1,234"),
         ("1,234,567", "1,234,567"),
         ("it costs 1,234, I think", "1,234"),
-        ("pick 1,23", "23"),                                                    # not a thousands group
+        ("pick 1,23", "23"),  # not a thousands group
         ("half: 3/4", "3/4"),
-        ("minus \u22125", "-5"),                                                 # the Unicode minus sign
+        ("minus \u22125", "-5"),  # the Unicode minus sign
         ("no digits here", None),
         ("", None),
     ],
@@ -74,8 +74,8 @@ def test_parse_number_refuses(text):
     "predicted, answer, match",
     [
         ("2.50", "2.5", True),
-        ("2.5", 2.5, True),        # a JSON float answer
-        ("5", 5, True),            # a JSON int answer
+        ("2.5", 2.5, True),  # a JSON float answer
+        ("5", 5, True),  # a JSON int answer
         ("5.0", 5, True),
         ("6/8", "3/4", True),
         ("0.75", "3/4", True),
@@ -85,11 +85,11 @@ def test_parse_number_refuses(text):
         ("3", "-3", False),
         ("0.3333", "1/3", False),  # exact: no tolerance
         ("5", "6", False),
-        ("5", True, False),        # JSON true is not the number 1... nor the string "5"
+        ("5", True, False),  # JSON true is not the number 1... nor the string "5"
         ("Paris", " Paris ", True),  # not numbers: stripped strings
         ("paris", "Paris", False),
-        ("x = 5", "5", False),     # the box's content is the answer as a whole
-        (None, "5", False),        # nothing extracted
+        ("x = 5", "5", False),  # the box's content is the answer as a whole
+        (None, "5", False),  # nothing extracted
     ],
 )
 def test_answers_match(predicted, answer, match):
@@ -99,14 +99,14 @@ def test_answers_match(predicted, answer, match):
 def test_math_reward_scores():
     prompts = ["What is 7 + 5? Give the answer as a number."] * 8
     responses = [
-        "7 + 5 = 12.",                        # right
-        "The answer is \\boxed{12}",          # right, boxed
-        "\\boxed{12} ... or maybe 13",        # a box beats a later number
-        "7 + 5",                              # only repeats the question's numbers
-        "I think it is 13.",                  # wrong
-        "twelve",                             # no number
-        "It's 12, no wait, 11",               # the last number counts
-        "12.00",                              # the same value
+        "7 + 5 = 12.",  # right
+        "The answer is \\boxed{12}",  # right, boxed
+        "\\boxed{12} ... or maybe 13",  # a box beats a later number
+        "7 + 5",  # only repeats the question's numbers
+        "I think it is 13.",  # wrong
+        "twelve",  # no number
+        "It's 12, no wait, 11",  # the last number counts
+        "12.00",  # the same value
     ]
     assert math_reward(prompts, responses, ["12"] * 8) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert math_reward(prompts[:2], responses[:2], [12, 12.0]) == [1.0, 1.0]  # numbers from JSON
@@ -118,11 +118,19 @@ def test_load_reward_math_takes_the_answer_field():
     fn = load_reward("math")
     assert fn.reward_name == "math"
     assert check_reward_fields(fn, ["answer", "id"]) == ["answer"]
-    scores = score_responses(fn, ["q1", "q2", "q3"], ["so \\boxed{3/4}", "-2", "I don't know"], where="step 1",
-                             fields={"answer": ["0.75", -2, "1"], "id": [1, 2, 3]})
+    scores = score_responses(
+        fn,
+        ["q1", "q2", "q3"],
+        ["so \\boxed{3/4}", "-2", "I don't know"],
+        where="step 1",
+        fields={"answer": ["0.75", -2, "1"], "id": [1, 2, 3]},
+    )
     assert scores == [1.0, 1.0, 0.0]
-    with pytest.raises(RewardError, match=r"reward 'math' needs the prompt field 'answer', missing from the prompts, "
-                                          r"whose fields besides \"prompt\" are: 'id' \(step 1\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'math' needs the prompt field 'answer', missing from the prompts, "
+        r"whose fields besides \"prompt\" are: 'id' \(step 1\)",
+    ):
         score_responses(fn, ["q"], ["1"], where="step 1", fields={"id": [1]})
 
 
@@ -135,7 +143,8 @@ def test_math_reward_scores_the_arithmetic_sets_own_answers():
         # A response that only repeats the question scores 0, unless its last number is the
         # answer (a - b with a = 2b).
         echoes = [p.removesuffix(" Give the answer as a number.") for p in prompts]
-        expected = [1.0 if re.fullmatch(r"What is \d+ [+-] (\d+)\?", e).group(1) == a else 0.0
-                    for e, a in zip(echoes, answers)]
+        expected = [
+            1.0 if re.fullmatch(r"What is \d+ [+-] (\d+)\?", e).group(1) == a else 0.0 for e, a in zip(echoes, answers)
+        ]
         assert math_reward(prompts, echoes, answers) == expected
         assert sum(expected) < len(records) / 10

@@ -1,4 +1,4 @@
-"""pyppo.run.export.save_policy on tiny random models: plain and LoRA exports, merged and adapter-only,
+"""pyppo.models.export.save_policy on tiny random models: plain and LoRA exports, merged and adapter-only,
 what they load as, the atomic swap, and the model being left untouched."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import pyppo.run.export as export
-from pyppo.run.export import save_policy
+import pyppo.models.export as export
 from pyppo.models import load_model_and_tokenizer, resolve_model_source
+from pyppo.models.export import save_policy
 from support.tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_tokenizer
 
 peft = pytest.importorskip("peft")
@@ -123,8 +123,9 @@ def test_export_leaves_the_peft_model_unchanged(tmp_path):
 
     assert isinstance(pm, peft.PeftModel) and pm.training
     assert sum(isinstance(m, peft.tuners.lora.LoraLayer) for m in pm.modules()) == n_lora > 0
-    assert all(not m.merged and not m.disable_adapters
-               for m in pm.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    assert all(
+        not m.merged and not m.disable_adapters for m in pm.modules() if isinstance(m, peft.tuners.lora.LoraLayer)
+    )
     assert pm.active_adapters == ["default"]
     assert {n for n, p in pm.named_parameters() if p.requires_grad} == trainable
     after = pm.state_dict()
@@ -149,8 +150,9 @@ def test_merged_export_after_merge_adapter_does_not_add_twice(tmp_path):
 
 
 def test_lora_on_a_tied_weight_is_refused(tmp_path):
-    pm = peft.get_peft_model(tiny_arch("llama", tie_word_embeddings=True),
-                             peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    pm = peft.get_peft_model(
+        tiny_arch("llama", tie_word_embeddings=True), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    )
     with pytest.raises(ValueError, match=r"^model: .*tied.*merge_lora=False"):
         save_policy(pm, tiny_tokenizer(), tmp_path / "policy")
     assert not (tmp_path / "policy").exists()
@@ -179,8 +181,7 @@ def test_adapter_export_loads_through_pyppo(tmp_path):
     pm = _lora(base)  # wraps base in place
     merged = _logits(copy.deepcopy(pm).merge_and_unload(), ids)
 
-    out = save_policy(pm, tiny_tokenizer(), tmp_path / "run" / "policy", merge_lora=False,
-                      base_model=str(base_dir))
+    out = save_policy(pm, tiny_tokenizer(), tmp_path / "run" / "policy", merge_lora=False, base_model=str(base_dir))
 
     assert (out / "adapter_model.safetensors").is_file() and not (out / "config.json").exists()
     config = json.loads((out / "adapter_config.json").read_text())
@@ -201,16 +202,18 @@ def test_adapter_export_loads_through_pyppo(tmp_path):
 def test_adapter_export_base_model_relative_path_is_stored_absolute(tmp_path, monkeypatch):
     save_tiny_causal_lm(tmp_path / "base")
     monkeypatch.chdir(tmp_path)
-    out = save_policy(_lora(tiny_arch("llama")), tiny_tokenizer(), tmp_path / "policy", merge_lora=False,
-                      base_model="base")
+    out = save_policy(
+        _lora(tiny_arch("llama")), tiny_tokenizer(), tmp_path / "policy", merge_lora=False, base_model="base"
+    )
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
     assert not (out / export.BASE_DIR).exists()
 
 
 def test_adapter_dir_with_missing_base_names_the_paths(tmp_path):
     base_dir = save_tiny_causal_lm(tmp_path / "base")
-    out = save_policy(_lora(tiny_arch("llama")), tiny_tokenizer(), tmp_path / "policy", merge_lora=False,
-                      base_model=str(base_dir))
+    out = save_policy(
+        _lora(tiny_arch("llama")), tiny_tokenizer(), tmp_path / "policy", merge_lora=False, base_model=str(base_dir)
+    )
     config_path = out / "adapter_config.json"
     config = json.loads(config_path.read_text())
     missing = tmp_path / "gone"
@@ -259,8 +262,14 @@ def _load_with_peft_offline(exports, ids, tmp_path):
     elsewhere.mkdir(exist_ok=True)
     result = tmp_path / "peft_logits.pt"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, "-c", _PEFT_LOAD, json.dumps(ids.tolist()), str(result),
-                          *map(str, exports)], env=env, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _PEFT_LOAD, json.dumps(ids.tolist()), str(result), *map(str, exports)],
+        env=env,
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return {Path(k): v for k, v in torch.load(result).items()}
 
@@ -284,8 +293,24 @@ def embedded_tiny(tmp_path, monkeypatch):
 def _tiny_lora_config(**overrides):
     from pyppo.config import PPOConfig
 
-    return PPOConfig(**{**dict(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4, lr=5e-2,
-                               seed=0, lora_rank=4, lora_alpha=8.0, merge_lora=False, device="cpu"), **overrides})
+    return PPOConfig(
+        **{
+            **dict(
+                steps=1,
+                batch_size=2,
+                mini_batch_size=2,
+                ppo_epochs=1,
+                max_new_tokens=4,
+                lr=5e-2,
+                seed=0,
+                lora_rank=4,
+                lora_alpha=8.0,
+                merge_lora=False,
+                device="cpu",
+            ),
+            **overrides,
+        }
+    )
 
 
 def test_adapter_exports_of_a_run_load_with_peft_offline(tmp_path, embedded_tiny):
@@ -301,18 +326,27 @@ def test_adapter_exports_of_a_run_load_with_peft_offline(tmp_path, embedded_tiny
         if name == "on_adapter":  # a second run on top of the first one's adapter export
             model = str(exports["default"])
         if name == "python":  # the Python API with a model built in memory: no base to name
-            from pyppo.trainer import PPOTrainer
+            from pyppo import PPOTrainer
             from support.tiny_models import tiny_causal_lm
 
-            tr = PPOTrainer(_tiny_lora_config(), tiny_causal_lm(seed=2), None, None, tiny_tokenizer(),
-                            lambda prompts, responses: [float(len(r)) for r in responses], ["Say hi.", "Why?"])
+            tr = PPOTrainer(
+                _tiny_lora_config(),
+                tiny_causal_lm(seed=2),
+                None,
+                None,
+                tiny_tokenizer(),
+                lambda prompts, responses: [float(len(r)) for r in responses],
+                ["Say hi.", "Why?"],
+            )
         else:
             tr = build_trainer(_tiny_lora_config(), model=model)
         tr.train(tmp_path / name, progress=False)
         trainers[name], exports[name] = tr, tmp_path / name / "policy"
 
-    recorded = {name: json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"]
-                for name, d in exports.items()}
+    recorded = {
+        name: json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"]
+        for name, d in exports.items()
+    }
     assert recorded["default"] == str(embedded_tiny.resolve())  # the converted copy in the cache
     assert not (exports["default"] / export.BASE_DIR).exists()
     for name in ("on_adapter", "python"):  # nothing else holds the base: written beside the adapter
@@ -326,8 +360,9 @@ def test_adapter_exports_of_a_run_load_with_peft_offline(tmp_path, embedded_tiny
         for way, logits in zip(("AutoPeftModelForCausalLM", "PeftModel.from_pretrained"), loaded[exports[name]]):
             torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}, {way}: {m}")
         # ... and pyppo loads it as --model too.
-        torch.testing.assert_close(_logits(load_model_and_tokenizer(exports[name])[0], ids), expected,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            _logits(load_model_and_tokenizer(exports[name])[0], ids), expected, rtol=1e-5, atol=1e-5
+        )
     # What makes the comparisons above mean something: each adapter moved its policy, and the
     # second run's base is the first run's trained policy, not the model under it.
     for name, tr in trainers.items():
@@ -337,7 +372,9 @@ def test_adapter_exports_of_a_run_load_with_peft_offline(tmp_path, embedded_tiny
                 bare = tr.policy(input_ids=ids).logits
         assert (adapted - bare).abs().max() > 1e-3, name
     second_base = AutoModelForCausalLM.from_pretrained(recorded["on_adapter"])
-    assert (_logits(second_base, ids) - _logits(AutoModelForCausalLM.from_pretrained(embedded_tiny), ids)).abs().max() > 1e-3
+    assert (
+        _logits(second_base, ids) - _logits(AutoModelForCausalLM.from_pretrained(embedded_tiny), ids)
+    ).abs().max() > 1e-3
 
 
 def test_the_base_beside_an_adapter_is_the_model_without_it(tmp_path):
@@ -431,8 +468,9 @@ def test_crash_between_the_renames_is_recovered(tmp_path):
 
 
 def test_bad_arguments_raise_value_error_naming_them(tmp_path):
-    from support.tiny_models import tiny_llama_config
     from transformers import LlamaForSequenceClassification
+
+    from support.tiny_models import tiny_llama_config
 
     tok = tiny_tokenizer()
     with pytest.raises(ValueError, match=r"^model: .*got Linear"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyppo.trainer.buffer import RolloutBuffer
 from pyppo.precision import autocast, native_bf16, resolve_dtype
 from pyppo.trainer.logprob_head import LogprobHead
 from support.trainer_fixture import make_trainer, small_config
@@ -33,13 +32,13 @@ def test_bfloat16_runs_the_forwards_in_bfloat16_and_keeps_float32_masters():
     seen = set()
     layer = tr.policy.model.layers[0].mlp.down_proj
     layer.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
-    value_layer = tr.value_model.backbone.layers[0].mlp.down_proj
+    value_layer = tr.critic.model.backbone.layers[0].mlp.down_proj
     value_layer.register_forward_hook(lambda m, i, o: seen.add(("value", o.dtype)))
     metrics, batch = tr.step()
     assert seen == {torch.bfloat16, ("value", torch.bfloat16)}
-    params = [p for m in (tr.policy, tr.value_model) for p in m.parameters()]
+    params = [p for m in (tr.policy, tr.critic.model) for p in m.parameters()]
     assert {p.dtype for p in params} == {torch.float32}
-    states = [s for opt in (tr.policy_optimizer, tr.value_optimizer) for s in opt.state.values()]
+    states = [s for opt in (tr.policy_optimizer, tr.critic.optimizer) for s in opt.state.values()]
     assert states and {s["exp_avg"].dtype for s in states} == {torch.float32}
     # The per-token tensors the ops produce are float32 whatever the compute dtype.
     for name in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns", "rewards"):
@@ -51,9 +50,9 @@ def test_bfloat16_logprobs_are_close_to_float32_but_not_equal():
     batch = fp32.rollout(["say something nice", "about 3"])
     mb = batch.select(torch.arange(2))
     with torch.no_grad():
-        a = fp32.policy_module(mb)[0]
+        a = fp32.models.policy_module(mb)[0]
         with autocast(bf16.device, bf16.dtype):
-            b = bf16.policy_module(mb)[0]
+            b = bf16.models.policy_module(mb)[0]
     assert not torch.equal(a, b)
     torch.testing.assert_close(b, a, atol=0.05, rtol=0)
 
@@ -62,9 +61,9 @@ def test_bfloat16_hidden_path_matches_the_sampled_logits_to_bfloat16_rounding():
     tr = make_trainer(small_config(steps=1, dtype="bfloat16"))
     mb = tr.rollout(["say something nice", "why"]).select(torch.arange(2))
     full = LogprobHead(tr.policy, temperature=1.0, from_hidden=False, dtype=torch.bfloat16)
-    assert tr.policy_logprobs.uses_hidden and not full.uses_hidden
+    assert tr.models.policy_logprobs.uses_hidden and not full.uses_hidden
     with torch.no_grad(), autocast(tr.device, torch.bfloat16):
-        hidden_path = tr.policy_logprobs(mb)[0]
+        hidden_path = tr.models.policy_logprobs(mb)[0]
         logits_path = full(mb)[0]  # log-softmax of the bf16 logits generate() samples from
     # The hidden-state path keeps the head's float32-accumulated logits unrounded.
     torch.testing.assert_close(hidden_path, logits_path, atol=2e-2, rtol=0)
@@ -77,10 +76,12 @@ def test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_update(
         # Inside the checkpointed block: runs again when the backward recomputes it (module hooks
         # do not fire during the recompute, so the forward itself is counted).
         mlp = tr.policy.model.layers[0].mlp
-        mlp.forward = lambda *a, name=name, f=mlp.forward, **k: (calls.__setitem__(name, calls[name] + 1), f(*a, **k))[1]
+        mlp.forward = lambda *a, name=name, f=mlp.forward, **k: (calls.__setitem__(name, calls[name] + 1), f(*a, **k))[
+            1
+        ]
         tr.step()
     plain, ckpt = trainers["plain"], trainers["ckpt"]
-    for model in (ckpt.policy.model, ckpt.value_model.backbone):
+    for model in (ckpt.policy.model, ckpt.critic.model.backbone):
         assert all(layer.gradient_checkpointing for layer in model.layers)
     # 8 sampling forwards (prefill + 7 decode steps), 4 no-grad rollout forwards (micro-batches
     # of 2 of 8 rows) and 4 training forwards; the checkpointed run recomputes the 4 training ones.
@@ -101,11 +102,14 @@ def _cpu_probes(monkeypatch, **flags):
         monkeypatch.setattr(torch.cpu, name, (lambda v: lambda: v)(flags.get(name, False)), raising=False)
 
 
-@pytest.mark.parametrize("flags, expected", [
-    ({}, "float32"),
-    ({"_is_avx512_bf16_supported": True}, "bfloat16"),
-    ({"_is_amx_tile_supported": True}, "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({}, "float32"),
+        ({"_is_avx512_bf16_supported": True}, "bfloat16"),
+        ({"_is_amx_tile_supported": True}, "bfloat16"),
+    ],
+)
 def test_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, flags, expected):
     _cpu_probes(monkeypatch, **flags)
     name, why = resolve_dtype("auto", torch.device("cpu"))

@@ -8,14 +8,25 @@ import re
 
 import pytest
 
-from pyppo.prompts import (ARITHMETIC_EVAL_SIZE, BUILTIN_PROMPT_SETS, DEFAULT_PROMPTS, PromptSampler,
-                           arithmetic_prompts, load_prompt_records, load_prompts, prompt_columns, prompt_fields)
+from pyppo.prompts import (
+    ARITHMETIC_EVAL_SIZE,
+    BUILTIN_PROMPT_SETS,
+    DEFAULT_PROMPTS,
+    PromptSampler,
+    arithmetic_prompts,
+    load_prompt_records,
+    load_prompts,
+    prompt_columns,
+    prompt_fields,
+)
 
 #: The first held-out arithmetic problems and the hash of all of them: a change to the set changes
 #: every run that uses it, so it must be deliberate (update these with it).
-PINNED_EVAL_HEAD = [{"prompt": "What is 1 + 1? Give the answer as a number.", "answer": "2"},
-                    {"prompt": "What is 1 + 12? Give the answer as a number.", "answer": "13"},
-                    {"prompt": "What is 1 + 13? Give the answer as a number.", "answer": "14"}]
+PINNED_EVAL_HEAD = [
+    {"prompt": "What is 1 + 1? Give the answer as a number.", "answer": "2"},
+    {"prompt": "What is 1 + 12? Give the answer as a number.", "answer": "13"},
+    {"prompt": "What is 1 + 13? Give the answer as a number.", "answer": "14"},
+]
 PINNED_EVAL_SHA256 = "d005f380852556999259ab9fde2bc6c4f13c2abd300f670a2775f14c45c25aba"
 
 
@@ -28,8 +39,10 @@ def test_default_prompts():
 def test_load_prompts(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(
-        json.dumps({"prompt": "Describe a cat."}) + "\n\n"
-        + json.dumps({"prompt": "Héllo, wörld?", "id": 7}, ensure_ascii=False) + "\n"
+        json.dumps({"prompt": "Describe a cat."})
+        + "\n\n"
+        + json.dumps({"prompt": "Héllo, wörld?", "id": 7}, ensure_ascii=False)
+        + "\n"
     )
     assert load_prompts(path) == ["Describe a cat.", "Héllo, wörld?"]
 
@@ -72,12 +85,16 @@ def _write_lines(path, *objects):
 
 
 def test_load_prompt_records_keeps_the_fields(tmp_path):
-    path = _write_lines(tmp_path / "p.jsonl",
-                        {"prompt": "What is 2+3?", "answer": "5", "meta": {"level": 1, "tags": ["add"]}},
-                        {"prompt": "What is 2/4?", "answer": 0.5, "meta": None})
+    path = _write_lines(
+        tmp_path / "p.jsonl",
+        {"prompt": "What is 2+3?", "answer": "5", "meta": {"level": 1, "tags": ["add"]}},
+        {"prompt": "What is 2/4?", "answer": 0.5, "meta": None},
+    )
     records = load_prompt_records(path)
-    assert records == [{"prompt": "What is 2+3?", "answer": "5", "meta": {"level": 1, "tags": ["add"]}},
-                       {"prompt": "What is 2/4?", "answer": 0.5, "meta": None}]
+    assert records == [
+        {"prompt": "What is 2+3?", "answer": "5", "meta": {"level": 1, "tags": ["add"]}},
+        {"prompt": "What is 2/4?", "answer": 0.5, "meta": None},
+    ]
     assert prompt_fields(records) == ["answer", "meta"]
     assert load_prompts(path) == ["What is 2+3?", "What is 2/4?"]
     texts, columns = prompt_columns(records)
@@ -98,11 +115,15 @@ def test_records_without_fields(tmp_path):
     "second, pattern",
     [
         ({"prompt": "b"}, r"p\.jsonl:3: its fields besides \"prompt\" are none, but .*p\.jsonl:1's are 'answer'"),
-        ({"prompt": "b", "answer": "1", "id": 2},
-         r":3: its fields besides \"prompt\" are 'answer', 'id', but .*:1's are 'answer'; every line needs the "
-         r"same fields \(a reward receives each as a column\)"),
-        ({"prompt": "b", "solution": "1"},
-         r":3: its fields besides \"prompt\" are 'solution', but .*:1's are 'answer'"),
+        (
+            {"prompt": "b", "answer": "1", "id": 2},
+            r":3: its fields besides \"prompt\" are 'answer', 'id', but .*:1's are 'answer'; every line needs the "
+            r"same fields \(a reward receives each as a column\)",
+        ),
+        (
+            {"prompt": "b", "solution": "1"},
+            r":3: its fields besides \"prompt\" are 'solution', but .*:1's are 'answer'",
+        ),
     ],
 )
 def test_records_with_other_fields_than_the_first_line_are_refused(tmp_path, second, pattern):
@@ -150,8 +171,11 @@ def test_arithmetic_set():
     prompts, eval_prompts = [r["prompt"] for r in train], [r["prompt"] for r in held_out]
     assert len(set(prompts)) == len(prompts) and len(set(eval_prompts)) == len(eval_prompts)
     assert not set(prompts) & set(eval_prompts)  # disjoint
-    assert {"What is 7 + 12? Give the answer as a number.", "What is 20 - 20? Give the answer as a number.",
-            "What is 1 + 1? Give the answer as a number."} <= set(prompts) | set(eval_prompts)
+    assert {
+        "What is 7 + 12? Give the answer as a number.",
+        "What is 20 - 20? Give the answer as a number.",
+        "What is 1 + 1? Give the answer as a number.",
+    } <= set(prompts) | set(eval_prompts)
     assert "What is 3 - 5? Give the answer as a number." not in set(prompts) | set(eval_prompts)  # no negatives
     assert {p.split()[3] for p in eval_prompts} == {"+", "-"}  # both operations held out
     # Deterministic: the same every time, new dicts each time; another seed holds out others.

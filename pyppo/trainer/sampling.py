@@ -1,0 +1,145 @@
+"""Points 1-3 of the PPO step (``docs/trainer.md``): sample responses to the step's prompts with
+the rollout engine, cut each after its first EOS, score them, and, with ``filter_groups``, DAPO's
+dynamic sampling (Yu et al. 2025, "DAPO", §3.2): groups whose responses all scored the same carry
+no signal for a group baseline (every advantage is 0), so they are dropped and more prompts are
+sampled until the batch is full, up to ``filter_groups_max_tries`` rollouts a step.
+
+The functions take what they use (the engine, the prompt sampler, the reward, the config, the
+process group); none takes the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import distributed
+from ..config import PPOConfig
+from ..prompts import PromptSampler, prompt_columns
+from ..rewards import score_responses
+from ..rollout import RolloutEngine
+from .buffer import RolloutBuffer, buffer_from_rollout
+from .overlong import overlong_penalty
+from .step_stats import PhaseTimer
+
+__all__ = ["rollout", "sample_scored_batch", "score_batch", "varied_groups"]
+
+
+def rollout(engine: RolloutEngine, prompts: Sequence[str]) -> RolloutBuffer:
+    """Points 1 and 2: one response to each prompt from ``engine``, cut after its first EOS (the
+    engine cuts; :func:`~pyppo.trainer.buffer.buffer_from_rollout` checks what it returned).
+
+    Raises:
+        TypeError, ValueError: the engine returned something other than a
+            :class:`~pyppo.rollout.Rollout` of these prompts, in their order.
+    """
+    prompts = list(prompts)
+    return buffer_from_rollout(engine.generate(prompts), prompts, engine)
+
+
+def score_batch(
+    batch: RolloutBuffer,
+    reward_fn: Callable,
+    c: PPOConfig,
+    world: distributed.World,
+    device: torch.device,
+    *,
+    where: str,
+    fields: Optional[Dict[str, list]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Point 3: ``(raw_scores [B], scores [B])`` float32 on ``device``: the reward's scores (given
+    the prompts' ``fields``, a column each, :func:`pyppo.rewards.score_responses`), then clipped to
+    ``score_clip``, lowered by ``missing_eos_penalty`` where the response has no EOS and by DAPO's
+    overlong penalty over the last ``overlong_buffer`` tokens (Yu et al. 2025, eq. 13).
+
+    Under ``torchrun`` a reward that fails on one rank raises its error on every rank
+    (:func:`~pyppo.distributed.on_every_rank`), so that rank 0 reports it and the ranks stop
+    together.
+
+    Raises:
+        whatever the reward raises (``where`` names the step in pyppo's own errors).
+    """
+    raw = torch.tensor(
+        distributed.on_every_rank(
+            score_responses, world, reward_fn, batch.prompts, batch.responses, where=where, fields=fields
+        ),
+        dtype=torch.float32,
+        device=device,
+    )
+    scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
+    if c.missing_eos_penalty is not None:
+        scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
+    if c.overlong_buffer:
+        scores = scores - overlong_penalty(
+            batch.response_mask.sum(dim=1), c.max_new_tokens, c.overlong_buffer, c.overlong_penalty
+        )
+    return raw, scores
+
+
+def varied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B / group_size]`` bool: whether group ``g`` (rows ``g·n .. g·n + n − 1``) has two
+    different scores. ``scores`` is ``[B]``; NaN scores never reach here (the reward's check)."""
+    g = scores.reshape(-1, group_size)
+    return (g != g[:, :1]).any(dim=1)
+
+
+def sample_scored_batch(
+    engine: RolloutEngine,
+    sampler: PromptSampler,
+    reward_fn: Callable,
+    c: PPOConfig,
+    world: distributed.World,
+    device: torch.device,
+    timer: PhaseTimer,
+    *,
+    where: str,
+) -> Tuple[RolloutBuffer, Dict[str, float]]:
+    """Points 1-3: this rank's batch of the step, scored, and the sampling metrics. The caller
+    puts the policy in eval mode first (as the rollout's forwards run).
+
+    Without ``filter_groups``: one draw of ``batch_size / samples_per_prompt`` prompts (this rank's
+    share, :meth:`~pyppo.prompts.PromptSampler.sample_groups`), sampled and scored. With it: draws
+    repeat until this rank holds ``batch_size / world_size`` responses in groups with varied
+    scores, or ``filter_groups_max_tries`` draws were made; then the batch is the varied groups in
+    the order sampled, filled up, if short, with groups whose scores were all equal. Every rank
+    draws as long as any rank is short (sampling may be a collective: FSDP gathers the weights).
+    Groups are never split, across draws or ranks.
+
+    Metrics (with ``filter_groups``): ``filter_groups_tries`` (draws this step),
+    ``filter_groups_dropped`` (all-equal groups sampled and dropped, over every draw),
+    ``filter_groups_filled`` (all-equal groups kept to fill the batch: > 0 means the tries ran
+    out).
+
+    Raises:
+        as :func:`rollout` and :func:`score_batch`.
+    """
+    n, need = c.samples_per_prompt, c.batch_size // world.size
+    kept: List[RolloutBuffer] = []
+    equal: List[RolloutBuffer] = []
+    n_kept = tries = 0
+    while True:
+        tries += 1
+        prompts, fields = prompt_columns(sampler.sample_groups(c.batch_size, n, world.rank, world.size))
+        with timer.phase("generate"):
+            batch = rollout(engine, prompts)
+        with timer.phase("score"):
+            batch.raw_scores, batch.scores = score_batch(batch, reward_fn, c, world, device, where=where, fields=fields)
+        if not c.filter_groups:
+            return batch, {}
+        rows = varied_groups(batch.scores, n).repeat_interleave(n).cpu()
+        kept.append(batch.select(torch.nonzero(rows).flatten()))
+        equal.append(batch.select(torch.nonzero(~rows).flatten()))
+        n_kept += int(rows.sum())
+        short = distributed.all_sum([int(n_kept < need)], world)[0]
+        if not short or tries == c.filter_groups_max_tries:
+            break
+    dropped = sum(len(b) for b in equal) // n
+    filled = max(0, need - n_kept) // n
+    batch = RolloutBuffer.cat([b for b in kept + equal if len(b)])
+    batch = batch.select(torch.arange(need))
+    return batch, {
+        "filter_groups_tries": float(tries),
+        "filter_groups_dropped": float(dropped - filled),
+        "filter_groups_filled": float(filled),
+    }
