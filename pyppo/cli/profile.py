@@ -141,14 +141,8 @@ def run(args: argparse.Namespace) -> int:
         before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr),
     )
     print(f"pyppo profile: {args.warmup_steps} warm-up step(s), then one profiled step ...", file=sys.stderr)
-    table = profile_step(
-        trainer,
-        output,
-        warmup_steps=args.warmup_steps,
-        record_shapes=args.record_shapes,
-        with_stack=args.with_stack,
-        peak_size=args.peak_size,
-    )
+    options = {k: getattr(args, k) for k in ("warmup_steps", "record_shapes", "with_stack", "peak_size")}
+    table = profile_step(trainer, output, **options)
 
     device = trainer.device
     env = {

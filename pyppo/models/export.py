@@ -279,14 +279,7 @@ def _base_state_dict(peft_model) -> dict[str, torch.Tensor]:
     state = {
         new: tensor for new, tensor in ((plain_key(k), t) for k, t in base.state_dict().items()) if new is not None
     }
-    expected = set(_fresh_state_dict_keys(base))
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(
-            f"model: the base weights' names differ from a plain {type(base).__name__}'s "
-            f"(missing {missing[:5]}, unexpected {extra[:5]}); pass base_model, a local "
-            "model directory of the base"
-        )
+    _check_plain_names(state, base, "base weights", "pass base_model, a local model directory of the base")
     return state
 
 
@@ -369,14 +362,7 @@ def _merged_state_dict(peft_model, adapter: str, *, deltas: bool = True) -> dict
             delta = layer.get_delta_weight(adapter)
             merged[key] = (weight + delta.to(weight.device)).to(weight.dtype)
 
-    expected = set(_fresh_state_dict_keys(base))
-    if set(merged) != expected:
-        missing, extra = sorted(expected - set(merged)), sorted(set(merged) - expected)
-        raise ValueError(
-            f"model: the merged weights' names differ from a plain {type(base).__name__}'s "
-            f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
-            f"{extra[:5]}{'...' if len(extra) > 5 else ''}); use merge_lora=False"
-        )
+    _check_plain_names(merged, base, "merged weights", "use merge_lora=False")
     return merged
 
 
@@ -405,6 +391,19 @@ def _modules_to_save_rule(adapter: str):
         raise ValueError(f"model: unexpected weight {prefix + rest!r} in a modules_to_save wrapper")
 
     return rule
+
+
+def _check_plain_names(state: dict, base, what: str, remedy: str) -> None:
+    """Raise ``ValueError`` naming a few keys when ``state``'s keys are not those of a plain
+    model of ``base``'s class (:func:`_fresh_state_dict_keys`)."""
+    expected = set(_fresh_state_dict_keys(base))
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        more = lambda names: "..." if len(names) > 5 else ""  # noqa: E731
+        raise ValueError(
+            f"model: the {what}' names differ from a plain {type(base).__name__}'s (missing {missing[:5]}"
+            f"{more(missing)}, unexpected {extra[:5]}{more(extra)}); {remedy}"
+        )
 
 
 def _fresh_state_dict_keys(base) -> list[str]:
