@@ -141,4 +141,4 @@ def test_cat_pads_prompts_left_and_responses_right():
     assert c.response_ids.tolist()[0] == [1, 1, 0, 0] and c.response_mask.tolist()[0] == [True, True, False, False]
     assert c.scores.tolist() == [1.0, 1.0, 0.0] and c.prompts == ["a", "b", "c"]
     with pytest.raises(ValueError, match="cat: scores is set in some buffers only"):
-        RolloutBuffer.cat([a, RolloutBuffer(b.query_ids, b.query_mask, b.response_ids, b.response_mask)])
+        RolloutBuffer.cat([a, RolloutBuffer(b.query_ids, b.query_mask, b.response_ids, b.response_mask, prompts=["c"])])
