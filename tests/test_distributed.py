@@ -47,15 +47,7 @@ def fixed_rollout(tmp_path_factory):
     trainer = make_trainer(update_config(False, 4))
     batch = trainer.rollout(PROMPTS[:4])
     batch.raw_scores, batch.scores = trainer.score(batch)
-    rollout_forwards(
-        trainer.models,
-        batch,
-        torch.arange(4),
-        trainer.micro_batch_size,
-        PhaseTimer(),
-        device=trainer.device,
-        dtype=trainer.dtype,
-    )
+    rollout_forwards(trainer.models, batch, torch.arange(4), trainer.micro_batch_size, PhaseTimer())
     path = tmp_path_factory.mktemp("rollout") / "batch.pt"
     torch.save({"batch": batch, "kl_coef": 0.05}, path)
     return path, batch
