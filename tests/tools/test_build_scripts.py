@@ -299,3 +299,15 @@ def test_setup_pins_the_newest_supported_transformers():
     readme = (ROOT / "README.md").read_text()
     assert f"transformers {floor} to {pin}" in readme
     assert f"torch {_torch_pin().OLDEST_TORCH[0]}.{_torch_pin().OLDEST_TORCH[1]} to 2.13" in readme
+
+
+def test_readme_python_snippets_import_what_they_use():
+    """Each ```python block of README.md: its imports run, and the trainer it imports has train()."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    for block in blocks:
+        imports = "\n".join(line for line in block.splitlines() if line.startswith(("import ", "from ")))
+        names: dict = {}
+        exec(imports, names)
+        if "trainer.train(" in block:
+            assert callable(getattr(names["PPOTrainer"], "train", None)), imports
