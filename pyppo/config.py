@@ -449,6 +449,13 @@ class PPOConfig:
              "'vllm' (an in-process vLLM copy of the policy, synced after every update; pip install pyppo[vllm]); "
              'old_logprobs are the trainer\'s own either way (docs/trainer.md, "Rollout engines")')
 
+    group("agents")  # multi-turn episodes with an environment (docs/agents.md)
+    max_turns: int = knob(4, integer(1), resume="fixed", always_acts=True,
+        help="with an environment (pyppo train --env): agent turns per episode at most; max_new_tokens is per turn")
+    max_episode_tokens: Optional[int] = knob(None, integer(2), resume="fixed", always_acts=True, optional=True,
+        help="with an environment: the context an episode may reach (prompt, turns and replies), in tokens; "
+             "None = the model's context")
+
     group("vLLM engine")
     vllm_kv_cache_gib: float = knob(1.0, number(0.0, lo_open=True), resume="free",
         help="rollout_engine 'vllm' on a CPU: the KV cache it reserves, GiB")

@@ -14,12 +14,13 @@ from ..run.trainer import PPOTrainer
 __all__ = ["check_sources", "build_trainer"]
 
 
-def _load_prompts(source: Optional[str], flag: str, reward_fn) -> Optional[List[dict]]:
+def _load_prompts(source: Optional[str], flag: str, reward_fn, *, records: bool = False) -> Optional[List[dict]]:
     """The prompt set's records; for a reward that takes no field, only their prompts (so that
-    lines may carry other keys that differ, as any metadata, as before rewards took fields)."""
+    lines may carry other keys that differ, as any metadata, as before rewards took fields);
+    always the records with ``records`` (an environment's ``reset`` takes the fields)."""
     if not source:
         return None
-    if rewards.reward_takes_fields(reward_fn):
+    if records or reward_fn is None or rewards.reward_takes_fields(reward_fn):
         return prompt_sets.load_prompt_records(source, flag=flag)
     return [{"prompt": p} for p in prompt_sets.load_prompts(source, flag=flag)]
 
@@ -55,25 +56,50 @@ def _check_fields(reward_fn, records: Optional[List[dict]], source: Optional[str
         raise rewards.RewardError(f"{exc}{hint}", reward=exc.reward) from None
 
 
-def check_sources(model: str, reward: str, prompts: Optional[str], device: str, eval_prompts: Optional[str] = None):
+def check_sources(
+    model: str,
+    reward: str,
+    prompts: Optional[str],
+    device: str,
+    eval_prompts: Optional[str] = None,
+    env: Optional[str] = None,
+):
     """The cheap checks, before anything large is loaded: the model source exists, the prompts
     parse, the reward loads and the prompts have the fields it requires. Returns ``(reward_fn,
     prompts, eval prompts or None)``, the prompts as the trainer takes them: strings, or records
     (dicts) when the set has fields besides ``"prompt"``.
 
+    With an environment ``env`` (:func:`pyppo.agents.registry.load_environment`), ``reward``
+    may be ``"none"`` (``reward_fn`` is then ``None``: the environment pays alone), the prompts
+    default to the environment's ``default_prompts`` and are records (its ``reset`` takes them).
+
     Raises:
         FileNotFoundError, ModuleNotFoundError, ValueError: a bad source, naming it.
     """
     models.resolve_model_source(model)
-    try:
-        reward_fn = rewards.load_reward(reward, device=local_device(device))
-    except (AttributeError, TypeError) as exc:  # "module:function" naming a missing or non-callable attribute
-        raise ValueError(str(exc)) from None
-    records = _load_prompts(prompts, "--prompts", reward_fn)
-    eval_records = _load_prompts(eval_prompts, "--eval-prompts", reward_fn)
-    _check_fields(reward_fn, records, prompts, "--prompts")
-    if eval_records is not None:
-        _check_fields(reward_fn, eval_records, eval_prompts, "--eval-prompts")
+    env_class = None
+    if env is not None:
+        from ..agents.registry import load_environment
+
+        env_class = load_environment(env)
+    if reward == "none":
+        if env_class is None:
+            raise ValueError("--reward none needs --env: without an environment nothing would pay the responses")
+        reward_fn = None
+    else:
+        try:
+            reward_fn = rewards.load_reward(reward, device=local_device(device))
+        except (AttributeError, TypeError) as exc:  # "module:function" naming a missing or non-callable attribute
+            raise ValueError(str(exc)) from None
+    agent = env_class is not None
+    records = _load_prompts(prompts, "--prompts", reward_fn, records=agent)
+    eval_records = _load_prompts(eval_prompts, "--eval-prompts", reward_fn, records=agent)
+    if records is None and env_class is not None and getattr(env_class, "default_prompts", None) is not None:
+        records = list(env_class.default_prompts())
+    if reward_fn is not None:
+        _check_fields(reward_fn, records, prompts, "--prompts")
+        if eval_records is not None:
+            _check_fields(reward_fn, eval_records, eval_prompts, "--eval-prompts")
     prompt_list: List[Any] = _for_trainer(records) if records else list(prompt_sets.DEFAULT_PROMPTS)
     return reward_fn, prompt_list, _for_trainer(eval_records) if eval_records else None
 
@@ -85,6 +111,7 @@ def build_trainer(
     reward: str = "sentiment",
     prompts: Optional[str] = None,
     eval_prompts: Optional[str] = None,
+    env: Optional[str] = None,
     before_loading: Optional[Callable[[], None]] = None,
 ) -> PPOTrainer:
     """Load everything a run needs and build its trainer.
@@ -98,17 +125,27 @@ def build_trainer(
             (:func:`pyppo.prompts.load_prompt_records`); ``None`` = the default prompts. With
             fields besides ``"prompt"`` the trainer gets the records (dicts), else the strings.
         eval_prompts: held-out prompts in the same forms, for ``eval_every``; ``None`` = none.
+        env: multi-turn episodes with this environment (``pyppo train --env``); ``None`` = none.
         before_loading: called after the cheap checks, before the model loads (e.g. to say so).
 
     Raises:
         as :func:`check_sources` and :func:`pyppo.models.load_model_and_tokenizer`.
     """
-    reward_fn, prompt_list, eval_list = check_sources(model, reward, prompts, config.device, eval_prompts)
+    reward_fn, prompt_list, eval_list = check_sources(model, reward, prompts, config.device, eval_prompts, env)
     if before_loading is not None:
         before_loading()
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).
     policy, tokenizer = models.load_model_and_tokenizer(model)
     # An exported adapter names `model` as its base.
     return PPOTrainer(
-        config, policy, None, None, tokenizer, reward_fn, prompt_list, eval_prompts=eval_list, base_model_source=model
+        config,
+        policy,
+        None,
+        None,
+        tokenizer,
+        reward_fn,
+        prompt_list,
+        eval_prompts=eval_list,
+        base_model_source=model,
+        environment=env,
     )

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         reward=None,
         prompts=None,
         eval_prompts=None,
+        env=None,
         **flags,
     )
     # The run's settings, checked as they were trained (with as many processes as wrote it).

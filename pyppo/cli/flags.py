@@ -132,7 +132,8 @@ def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = Fa
         help="'sentiment' (default, VADER compound of the response), 'math' (1.0 when the response's "
         'final answer, its last \\boxed{} or number, equals the prompt\'s "answer", else 0.0), '
         "'module:function', 'file.py:function' (a function of (prompts, responses) and any prompt "
-        "fields it names), or a local HF sequence-classification model dir",
+        "fields it names), a local HF sequence-classification model dir, or 'none' with --env (the "
+        "environment pays alone)",
     )
     src.add_argument(
         "--prompts",
@@ -140,6 +141,14 @@ def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = Fa
         help='prompts, one {"prompt": ..., <fields for the reward>} per line, or a built-in set: '
         "'arithmetic' (sums and differences of numbers from 1 to 20, with an \"answer\" for "
         "--reward math) (default: open-ended prompts for the sentiment reward)",
+    )
+    src.add_argument(
+        "--env",
+        metavar="NAME|module:Class|file.py:Class",
+        help="train multi-turn episodes with an environment (docs/agents.md): a built-in one ('arithmetic-retry', "
+        "'calculator', 'guess-number'), or a class in TRL's environment_factory convention or a text "
+        "environment's (reset / step); its prompts and reward are the defaults of --prompts and --reward "
+        "(default: no environment, one response per prompt)",
     )
     if eval_prompts:
         src.add_argument(

@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         reward=args.reward,
         prompts=args.prompts,
+        env=args.env,
         before_loading=lambda: print(f"pyppo profile: loading {args.model} ...", file=sys.stderr),
     )
     print(f"pyppo profile: {args.warmup_steps} warm-up step(s), then one profiled step ...", file=sys.stderr)

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
-RUN_KEYS = ("model", "reward", "prompts", "eval_prompts")
+RUN_KEYS = ("model", "reward", "prompts", "eval_prompts", "env")
 
 #: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
 #: default (SmolLM2-135M, sentiment reward) shows its mean score rising within 15 minutes on a
@@ -155,9 +155,10 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
 
     merged: dict = {
         "model": DEFAULT_MODEL,
-        "reward": "sentiment",
+        "reward": None,
         "prompts": None,
         "eval_prompts": None,
+        "env": None,
         **TRAIN_DEFAULTS,
     }
     resume_dir, resumed, saved_state, from_file = None, {}, None, {}
@@ -217,6 +218,10 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
     model_path = Path(run["model"]).expanduser()
     if model_path.exists():
         run["model"] = str(model_path.resolve())
+    if run["env"] is not None:
+        run["env"] = _resolved_env(run["env"])
+    if run["reward"] is None:  # the environment's own reward, else the default one
+        run["reward"] = _env_reward(run["env"]) if run["env"] is not None else "sentiment"
     if not isinstance(run["reward"], str) or not run["reward"]:
         raise CLIError(
             f"--reward must be 'sentiment', 'math', a model directory or 'module:function', got {run['reward']!r}"
@@ -321,6 +326,36 @@ def resume_command(directory: Path, world_size: int) -> str:
     if local and launched and int(launched) == world_size and int(local) < world_size:
         return f"torchrun <the same launch options> -m {command}"
     return f"{command} --nproc {world_size}"
+
+
+def _resolved_env(spec: Any) -> str:
+    """``--env``'s spec, checked by loading it; a ``file.py:Class`` made absolute (found from any
+    directory on ``--resume``).
+
+    Raises:
+        CLIError: the spec names nothing loadable (the registry's message).
+    """
+    from ..agents.registry import load_environment
+
+    if not isinstance(spec, str) or not spec:
+        raise CLIError(f"--env must be a name, 'module:Class' or 'file.py:Class', got {spec!r}")
+    try:
+        load_environment(spec)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    if ".py:" in spec:
+        file, _, name = spec.rpartition(":")
+        if Path(file).expanduser().is_file():
+            return f"{Path(file).expanduser().resolve()}:{name}"
+    return spec
+
+
+def _env_reward(spec: str) -> str:
+    """The reward an environment's episodes get by default: its ``default_reward`` (a built-in
+    reward's name), else ``"none"`` (what the environment pays is the score)."""
+    from ..agents.registry import load_environment
+
+    return getattr(load_environment(spec), "default_reward", None) or "none"
 
 
 def _check_python_run_sources(args: argparse.Namespace, config_path: Path, resumed: dict) -> None:

@@ -12,12 +12,16 @@ Shapes: ``B`` prompts, ``P`` prompt tokens (left-padded), ``T`` response tokens 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["Rollout", "RolloutEngine"]
+__all__ = ["Continuation", "Rollout", "RolloutEngine"]
+
+#: One sampled continuation: the token ids (up to and including the first EOS, or ``max_new_tokens``
+#: of them) and the sampler's log-prob of each (``None`` when the engine does not report them).
+Continuation = Tuple[List[int], Optional[List[float]]]
 
 
 @dataclass
@@ -38,6 +42,13 @@ class Rollout:
         loss_mask: ``[B, T]`` bool, 1 at the policy's own tokens (within ``response_mask``: an
             environment's reply between turns is in the sequence but is no action); ``None`` =
             every response token is the policy's (one sampled response).
+        turn_ids: ``[B, T]`` int64, the agent turn each response token was sampled in (0, 1, ...),
+            -1 at an environment's tokens and at padding; ``None`` for one sampled response.
+        turn_rewards: ``[B, T]`` float32, the rewards an environment paid, each on the last token of
+            the agent turn it answered (0 elsewhere); ``None`` without an environment.
+        episodes: per row, what a multi-turn episode recorded (its transcript with turn
+            boundaries, turns, tool calls: :class:`pyppo.agents.episodes.EpisodeRecord`);
+            ``None`` for one sampled response.
     """
 
     query_ids: torch.Tensor
@@ -49,6 +60,9 @@ class Rollout:
     responses: List[str]
     rollout_logprobs: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
+    turn_ids: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None
+    episodes: Optional[List[Any]] = None
 
 
 class RolloutEngine(Protocol):
@@ -62,6 +76,20 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str]) -> Rollout:
         """One :class:`Rollout` row per prompt, in the prompts' order."""
         ...
+
+    def sample_continuations(self, sequences: Sequence[Sequence[int]], max_new_tokens: int) -> List[Continuation]:
+        """Continue each token-id sequence (a whole context: prompt, earlier turns, replies) with
+        up to ``max_new_tokens`` sampled tokens, stopping after EOS; the multi-turn episodes of
+        :mod:`pyppo.agents` sample their turns through it, so that no sampled id is ever decoded
+        and re-encoded. One :data:`Continuation` per sequence, in order.
+
+        Raises:
+            NotImplementedError: the engine samples from text prompts only (the default).
+        """
+        raise NotImplementedError(
+            f"rollout engine {type(self).__name__} cannot continue token-id sequences "
+            "(sample_continuations), which multi-turn episodes need"
+        )
 
     def sync_weights(self, model: nn.Module, *, trainable_only: bool = True) -> None:
         """Give the engine ``model``'s current weights (:class:`~pyppo.rollout.EngineSync` calls it

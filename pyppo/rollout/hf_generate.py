@@ -10,15 +10,16 @@ neutral value and hides the model's own config for the duration of the call. See
 
 from __future__ import annotations
 
+import copy
 from contextlib import ExitStack, contextmanager
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..precision import autocast
-from .engine import Rollout, RolloutEngine
-from .tokens import PromptEncoder, cut_rollout
+from .engine import Continuation, Rollout, RolloutEngine
+from .tokens import PromptEncoder, cut_rollout, left_pad, response_mask_from_eos
 
 __all__ = ["NEUTRAL_SAMPLING", "HFGenerateEngine", "generation_config", "generate", "packed_linear_weights"]
 
@@ -225,3 +226,20 @@ class HFGenerateEngine(RolloutEngine):
         return cut_rollout(
             self.tokenizer, prompts, query_ids, query_mask, response_ids, eos_token_id=eos, pad_token_id=pad
         )
+
+    def sample_continuations(self, sequences: Sequence[Sequence[int]], max_new_tokens: int) -> List[Continuation]:
+        """Continue each token-id sequence, left-padded into one batch, by up to
+        ``max_new_tokens`` tokens (the run's sampling distribution otherwise), each cut after its
+        first EOS; no log-probs (as :meth:`generate`)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos, pad = int(self.gen_config.eos_token_id), int(self.gen_config.pad_token_id)
+        ids, mask = left_pad(sequences, pad, self.device)
+        gen_config = copy.deepcopy(self.gen_config)
+        gen_config.max_new_tokens = int(max_new_tokens)
+        self.module.eval()
+        with torch.no_grad(), autocast(self.device, self.dtype):
+            out = self.module(None, sample=(ids, mask, gen_config, self.extra))
+        sampled = out[:, ids.shape[1] :]
+        _, lengths, _ = response_mask_from_eos(sampled, eos)
+        return [(row[:n].tolist(), None) for row, n in zip(sampled.cpu(), lengths.tolist())]

@@ -19,6 +19,7 @@ __all__ = [
     "check_prompt_lengths",
     "cut_rollout",
     "encode_prompts",
+    "left_pad",
     "prompt_token_limit",
     "response_mask_from_eos",
 ]
@@ -135,6 +136,28 @@ def encode_prompts(
     if not bool(mask.any(dim=1).all()):
         raise ValueError("prompts: a prompt encoded to zero tokens")
     return ids, mask
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [B, L] int64, mask [B, L] bool)``: token-id sequences left-padded with
+    ``pad_token_id`` to the longest, ``mask`` 1 at their tokens.
+
+    Raises:
+        ValueError: no sequence, or an empty one (naming its index).
+    """
+    rows = [list(map(int, s)) for s in sequences]
+    if not rows:
+        raise ValueError("sequences: expected at least one token-id sequence")
+    for i, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"sequences[{i}] is empty: a sequence to continue needs at least one token")
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), int(pad_token_id), dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, L - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, L - len(row) :] = True
+    return ids.to(device), mask.to(device)
 
 
 def response_mask_from_eos(

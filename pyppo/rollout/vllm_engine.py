@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..scratch import removed_at_exit
-from .engine import Rollout, RolloutEngine
+from .engine import Continuation, Rollout, RolloutEngine
 from .tokens import PromptEncoder, cut_rollout
 
 __all__ = ["VLLMEngine", "sampling_params", "policy_weights", "policy_state_dict", "import_vllm", "LOGPROBS_MODE"]
@@ -367,6 +367,30 @@ class VLLMEngine(RolloutEngine):
             rollout_logprobs=rollout_logprobs,
             device=self.device,
         )
+
+    def sample_continuations(self, sequences: Sequence[Sequence[int]], max_new_tokens: int) -> List[Continuation]:
+        """Continue each token-id sequence by up to ``max_new_tokens`` tokens (one request each,
+        seeded from torch's generator as :meth:`generate`), with vLLM's log-probs of the sampled
+        tokens. The turns of one episode extend the same token ids, so vLLM's prefix cache serves
+        the shared context of turn k from turn k - 1's KV (it is dropped only by
+        :meth:`sync_weights`)."""
+        from vllm.inputs import TokensPrompt
+
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        rows = [list(map(int, s)) for s in sequences]
+        seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
+        sampling = {k: getattr(self, k) for k in ("temperature", "eos_token_id", "top_k", "top_p")}
+        params = [sampling_params(**sampling, max_new_tokens=max_new_tokens, seed=s) for s in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        result: List[Continuation] = []
+        for out in outputs:
+            o = out.outputs[0]
+            ids = list(o.token_ids) or [self.eos_token_id]
+            if self.eos_token_id in ids:
+                ids = ids[: ids.index(self.eos_token_id) + 1]
+            result.append((ids, _sampled_logprobs(o.logprobs, ids)[: len(ids)]))
+        return result
 
     def close(self) -> None:
         """Shut the engine down: its memory, and its process groups under ``torchrun`` (call it

@@ -38,7 +38,9 @@ def evaluate_prompts(
     Returns:
         ``(metrics, rows)``: ``eval/score_mean`` (raw scores), ``eval/kl_mean`` (the
         ``kl_estimator`` summed over each response's tokens, averaged over responses, nats),
-        ``eval/response_length_mean`` and ``eval/eos_fraction``; and one row per prompt
+        ``eval/response_length_mean`` and ``eval/eos_fraction`` (with an environment: of whole
+        episodes, scored with what the environment paid, plus ``eval/turns_mean`` and
+        ``eval/first_turn_success``, the fraction that scored > 0 in one turn); and one row per prompt
         (``step``, ``prompt``, ``response``, ``score``, ``kl``). The same on every rank.
 
     Raises:
@@ -65,17 +67,21 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
     trainer.sync_engine()  # an engine with its own copy of the weights samples the current policy
     for start in range(0, per_rank, b):
         chunk, fields = prompt_columns(padded[start : start + b])
-        batch = trainer.rollout(chunk)
-        # A reward that fails on one rank fails on all, so rank 0 reports it (as in a step).
-        scores = distributed.on_every_rank(
-            score_responses,
-            trainer.world,
-            trainer.reward_fn,
-            batch.prompts,
-            batch.responses,
-            where=f"evaluation after step {trainer.step_count}",
-            fields=fields,
-        )
+        batch = trainer.rollout(chunk, fields)
+        scores = [0.0] * len(batch)
+        if trainer.reward_fn is not None:
+            # A reward that fails on one rank fails on all, so rank 0 reports it (as in a step).
+            scores = distributed.on_every_rank(
+                score_responses,
+                trainer.world,
+                trainer.reward_fn,
+                batch.prompts,
+                batch.responses,
+                where=f"evaluation after step {trainer.step_count}",
+                fields=fields,
+            )
+        if batch.turn_rewards is not None:  # an episode's score adds what its environment paid
+            scores = [s + float(r) for s, r in zip(scores, batch.turn_rewards.sum(dim=1))]
         logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
         for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(trainer.device)
@@ -96,6 +102,7 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
                         "kl": float(kl[i]),
                         "length": int(lengths[i]),
                         "eos": bool(batch.has_eos[i]),
+                        "turns": batch.episodes[i].turns if batch.episodes is not None else 1,
                     }
                 )
     # Back in the prompts' order: rank r evaluated prompts r, r + n, r + 2n, ...
@@ -108,4 +115,7 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
         "eval/response_length_mean": mean("length"),
         "eval/eos_fraction": mean("eos"),
     }
+    if trainer.agent:  # episodes: how many turns, and how often the first turn earned the score
+        metrics["eval/turns_mean"] = mean("turns")
+        metrics["eval/first_turn_success"] = sum(r["turns"] == 1 and r["score"] > 0 for r in ordered) / len(ordered)
     return metrics, [{k: r[k] for k in ("step", "prompt", "response", "score", "kl")} for r in ordered]

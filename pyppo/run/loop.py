@@ -252,6 +252,11 @@ def _log(trainer: PPOTrainer, run: RunDir, result: Any, eval_rows: List[dict]) -
         if trainer.config.log_samples
         else []
     )
+    if samples and b.episodes is not None:  # each episode's transcript, turn by turn
+        for row, e in zip(samples, b.episodes):
+            row.update(
+                group=e.group, turns=e.turns, truncated=e.truncated, tool_calls=e.tool_calls, transcript=e.transcript
+            )
     samples = [row for rank_rows in distributed.gather_objects(samples, trainer.world) for row in rank_rows]
     if not trainer.world.is_main:
         return

@@ -159,6 +159,20 @@ def get_estimator(name: str) -> Estimator:
     return ADVANTAGE_ESTIMATORS[name]
 
 
+def paid_before_end(turn_rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` float32: ``turn_rewards`` (what an environment paid, each on the last agent token
+    of a turn) at every agent token but each row's last, 0 elsewhere: the per-turn rewards that
+    :func:`shaped_advantages` leaves in place, the last one joining the score on the last token.
+
+    Args:
+        turn_rewards: ``[B, T]`` float32. loss_mask: ``[B, T]`` bool, the agent's tokens.
+    """
+    T = loss_mask.shape[1]
+    positions = torch.arange(T, device=loss_mask.device).expand_as(loss_mask)
+    last = torch.where(loss_mask, positions, torch.full_like(positions, -1)).max(dim=1, keepdim=True).values
+    return torch.where(loss_mask & (positions != last), turn_rewards, torch.zeros_like(turn_rewards))
+
+
 @torch.no_grad()
 def shaped_advantages(
     batch: RolloutBuffer, kl_coef: float, estimator: Estimator, c: PPOConfig, world: distributed.World, *, where: str
@@ -171,6 +185,12 @@ def shaped_advantages(
     are whitened over every rank's ``loss_mask`` tokens (with fewer than 2, the raw advantages
     are kept).
 
+    Multi-turn episodes: the rewards an environment paid before an episode's last agent token
+    stay on the token they were paid at (:func:`paid_before_end`), and the rest of its score
+    (what it paid last, the reward function's share, the penalties) sits on its last agent
+    token; a token's reward is its KL penalty plus what was paid on it, so an episode's rewards
+    sum to its score minus its KL.
+
     Returns:
         the rollout's metrics (:func:`~pyppo.trainer.step_stats.rollout_metrics`, over every
         sampled response), and ``truncated_masked``, the responses taken out of the loss, with
@@ -180,9 +200,15 @@ def shaped_advantages(
         NonFiniteRolloutError: the rollout's log-probs, values or rewards are NaN/inf
             (:func:`~pyppo.trainer.guards.check_rollout`; ``where`` names the step).
     """
+    scores, paid = batch.scores, None
+    if batch.turn_rewards is not None:
+        paid = paid_before_end(batch.turn_rewards, batch.loss_mask)
+        scores = scores - paid.sum(dim=1)
     batch.rewards, batch.kl = shape_rewards(
-        batch.scores, batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, kl_coef=kl_coef, estimator=c.kl_estimator
+        scores, batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, kl_coef=kl_coef, estimator=c.kl_estimator
     )
+    if paid is not None:
+        batch.rewards = batch.rewards + paid
     check_rollout(batch, world, where)
     batch.advantages, batch.returns = estimator(batch, c)
     metrics = rollout_metrics(batch)

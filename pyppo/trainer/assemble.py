@@ -48,16 +48,22 @@ def check_arguments(
     tokenizer: Any,
     reward_fn: RewardFn,
     eval_prompts: Optional[Sequence[Any]],
+    *,
+    agent: bool = False,
 ) -> None:
-    """The checks of :class:`~pyppo.trainer.PPOTrainer`'s arguments that need no model.
+    """The checks of :class:`~pyppo.trainer.PPOTrainer`'s arguments that need no model; ``agent``:
+    an environment or tools were given (the reward may then be ``None``: the environment pays).
 
     Raises:
         ValueError: naming the bad argument.
     """
     if not isinstance(config, PPOConfig):
         raise ValueError(f"config must be a PPOConfig, got {type(config).__name__}")
-    if not callable(reward_fn):
-        raise ValueError("reward_fn must be callable (prompts, responses) -> scores")
+    if not callable(reward_fn) and not (agent and reward_fn is None):
+        raise ValueError(
+            "reward_fn must be callable (prompts, responses) -> scores"
+            + (" or None (the environment pays alone)" if agent else "")
+        )
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise ValueError("tokenizer must have an eos_token_id")
     if config.lora_rank and ref_policy is not None:
@@ -268,7 +274,7 @@ def check_prompt_sets(
     """
     limit, room = prompt_token_limit(policy, max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length)
     for what, records in sets.items():
-        if records:  # no eval prompts: nothing to check
+        if records and reward_fn is not None:  # no eval prompts, or no reward function: nothing to check
             check_reward_fields(reward_fn, prompt_fields(records), source=what)
         check_prompt_lengths(
             tokenizer,

@@ -30,7 +30,9 @@ from ..rollout.engine import Rollout
 
 __all__ = ["RolloutBuffer", "buffer_from_rollout"]
 
-_LIST_FIELDS = ("prompts", "responses")
+_LIST_FIELDS = ("prompts", "responses", "episodes")
+#: What padding holds in a 2-D field that :meth:`RolloutBuffer.cat` pads (else 0): no turn.
+_PAD_VALUES = {"turn_ids": -1}
 
 
 @dataclass
@@ -56,6 +58,11 @@ class RolloutBuffer:
     ``rollout_logprobs [B, T]`` float32: the rollout engine's own log-probs of the sampled tokens,
     when it reports them (:class:`pyppo.rollout.Rollout`; ``None`` from ``transformers.generate``).
 
+    Multi-turn episodes (:mod:`pyppo.agents`) add ``turn_ids [B, T]`` int64 (the agent turn of each
+    token, -1 at the environment's tokens and padding), ``turn_rewards [B, T]`` float32 (what the
+    environment paid, on the last agent token of each turn) and ``episodes`` (``B``
+    :class:`~pyppo.agents.episodes.EpisodeRecord`); ``None`` for one sampled response.
+
     Raises:
         ValueError: (at construction, and from :meth:`validate`) a field with the wrong batch size
             or shape, naming the field.
@@ -71,6 +78,10 @@ class RolloutBuffer:
     rollout_logprobs: Optional[torch.Tensor] = None
     prompts: Optional[List[str]] = None
     responses: Optional[List[str]] = None
+    # what a multi-turn episode adds (pyppo.agents)
+    turn_ids: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None
+    episodes: Optional[List[Any]] = None
     # what the step fills in: points 3, 4 and 5
     raw_scores: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
@@ -124,6 +135,8 @@ class RolloutBuffer:
             "advantages",
             "returns",
             "rollout_logprobs",
+            "turn_ids",
+            "turn_rewards",
         ):
             expected[name] = (B, T)
         for name in ("raw_scores", "scores", "has_eos"):
@@ -198,7 +211,10 @@ class RolloutBuffer:
             elif f.name in ("query_ids", "query_mask"):
                 kwargs[f.name] = torch.cat([torch.nn.functional.pad(v, (P - v.shape[1], 0)) for v in values])
             elif values[0].dim() == 2:
-                kwargs[f.name] = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in values])
+                fill = _PAD_VALUES.get(f.name, 0)
+                kwargs[f.name] = torch.cat(
+                    [torch.nn.functional.pad(v, (0, T - v.shape[1]), value=fill) for v in values]
+                )
             else:
                 kwargs[f.name] = torch.cat(values)
         return cls(**kwargs)

@@ -9,7 +9,7 @@ import torch
 __all__ = ["overlong_penalty", "mask_truncated"]
 
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens, buffer: int, factor: float = 1.0) -> torch.Tensor:
     """DAPO's soft overlong punishment (eq. 13), to subtract from the scores.
 
     With ``L = max_new_tokens``, ``C = buffer`` and a response of ``l`` tokens (EOS included)::
@@ -22,7 +22,9 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
 
     Args:
         lengths: ``[B]`` int, response lengths in tokens.
-        max_new_tokens: ``L``, the sampler's cap. buffer: ``C`` in ``[1, L]``. factor: ``>= 0``.
+        max_new_tokens: ``L``, the sampler's cap: an int, or ``[B]`` int per response (a multi-turn
+            episode's room after its prompt, ``max_episode_tokens`` minus the prompt's tokens).
+        buffer: ``C`` in ``[1, L]``. factor: ``>= 0``.
 
     Returns:
         ``[B]`` float32 on ``lengths``' device, ``>= 0``.
@@ -30,8 +32,11 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
     Raises:
         ValueError: ``buffer`` outside ``[1, max_new_tokens]``.
     """
-    if not 1 <= buffer <= max_new_tokens:
-        raise ValueError(f"overlong_buffer must be in [1, max_new_tokens = {max_new_tokens}], got {buffer}")
+    least = int(max_new_tokens.min()) if isinstance(max_new_tokens, torch.Tensor) else max_new_tokens
+    if not 1 <= buffer <= least:
+        raise ValueError(f"overlong_buffer must be in [1, max_new_tokens = {least}], got {buffer}")
+    if isinstance(max_new_tokens, torch.Tensor):
+        max_new_tokens = max_new_tokens.to(lengths.device).float()
     over = (lengths.float() - (max_new_tokens - buffer)).clamp(0, buffer)
     return factor * over / buffer
 

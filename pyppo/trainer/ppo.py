@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from ..agents.build import make_agent_engine
 from ..config import PPOConfig
 from ..ops.losses import loss_normalizer
 from ..precision import autocast, resolve_dtype
@@ -82,7 +83,9 @@ class PPOTrainer:
         tokenizer: the policy's tokenizer; needs an EOS token. Its ``padding_side`` is set to
             ``"left"``; a missing pad token is taken to be EOS.
         reward_fn: ``(prompts, responses) -> scores``, one finite float per pair; a reward with
-            more parameters gets the prompts' fields of those names (``docs/rewards.md``).
+            more parameters gets the prompts' fields of those names (``docs/rewards.md``). With an
+            environment it scores each episode's whole transcript, added to what the environment
+            paid; ``None``: the environment pays alone.
         prompts: the prompts to sample from: strings, or records ``{"prompt": str, <field>: ...}``
             (:func:`pyppo.prompts.load_prompt_records`) whose fields the reward receives.
         eval_prompts: held-out prompts (strings or records) for the run's evaluation.
@@ -90,6 +93,12 @@ class PPOTrainer:
             its ``--model``), for an adapter-only export's record of its base
             (:func:`pyppo.models.export.save_policy`'s ``base_model``); ``None`` = the policy's
             ``name_or_path``.
+        environment: multi-turn episodes (``docs/agents.md``): a class or zero-argument factory of
+            environments, in TRL's ``environment_factory`` convention (``reset(**row)``, public
+            methods as tools, optional ``get_reward()``) or a text environment's (``reset(**row)``,
+            ``step(action) -> (observation, reward, done)``); one instance per episode.
+        tools: plain typed, documented functions the model may call (with or without an
+            ``environment``).
 
     With ``lora_rank > 0`` the policy is wrapped in ``peft`` LoRA adapters here (``policy`` then
     holds the ``PeftModel``) and ``ref_policy`` must be ``None``. Under ``torchrun`` every rank
@@ -123,8 +132,11 @@ class PPOTrainer:
         *,
         eval_prompts: Optional[Sequence[Any]] = None,
         base_model_source: Optional[str] = None,
+        environment: Any = None,
+        tools: Optional[Sequence[Callable]] = None,
     ):
-        assemble.check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts)
+        agent = environment is not None or bool(tools)
+        assemble.check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts, agent=agent)
         self.world = distributed.join(config.device)
         config.check_world_size(self.world.size)
         # `auto` is resolved once, here, and the config keeps the answer: its checkpoint and the
@@ -153,6 +165,8 @@ class PPOTrainer:
         self.engine: RolloutEngine = make_engine(
             c, policy=m.policy, policy_module=m.policy_module, tokenizer=tokenizer, max_prompt_tokens=limit, **on
         )
+        if agent:  # multi-turn episodes, sampled turn by turn with that engine
+            self.engine = make_agent_engine(c, self.engine, environment, tools, m, tokenizer, self.world)
         self.engine_sync = EngineSync()
 
         self.policy_optimizer = assemble.make_adamw(self.policy, c.lr, c)
@@ -172,6 +186,11 @@ class PPOTrainer:
     def policy(self) -> nn.Module:
         """The policy (the ``peft`` model under LoRA), trained in place."""
         return self.models.policy
+
+    @property
+    def agent(self) -> bool:
+        """Whether the run samples multi-turn episodes with an environment (``docs/agents.md``)."""
+        return hasattr(self.engine, "run_episodes")
 
     @property
     def critic(self) -> Optional[Critic]:
@@ -237,16 +256,20 @@ class PPOTrainer:
         (:class:`~pyppo.rollout.EngineSync`)."""
         self.engine_sync(self.engine, self.policy, self.optimizer_steps)
 
-    def rollout(self, prompts: List[str]) -> RolloutBuffer:
-        """Points 1 and 2 for ``prompts`` (:func:`pyppo.trainer.sampling.rollout`), with the models
-        in eval mode (as the rollout's forwards)."""
+    def rollout(self, prompts: List[str], fields: Optional[Dict[str, list]] = None) -> RolloutBuffer:
+        """Points 1 and 2 for ``prompts`` (:func:`pyppo.trainer.sampling.rollout`; ``fields``: the
+        prompts' other columns, which an environment's ``reset`` receives), with the models in
+        eval mode (as the rollout's forwards)."""
         self.train_mode(False)
-        return rollout(self.engine, prompts)
+        return rollout(self.engine, prompts, fields)
 
     def score(self, batch: RolloutBuffer, fields: Optional[Dict[str, list]] = None) -> Tuple[torch.Tensor, ...]:
         """``(raw_scores [B], scores [B])`` of point 3: :func:`pyppo.trainer.sampling.score_batch`."""
         c, where = self.config, self._where()
-        return score_batch(batch, self.reward_fn, c, self.world, self.device, where=where, fields=fields)
+        limit = getattr(getattr(self.engine, "limits", None), "max_episode_tokens", None)
+        return score_batch(
+            batch, self.reward_fn, c, self.world, self.device, where=where, fields=fields, episode_tokens=limit
+        )
 
     def advantages(self, batch: RolloutBuffer, kl_coef: float) -> Dict[str, float]:
         """Point 5 on ``batch``: :func:`pyppo.trainer.advantages.shaped_advantages`."""

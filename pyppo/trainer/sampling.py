@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import distributed
+from ..agents.episodes import AgentEngine, episode_metrics
 from ..config import PPOConfig
 from ..prompts import PromptSampler, prompt_columns
 from ..rewards import score_responses
@@ -26,16 +27,29 @@ from .step_stats import PhaseTimer
 __all__ = ["rollout", "sample_scored_batch", "score_batch", "varied_groups"]
 
 
-def rollout(engine: RolloutEngine, prompts: Sequence[str]) -> RolloutBuffer:
+def rollout(
+    engine: RolloutEngine, prompts: Sequence[str], fields: Optional[Dict[str, list]] = None, *, group_size: int = 1
+) -> RolloutBuffer:
     """Points 1 and 2: one response to each prompt from ``engine``, cut after its first EOS (the
     engine cuts; :func:`~pyppo.trainer.buffer.buffer_from_rollout` checks what it returned).
+
+    With an :class:`~pyppo.agents.episodes.AgentEngine`, one multi-turn episode per prompt: its
+    environment's ``reset`` gets the prompt's record (``prompt`` and ``fields``), and each group of
+    ``group_size`` consecutive prompts (the samples of one prompt record) shares one environment
+    seed, drawn from torch's generator (so a resumed run draws the same).
 
     Raises:
         TypeError, ValueError: the engine returned something other than a
             :class:`~pyppo.rollout.Rollout` of these prompts, in their order.
     """
     prompts = list(prompts)
-    return buffer_from_rollout(engine.generate(prompts), prompts, engine)
+    if not isinstance(engine, AgentEngine):
+        return buffer_from_rollout(engine.generate(prompts), prompts, engine)
+    columns = fields or {}
+    rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
+    groups = [i // group_size for i in range(len(prompts))]
+    seeds = torch.randint(0, 2**31 - 1, (groups[-1] + 1,)).tolist() if prompts else []
+    return buffer_from_rollout(engine.run_episodes(rows, [seeds[g] for g in groups], groups), prompts, engine)
 
 
 def score_batch(
@@ -47,11 +61,17 @@ def score_batch(
     *,
     where: str,
     fields: Optional[Dict[str, list]] = None,
+    episode_tokens: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Point 3: ``(raw_scores [B], scores [B])`` float32 on ``device``: the reward's scores (given
     the prompts' ``fields``, a column each, :func:`pyppo.rewards.score_responses`), then clipped to
     ``score_clip``, lowered by ``missing_eos_penalty`` where the response has no EOS and by DAPO's
     overlong penalty over the last ``overlong_buffer`` tokens (Yu et al. 2025, eq. 13).
+
+    A batch of multi-turn episodes (``turn_rewards`` set) scores each episode with what its
+    environment paid, summed, plus ``reward_fn`` of its whole transcript when there is one
+    (``None``: the environment pays alone); the overlong penalty then counts every token after
+    the prompt against the room ``episode_tokens`` (the resolved ``max_episode_tokens``) left it.
 
     Under ``torchrun`` a reward that fails on one rank raises its error on every rank
     (:func:`~pyppo.distributed.on_every_rank`), so that rank 0 reports it and the ranks stop
@@ -60,20 +80,26 @@ def score_batch(
     Raises:
         whatever the reward raises (``where`` names the step in pyppo's own errors).
     """
-    raw = torch.tensor(
-        distributed.on_every_rank(
-            score_responses, world, reward_fn, batch.prompts, batch.responses, where=where, fields=fields
-        ),
-        dtype=torch.float32,
-        device=device,
-    )
+    episodes = batch.turn_rewards is not None
+    raw = torch.zeros(len(batch), dtype=torch.float32, device=device)
+    if reward_fn is not None:
+        raw = torch.tensor(
+            distributed.on_every_rank(
+                score_responses, world, reward_fn, batch.prompts, batch.responses, where=where, fields=fields
+            ),
+            dtype=torch.float32,
+            device=device,
+        )
+    if episodes:
+        raw = raw + batch.turn_rewards.sum(dim=1).to(device)
     scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
     if c.missing_eos_penalty is not None:
         scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
     if c.overlong_buffer:
-        scores = scores - overlong_penalty(
-            batch.response_mask.sum(dim=1), c.max_new_tokens, c.overlong_buffer, c.overlong_penalty
-        )
+        cap = c.max_new_tokens
+        if episodes:
+            cap = episode_tokens - batch.query_mask.sum(dim=1)
+        scores = scores - overlong_penalty(batch.response_mask.sum(dim=1), cap, c.overlong_buffer, c.overlong_penalty)
     return raw, scores
 
 
@@ -122,11 +148,14 @@ def sample_scored_batch(
         tries += 1
         prompts, fields = prompt_columns(sampler.sample_groups(c.batch_size, n, world.rank, world.size))
         with timer.phase("generate"):
-            batch = rollout(engine, prompts)
+            batch = rollout(engine, prompts, fields, group_size=n)
         with timer.phase("score"):
-            batch.raw_scores, batch.scores = score_batch(batch, reward_fn, c, world, device, where=where, fields=fields)
+            limit = engine.limits.max_episode_tokens if isinstance(engine, AgentEngine) else None
+            batch.raw_scores, batch.scores = score_batch(
+                batch, reward_fn, c, world, device, where=where, fields=fields, episode_tokens=limit
+            )
         if not c.filter_groups:
-            return batch, {}
+            return batch, _episode_metrics(batch)
         rows = varied_groups(batch.scores, n).repeat_interleave(n).cpu()
         kept.append(batch.select(torch.nonzero(rows).flatten()))
         equal.append(batch.select(torch.nonzero(~rows).flatten()))
@@ -142,4 +171,11 @@ def sample_scored_batch(
         "filter_groups_tries": float(tries),
         "filter_groups_dropped": float(dropped - filled),
         "filter_groups_filled": float(filled),
+        **_episode_metrics(batch),
     }
+
+
+def _episode_metrics(batch: RolloutBuffer) -> Dict[str, float]:
+    if batch.episodes is None:
+        return {}
+    return episode_metrics(batch.episodes, batch.turn_ids, batch.response_mask)
