@@ -77,6 +77,40 @@ def test_two_ranks_update_like_one_process(fixed_rollout, tmp_path, mode):
         assert moved > len(one[model]) // 2  # the update moved the weights being compared
 
 
+@pytest.fixture(scope="module")
+def episode_rollout(tmp_path_factory):
+    """Four 3-turn episodes (the environment's replies between the policy's turns) with their
+    old log-probs, reference log-probs, values and scores."""
+    from support.agent_fixture import Replies, Scripted
+    from support.tiny_models import tiny_causal_lm, tiny_tokenizer
+
+    from pyppo.trainer import PPOTrainer
+
+    tok = tiny_tokenizer()
+    config = update_config(False, 4).with_changes(max_turns=3)
+    trainer = PPOTrainer(config, tiny_causal_lm(0), None, None, tok, None, PROMPTS, environment=Replies)
+    no, maybe = (tok(t, add_special_tokens=False)["input_ids"] for t in ("no", "maybe"))
+    trainer.engine.engine = Scripted([no + [EOS], maybe + [EOS], [EOS]])
+    batch = trainer.rollout(PROMPTS[:4])
+    batch.raw_scores, batch.scores = trainer.score(batch)
+    rollout_forwards(trainer.models, batch, torch.arange(4), trainer.micro_batch_size, PhaseTimer())
+    assert bool((batch.response_mask & ~batch.loss_mask).any())  # environment tokens in every row
+    path = tmp_path_factory.mktemp("episodes") / "batch.pt"
+    torch.save({"batch": batch, "kl_coef": 0.05}, path)
+    return path, batch
+
+
+def test_two_ranks_update_on_episodes_like_one_process(episode_rollout, tmp_path):
+    path, batch = episode_rollout
+    one = one_update(make_trainer(update_config(False, 4)), batch.select(torch.arange(4)), 0.05)
+    torchrun(2, str(HERE / "support" / "distributed_worker.py"), str(path), str(tmp_path / "two.pt"), "ddp")
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    torch.testing.assert_close(two["advantages"], one["advantages"], rtol=RTOL, atol=ATOL)
+    for model in ("policy", "value"):
+        for name, weight in one[model].items():
+            torch.testing.assert_close(two[model][name], weight, rtol=RTOL, atol=ATOL, msg=f"{model} {name}")
+
+
 def test_the_kl_controller_is_fed_the_global_kl_of_ranks_whose_kls_differ(tmp_path):
     # Each rank samples its own responses against a reference unlike the policy: the ranks' KLs
     # differ, and every rank's coefficient must be Ziegler's update from the whole batch's KL

@@ -23,18 +23,17 @@ import json
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["ToolCallParser", "call_tools", "run_awaitable", "tool_name", "tool_schemas", "tools_system_prompt"]
+__all__ = [
+    "ToolCallParser",
+    "call_tools",
+    "parse_tool_call_blocks",
+    "run_awaitable",
+    "tool_schemas",
+    "tools_system_prompt",
+]
 
 #: The tool name of the error message that answers a call too malformed to have one (TRL's choice).
 UNKNOWN_TOOL_NAME = "unknown"
-
-
-def tool_name(function: Callable) -> str:
-    """The name the model calls ``function`` by: its ``__name__`` (what ``get_json_schema`` uses)."""
-    name = getattr(function, "__name__", None)
-    if not isinstance(name, str):
-        raise ValueError(f"tool {function!r} has no __name__: pass a function or a method, not {type(function).__name__}")
-    return name
 
 
 def _describe(function: Callable) -> str:

@@ -24,7 +24,7 @@ from support.tiny_models import tiny_tokenizer
 
 
 def call(name, **arguments):
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def turn(env, text, ended=True):
@@ -74,10 +74,8 @@ def test_trl_documented_environment_runs_unchanged():
     env = make()
     assert env.reset({"prompt": "Increment the counter to 5.", "target": 5}, seed=0) is None
     result = turn(env, call("increment", step=2) + call("increment", step=3))
-    assert result == TurnResult(
-        reply=[{"role": "tool", "name": "increment", "content": "2"}, {"role": "tool", "name": "increment", "content": "5"}],
-        tool_calls=2,
-    )
+    replies = [{"role": "tool", "name": "increment", "content": c} for c in ("2", "5")]
+    assert result == TurnResult(reply=replies, tool_calls=2)
     assert turn(env, "Done: the counter is 5.").done
     assert env.final_reward() == 1.0
     other = make()
@@ -268,7 +266,7 @@ def test_factory_takes_a_zero_argument_callable():
 
 
 def test_factory_errors():
-    with pytest.raises(ValueError, match="environment or tools"):
+    with pytest.raises(ValueError, match="give an environment.*or tools"):
         environment_factory()
     with pytest.raises(TypeError, match="not an instance"):
         environment_factory(IncrementEnv())

@@ -104,7 +104,7 @@ def test_schema_of_a_non_function():
 
 
 def call(name, **arguments):
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 @pytest.fixture(params=["no tokenizer", "tiny tokenizer"])
@@ -119,11 +119,13 @@ def parse(parser, text):
 
 
 def test_parse_one_call(parser):
-    assert parse(parser, "Let me add. " + call("add", a=1, b=2)) == ([{"name": "add", "arguments": {"a": 1, "b": 2}}], [])
+    expected = ([{"name": "add", "arguments": {"a": 1, "b": 2}}], [])
+    assert parse(parser, "Let me add. " + call("add", a=1, b=2)) == expected
 
 
 def test_parse_several_calls_in_order_with_whitespace(parser):
-    text = f"{call('add', a=1, b=2)}\n  <tool_call>\n  {json.dumps({'name': 'shout', 'arguments': {'text': 'hi'}})}\n</tool_call>"
+    shout_call = json.dumps({"name": "shout", "arguments": {"text": "hi"}})
+    text = f"{call('add', a=1, b=2)}\n  <tool_call>\n  {shout_call}\n</tool_call>"
     calls, errors = parse(parser, text)
     assert calls == [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "shout", "arguments": {"text": "hi"}}]
     assert errors == []

@@ -102,10 +102,7 @@ def calculator_prompts(split: str = "train", *, seed: int = 0) -> List[dict]:
     problems = list(dict.fromkeys(_problem(i) for i in range(_POOL_SIZE)))
 
     def question(a: int, op: str, b: int) -> str:
-        return (
-            f"What is {a} {op} {b}? You can use the calculate tool to compute it. "
-            "Give the final answer as a number."
-        )
+        return f"What is {a} {op} {b}? You can use the calculate tool to compute it. Give the final answer as a number."
 
     def rank(problem: tuple) -> bytes:
         return hashlib.sha256(f"{seed}:{question(*problem)}".encode()).digest()

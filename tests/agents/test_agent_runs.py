@@ -1,0 +1,109 @@
+"""``pyppo train --env``: a multi-turn run stopped by a signal resumes to the uninterrupted run's
+metrics (the environments are seeded from the run's generator); samples.jsonl holds each
+episode's transcript; a bad --env is a one-line error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+
+import pytest
+
+from pyppo import cli
+from support.run_fixture import ckpt_step, read_rows, tiny_dir, untimed  # noqa: F401 (fixtures)
+
+ENV = textwrap.dedent(
+    """
+    import random
+
+    class Echo:
+        '''Replies with a number drawn from its seed; done on the third turn; pays 0.1 per turn
+        and 1 when the last reply's number appears in the agent's text.'''
+
+        def reset(self, seed, **row):
+            self.rng, self.n = random.Random(seed), 0
+
+        def step(self, action):
+            self.n += 1
+            self.secret = self.rng.randint(0, 9)
+            if self.n == 3:
+                return None, 0.1 + float(str(self.secret) in action), True
+            return f"Say {self.secret}.", 0.1, False
+    """
+)
+
+FLAGS = ["--steps", "3", "--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1"]
+FLAGS += ["--max-new-tokens", "24", "--max-turns", "3", "--seed", "5", "--save-every", "100", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "echo_env.py"
+    path.write_text(ENV)
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_dir, env_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight") / "run"
+    argv = ["train", "--model", str(tiny_dir), "--env", f"{env_file}:Echo", "--output", str(out), *FLAGS]
+    assert cli.main(argv) == 0
+    return out
+
+
+def test_samples_hold_each_episodes_transcript_and_the_metrics_its_turns(straight):
+    rows = read_rows(straight / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("turns_mean", "episode_tokens_mean", "env_token_fraction", "tool_calls_mean", "tool_error_fraction"):
+        assert all(key in r for r in rows), key
+    assert all(r["first_max_abs_logratio"] == 0.0 for r in rows)
+    samples = read_rows(straight / "samples.jsonl")
+    assert len(samples) == 12
+    multi = [s for s in samples if s["turns"] > 1]
+    assert multi, "no episode of the tiny model reached a second turn"
+    for s in multi:
+        roles = [t["role"] for t in s["transcript"]]
+        assert roles[:3] == ["agent", "environment", "agent"]
+        assert "Say " in s["transcript"][1]["text"]
+    config = (straight / "config.toml").read_text()
+    assert "echo_env.py:Echo" in config and 'reward = "none"' in config
+
+
+def test_a_signal_mid_run_resumes_to_the_uninterrupted_runs_metrics(
+    straight, tiny_dir, env_file, tmp_path, capsys, monkeypatch
+):
+    from pyppo.agents.episodes import AgentEngine
+
+    out = tmp_path / "run"
+    real, calls = AgentEngine.run_episodes, []
+
+    def sampling(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # during step 2's episodes: step 2 finishes, then stops
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(AgentEngine, "run_episodes", sampling)
+    argv = ["train", "--model", str(tiny_dir), "--env", f"{env_file}:Echo", "--output", str(out), *FLAGS]
+    assert cli.main(argv) == 143
+    assert ckpt_step(out / "checkpoint") == 2
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(out)]) == 0
+    expected = [untimed(r) for r in read_rows(straight / "metrics.jsonl")]
+    assert [untimed(r) for r in read_rows(out / "metrics.jsonl")] == expected
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--env", "no-such-env"], "--env 'no-such-env'"),
+        (["--env", "nowhere.py:Env"], "--env 'nowhere.py:Env'"),
+        (["--reward", "none"], "--reward none needs --env"),
+    ],
+)
+def test_a_bad_env_is_a_one_line_error(argv, message, tiny_dir, tmp_path, capsys):
+    status = cli.main(["train", "--model", str(tiny_dir), "--output", str(tmp_path / "run"), "--steps", "1", *argv])
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "Traceback" not in err, err
