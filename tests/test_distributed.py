@@ -81,10 +81,9 @@ def test_two_ranks_update_like_one_process(fixed_rollout, tmp_path, mode):
 def episode_rollout(tmp_path_factory):
     """Four 3-turn episodes (the environment's replies between the policy's turns) with their
     old log-probs, reference log-probs, values and scores."""
+    from pyppo.trainer import PPOTrainer
     from support.agent_fixture import Replies, Scripted
     from support.tiny_models import tiny_causal_lm, tiny_tokenizer
-
-    from pyppo.trainer import PPOTrainer
 
     tok = tiny_tokenizer()
     config = update_config(False, 4).with_changes(max_turns=3)
