@@ -58,6 +58,7 @@ def make_agent_engine(
     from .registry import load_environment
     from .render import ChatRenderer
 
+    spec = environment if isinstance(environment, str) else _importable_name(environment)
     if isinstance(environment, str):
         environment = load_environment(environment)
     make_env = environment_factory(environment, list(tools or []), tokenizer)
@@ -68,7 +69,7 @@ def make_agent_engine(
         max_new_tokens=config.max_new_tokens,
         max_episode_tokens=episode_token_limit(config.max_episode_tokens, base),
     )
-    return AgentEngine(
+    agent = AgentEngine(
         engine,
         renderer,
         make_env,
@@ -78,3 +79,13 @@ def make_agent_engine(
         collective=distributed.is_sharded(models.policy_module),
         device=models.device,
     )
+    agent.spec = None if tools else spec  # standalone tools cannot be named on the command line
+    return agent
+
+
+def _importable_name(environment: Any) -> Optional[str]:
+    """``"module:Class"`` for a class importable by that name (not ``__main__``, not local)."""
+    module, name = getattr(environment, "__module__", None), getattr(environment, "__qualname__", "")
+    if not isinstance(environment, type) or not module or module == "__main__" or "<locals>" in name:
+        return None
+    return f"{module}:{name}"

@@ -132,6 +132,9 @@ class AgentEngine:
             raise ValueError(f"max_turns and max_new_tokens must be >= 1, got {limits}")
         self.engine, self.renderer, self.make_env, self.limits = engine, renderer, make_env, limits
         self.tokenizer, self.world, self.collective, self.device = tokenizer, world, collective, device
+        #: what ``pyppo train --env`` would name this environment as, when it can (a run started from
+        #: Python records it in config.toml); ``None`` otherwise
+        self.spec: Optional[str] = None
         self.eos_token_id, self.pad_token_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
 
     def sync_weights(self, model, *, trainable_only: bool = True) -> Any:
@@ -232,6 +235,9 @@ class AgentEngine:
                 e.rewards[start + len(ids) - 1] = e.rewards.get(start + len(ids) - 1, 0.0) + reward
             if result.done or not ended:
                 e.done, e.record.truncated = True, not ended
+                continue
+            if k == self.limits.max_turns - 1:  # no turn follows: the reply would end the episode unanswered
+                e.done, e.record.truncated = True, True
                 continue
             reply = list(self.renderer.reply_ids(e.leading, ended, result.reply))
             if len(reply) + 1 > e.room(self.limits):  # no room for the reply and one more agent token

@@ -386,10 +386,12 @@ class VLLMEngine(RolloutEngine):
         result: List[Continuation] = []
         for out in outputs:
             o = out.outputs[0]
-            ids = list(o.token_ids) or [self.eos_token_id]
+            ids = list(o.token_ids)
             if self.eos_token_id in ids:
                 ids = ids[: ids.index(self.eos_token_id) + 1]
-            result.append((ids, _sampled_logprobs(o.logprobs, ids)[: len(ids)]))
+            if not ids:  # vLLM always samples one token; an empty turn would end at nothing
+                raise RuntimeError("vLLM returned no token for a continuation (max_tokens >= 1)")
+            result.append((ids, _sampled_logprobs(o.logprobs, ids)))
         return result
 
     def close(self) -> None:

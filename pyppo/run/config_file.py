@@ -67,7 +67,9 @@ def record_python_run(trainer: Any, run: Any) -> None:
       not a lambda or a nested function);
     * ``prompts``, ``eval_prompts``: the prompts the trainer was given, written as
       ``prompts.jsonl`` / ``eval_prompts.jsonl`` in ``run`` (``{"prompt": ...}`` per line, with
-      the record's fields), when they are plain JSON.
+      the record's fields), when they are plain JSON;
+    * ``env``: the environment, when the trainer was given its name, ``module:Class`` or
+      ``file.py:Class``, or a class importable by ``module:Class`` (not standalone tools).
 
     A run given its own ``ref_policy`` or ``value_model`` is resumed by the command line with
     the ones it builds from the model (the value model's trained weights come from the checkpoint).
@@ -75,6 +77,10 @@ def record_python_run(trainer: Any, run: Any) -> None:
     if run.config.exists() and not written_from_python(run.config):
         return
     sources = {"model": _model_spec(trainer), "reward": _reward_spec(trainer.reward_fn)}
+    if trainer.agent:  # the environment, when it has a name the command line takes
+        sources["env"] = getattr(trainer.engine, "spec", None)
+        if trainer.reward_fn is None:
+            sources["reward"] = "none"
     for key, records in (("prompts", trainer.sampler.prompts), ("eval_prompts", trainer.eval_prompts)):
         sources[key] = _write_prompts(run.path / PROMPT_FILES[key], records) if records else None
     write_config(

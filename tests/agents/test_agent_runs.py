@@ -107,3 +107,22 @@ def test_a_bad_env_is_a_one_line_error(argv, message, tiny_dir, tmp_path, capsys
     status = cli.main(["train", "--model", str(tiny_dir), "--output", str(tmp_path / "run"), "--steps", "1", *argv])
     err = capsys.readouterr().err
     assert status == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_run_started_from_python_with_an_environment_is_continued_by_pyppo_train_resume(
+    tiny_dir, env_file, tmp_path, capsys
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pyppo import PPOConfig, PPOTrainer
+
+    config = PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=8, max_turns=2)
+    policy, tok = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    trainer = PPOTrainer(config, policy, None, None, tok, None, ["Say hi.", "Why?"], environment=f"{env_file}:Echo")
+    trainer.train(tmp_path / "run", progress=False)
+    saved = (tmp_path / "run" / "config.toml").read_text()
+    assert f'env = "{env_file}:Echo"' in saved and 'reward = "none"' in saved
+    assert cli.main(["train", "--resume", str(tmp_path / "run"), "--steps", "2"]) == 0
+    capsys.readouterr()
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and "turns_mean" in rows[1]

@@ -482,8 +482,9 @@ def test_arithmetic_retry_right_answer():
 def test_arithmetic_retry_wrong_then_right():
     env = start(ArithmeticRetry, {"prompt": "What is 7 + 12?", "answer": "19"})
     first = turn(env, "It is 20.")
-    assert first.reply == [{"role": "user", "content": "That is not right. Try again. You have 2 attempts left."}]
+    assert first.reply == [{"role": "user", "content": "That is not right. Try again (two attempts left)."}]
     assert (first.reward, first.done) == (0.0, False)
+    assert not any(c.isdigit() for c in first.reply[0]["content"])  # no number for the answer to echo
     assert turn(env, "Sorry: 19") == TurnResult(reward=1.0, done=True)
 
 
@@ -491,7 +492,7 @@ def test_arithmetic_retry_runs_out_of_attempts():
     env = start(ArithmeticRetry, {"prompt": "What is 7 + 12?", "answer": "19"}, max_attempts=3)
     assert not turn(env, "20").done
     second = turn(env, "no idea")
-    assert second.reply[0]["content"].endswith("You have 1 attempt left.") and not second.done
+    assert second.reply[0]["content"].endswith("(one attempt left).") and not second.done
     assert turn(env, "21") == TurnResult(reward=0.0, done=True)
     with pytest.raises(ValueError, match="max_attempts"):
         ArithmeticRetry(max_attempts=0)

@@ -167,3 +167,13 @@ def test_real_sampling_runs_three_turns_with_the_first_ratio_one():
     m = trainer.step().metrics
     assert m["turns_mean"] > 1.0
     assert m["first_max_abs_logratio"] == 0.0 and m["kl_mean"] == 0.0
+
+
+def test_an_episode_at_max_turns_ends_on_the_agents_turn_without_the_unanswered_reply():
+    tok = tiny_tokenizer()
+    engine, _ = _engine([[EOS]], tok, max_turns=2)
+    out = engine.run_episodes([{"prompt": "Go."}], [0], [0])
+    n = int(out.response_mask[0].sum())
+    assert bool(out.loss_mask[0, n - 1]) and out.turn_ids[0, n - 1].item() == 1  # the last token is the agent's
+    assert out.episodes[0].truncated and out.has_eos.tolist() == [False] and out.episodes[0].turns == 2
+    assert [t["role"] for t in out.episodes[0].transcript] == ["agent", "environment", "agent"]

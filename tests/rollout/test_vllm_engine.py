@@ -267,6 +267,40 @@ def test_the_trainer_samples_with_vllm_and_its_first_ratio_is_exactly_one():
     assert m2["mismatch_logprob_diff_max"] < LOGPROB_ATOL and m2["first_max_abs_logratio"] == 0.0
 
 
+def test_multi_turn_episodes_sample_with_vllm_and_the_first_ratio_is_exactly_one():
+    """Each turn continues the episode's token ids in vLLM (its prefix cache holds the context of
+    the turn before); vLLM's log-probs are the trainer's on the agent's tokens and 0 on the
+    environment's."""
+    from support.agent_fixture import Replies
+
+    cfg = small_config(rollout_engine="vllm", vllm_kv_cache_gib=KV_GIB, max_new_tokens=48, max_turns=3, steps=1)
+    tr = PPOTrainer(cfg, vllm_llama(), None, None, tokenizer(), None, PROMPTS, environment=Replies)
+    m, b = tr.step()
+    assert m["turns_mean"] > 1.0 and m["env_token_fraction"] > 0
+    assert m["first_max_abs_logratio"] == 0.0 and m["kl_mean"] == 0.0
+    env = b.response_mask & ~b.loss_mask
+    assert b.rollout_logprobs is not None and float(b.rollout_logprobs[env].abs().sum()) == 0.0
+    assert max_diff(b.old_logprobs, b.rollout_logprobs, b.loss_mask) < LOGPROB_ATOL
+    tr.close()
+
+
+def test_sample_continuations_continues_the_given_ids_with_the_policys_logprobs(model_and_engine):
+    model, engine = model_and_engine
+    tok = tokenizer()
+    contexts = [tok("Say hi.")["input_ids"], tok("Describe the rain, please.")["input_ids"]]
+    out = engine.sample_continuations(contexts, 6)
+    assert len(out) == 2
+    for context, (ids, logprobs) in zip(contexts, out):
+        assert 1 <= len(ids) <= 6 and len(logprobs) == len(ids)
+        if 2 in ids:
+            assert ids.index(2) == len(ids) - 1  # cut after the first EOS
+        full = torch.tensor([context + ids])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits.float()
+        lp = torch.log_softmax(logits[0, len(context) - 1 : -1], -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), lp, rtol=0, atol=LOGPROB_ATOL)
+
+
 def test_a_planted_mismatch_in_the_engine_shows_in_the_metrics():
     tr = vllm_trainer(steps=1, rollout_correction="token_truncate", rollout_is_cap=1.2)
     tr.engine.temperature = 0.5  # the sampler's distribution is no longer the trainer's

@@ -10,6 +10,9 @@ from ...prompts import arithmetic_prompts
 __all__ = ["ArithmeticRetry"]
 
 
+_LEFT = {1: "one attempt", 2: "two attempts", 3: "three attempts", 4: "four attempts", 5: "five attempts"}
+
+
 class ArithmeticRetry:
     """A text environment (``reset(**row)``, ``step(action) -> (observation, reward, done)``) over
     :func:`pyppo.prompts.arithmetic_prompts`: the agent answers, and after a wrong answer is told
@@ -69,4 +72,6 @@ class ArithmeticRetry:
         left = self.max_attempts - self.attempts
         if left <= 0:
             return None, 0.0, True
-        return f"That is not right. Try again. You have {left} attempt{'s' if left > 1 else ''} left.", 0.0, False
+        # No digits in the hint: the answer is read as the reply's last number, and a model that
+        # echoed "2 attempts left" would be paid whenever the answer is 2.
+        return f"That is not right. Try again ({_LEFT.get(left, 'more')} left).", 0.0, False
