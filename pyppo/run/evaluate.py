@@ -39,7 +39,7 @@ def evaluate_prompts(
         ``(metrics, rows)``: ``eval/score_mean`` (raw scores), ``eval/kl_mean`` (the
         ``kl_estimator`` summed over each response's tokens, averaged over responses, nats),
         ``eval/response_length_mean`` and ``eval/eos_fraction`` (with an environment: of whole
-        episodes, scored with what the environment paid, plus ``eval/turns_mean`` and
+        episodes, scored with what the environment paid, plus ``eval/turns_mean``, ``eval/tool_calls_mean`` and
         ``eval/first_turn_success``, the fraction that scored > 0 in one turn); and one row per prompt
         (``step``, ``prompt``, ``response``, ``score``, ``kl``). The same on every rank.
 
@@ -103,6 +103,7 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
                         "length": int(lengths[i]),
                         "eos": bool(batch.has_eos[i]),
                         "turns": batch.episodes[i].turns if batch.episodes is not None else 1,
+                        "tool_calls": batch.episodes[i].tool_calls if batch.episodes is not None else 0,
                     }
                 )
     # Back in the prompts' order: rank r evaluated prompts r, r + n, r + 2n, ...
@@ -117,5 +118,6 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
     }
     if trainer.agent:  # episodes: how many turns, and how often the first turn earned the score
         metrics["eval/turns_mean"] = mean("turns")
+        metrics["eval/tool_calls_mean"] = mean("tool_calls")
         metrics["eval/first_turn_success"] = sum(r["turns"] == 1 and r["score"] > 0 for r in ordered) / len(ordered)
     return metrics, [{k: r[k] for k in ("step", "prompt", "response", "score", "kl")} for r in ordered]

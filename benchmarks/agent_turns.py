@@ -1,0 +1,112 @@
+"""What turn k of a multi-turn episode costs to sample against turn 1, with each rollout engine.
+
+Each turn continues every live episode's whole context (prompt, earlier turns, the environment's
+replies). ``transformers.generate`` prefills that context again at every turn; vLLM keeps the KV
+of the context it has seen in its prefix cache, so the turns of one step reuse it. The workload:
+SmolLM2-135M-Instruct (or ``--model``), ``--episodes`` episodes of pyppo's default prompts, an
+environment that answers every turn with the same short message and never ends an episode,
+``--turns`` turns of at most ``--max-new-tokens`` tokens, one warm-up rollout, then ``--repeats``
+measured rollouts per engine. Prints, per engine and turn: live episodes, mean context tokens,
+seconds, and seconds per live episode relative to turn 1.
+
+    python benchmarks/agent_turns.py                          # both engines (vLLM when installed)
+    python benchmarks/agent_turns.py --engines transformers --turns 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+
+class GoOn:
+    """Answers every turn; never ends an episode."""
+
+    def reset(self, **row):
+        return None
+
+    def step(self, action):
+        return "Go on.", 0.0, False
+
+
+def measure(engine_name: str, args) -> dict:
+    import torch
+
+    from pyppo import PPOConfig, PPOTrainer, prompts
+    from pyppo.models import load_model_and_tokenizer
+
+    torch.manual_seed(0)
+    policy, tokenizer = load_model_and_tokenizer(args.model)
+    config = PPOConfig(
+        batch_size=args.episodes,
+        mini_batch_size=args.episodes,
+        max_new_tokens=args.max_new_tokens,
+        max_turns=args.turns,
+        rollout_engine=engine_name,
+        advantage_estimator="reinforce_pp",
+        kl_coef=0.0,
+        dtype=args.dtype,
+    )
+    trainer = PPOTrainer(config, policy, None, None, tokenizer, None, prompts.DEFAULT_PROMPTS, environment=GoOn)
+    base, timings = trainer.engine.engine, defaultdict(list)
+    real = base.sample_continuations
+
+    def timed(sequences, max_new_tokens):
+        t0 = time.perf_counter()
+        out = real(sequences, max_new_tokens)
+        turn = timed.turn
+        timings[turn].append((time.perf_counter() - t0, len(sequences), statistics.mean(map(len, sequences))))
+        timed.turn += 1
+        return out
+
+    base.sample_continuations = timed
+    batch = list(prompts.DEFAULT_PROMPTS[: args.episodes])
+    for repeat in range(args.repeats + 1):
+        timed.turn = 0
+        if repeat == 0:  # warm-up
+            trainer.rollout(batch)
+            timings.clear()
+            continue
+        trainer.rollout(batch)
+    trainer.close()
+    rows = {}
+    for turn, samples in sorted(timings.items()):
+        seconds = statistics.median(s for s, _, _ in samples)
+        live = statistics.median(n for _, n, _ in samples)
+        context = statistics.mean(c for _, _, c in samples)
+        rows[turn + 1] = {"live": live, "context": context, "seconds": seconds, "per_episode": seconds / live}
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--engines", default="transformers,vllm")
+    p.add_argument("--episodes", type=int, default=16)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args()
+    for name in args.engines.split(","):
+        if name == "vllm":
+            try:
+                import vllm  # noqa: F401
+            except ImportError:
+                print("vllm: not installed, skipped")
+                continue
+        rows = measure(name, args)
+        first = rows[1]["per_episode"]
+        print(f"{name}: {args.episodes} episodes, {args.max_new_tokens} new tokens a turn, {args.dtype}")
+        print("  turn  live  context tokens  seconds  s/episode vs turn 1")
+        for turn, r in rows.items():
+            print(
+                f"  {turn:>4}  {r['live']:>4.0f}  {r['context']:>14.1f}  {r['seconds']:>7.2f}"
+                f"  {r['per_episode'] / first:>8.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
