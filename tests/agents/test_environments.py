@@ -21,6 +21,7 @@ from pyppo.agents.types import TurnResult
 from pyppo.math_reward import math_reward
 from pyppo.prompts import arithmetic_prompts
 from support.tiny_models import tiny_tokenizer
+from support.trl_env import IncrementEnv
 
 
 def call(name, **arguments):
@@ -33,28 +34,6 @@ def turn(env, text, ended=True):
 
 # --- TRL's documented environment (docs/source/grpo_trainer.md, "Providing an external dataset"),
 # with the docstring of the same method in the docs' first example. Unchanged: it must run as is.
-
-
-class IncrementEnv:
-    def reset(self, target, **kwargs) -> None:  # the row's `target` column arrives as a keyword argument
-        self.counter = 0
-        self.target = target
-
-    def get_reward(self) -> float:
-        return float(self.counter == self.target)
-
-    def increment(self, step: int) -> int:
-        """
-        Increment the internal counter.
-
-        Args:
-            step: Value to add to the counter.
-
-        Returns:
-            The updated counter value.
-        """
-        self.counter += step
-        return self.counter
 
 
 def trl_tool_methods(instance):

@@ -177,3 +177,28 @@ def test_an_episode_at_max_turns_ends_on_the_agents_turn_without_the_unanswered_
     assert bool(out.loss_mask[0, n - 1]) and out.turn_ids[0, n - 1].item() == 1  # the last token is the agent's
     assert out.episodes[0].truncated and out.has_eos.tolist() == [False] and out.episodes[0].turns == 2
     assert [t["role"] for t in out.episodes[0].transcript] == ["agent", "environment", "agent"]
+
+
+def test_trls_environment_class_runs_in_the_trainer_and_tool_errors_are_counted_not_raised():
+    """TRL's documented ``IncrementEnv`` (reset(**row), a typed tool method, get_reward), unchanged:
+    a good call, a call to an unknown tool, then an answer; the unknown tool's error is the tool's
+    reply and the episode goes on to be paid by ``get_reward``."""
+    from support.trl_env import IncrementEnv
+
+    tok = tiny_tokenizer()
+    good = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
+    bad = '<tool_call>{"name": "decrement", "arguments": {"step": 1}}</tool_call>'
+    turns = [tok(t, add_special_tokens=False)["input_ids"] + [EOS] for t in (good, bad, "done")]
+    config = small_config(max_turns=3, max_new_tokens=80, steps=1, batch_size=2, mini_batch_size=2)
+    records = [{"prompt": "Bring the counter to 2.", "target": 2}, {"prompt": "Bring it to 3.", "target": 3}]
+    with pytest.warns(UserWarning, match="system prompt"):  # the tiny template ignores tools=
+        trainer = PPOTrainer(config, tiny_causal_lm(0), None, None, tok, None, records, environment=IncrementEnv)
+    trainer.engine.engine = Scripted(turns)
+    result = trainer.step()
+    m, batch = result.metrics, result.batch
+    assert m["tool_calls_mean"] == 2.0 and m["tool_error_fraction"] == 0.5 and m["turns_mean"] == 3.0
+    assert sorted(batch.raw_scores.tolist()) == [0.0, 1.0]  # counter 2: right for target 2 only
+    record = batch.episodes[0]
+    replies = [t["text"] for t in record.transcript if t["role"] == "environment"]
+    assert "2" in replies[0] and "decrement" in replies[1] and "rror" in replies[1]
+    assert m["first_max_abs_logratio"] == 0.0
