@@ -158,7 +158,13 @@ def test_flags_override_config_file(tmp_path):
     cfg.write_text('steps = 7\nbatch_size = 4\nmini_batch_size = 2\nlr = 1\nreward = "sentiment"\n')
     plan = _resolve(["--config", str(cfg), "--steps", "3", "--output", str(tmp_path / "o")])
     assert (plan.config.steps, plan.config.batch_size, plan.config.lr) == (3, 4, 1.0)
-    assert plan.run == {"model": "smollm2-135m-instruct", "reward": "sentiment", "prompts": None, "eval_prompts": None}
+    assert plan.run == {
+        "model": "smollm2-135m-instruct",
+        "reward": "sentiment",
+        "prompts": None,
+        "eval_prompts": None,
+        "env": None,
+    }
     assert plan.output == tmp_path / "o" and plan.resume_dir is None and plan.changes == ()
 
 
