@@ -3,7 +3,8 @@
 Each turn continues every live episode's whole context (prompt, earlier turns, the environment's
 replies). ``transformers.generate`` prefills that context again at every turn; vLLM keeps the KV
 of the context it has seen in its prefix cache, so the turns of one step reuse it. The workload:
-SmolLM2-135M-Instruct (or ``--model``), ``--episodes`` episodes of pyppo's default prompts, an
+SmolLM2-135M-Instruct (or ``--model``: a trained policy that ends its turns with EOS keeps more
+episodes live), ``--episodes`` episodes of ``--prompts`` (the arithmetic problems), an
 environment that answers every turn with the same short message and never ends an episode,
 ``--turns`` turns of at most ``--max-new-tokens`` tokens, one warm-up rollout, then ``--repeats``
 measured rollouts per engine. Prints, per engine and turn: live episodes, mean context tokens,
@@ -49,7 +50,10 @@ def measure(engine_name: str, args) -> dict:
         kl_coef=0.0,
         dtype=args.dtype,
     )
-    trainer = PPOTrainer(config, policy, None, None, tokenizer, None, prompts.DEFAULT_PROMPTS, environment=GoOn)
+    chosen = (
+        [r["prompt"] for r in prompts.load_prompt_records(args.prompts)] if args.prompts else prompts.DEFAULT_PROMPTS
+    )
+    trainer = PPOTrainer(config, policy, None, None, tokenizer, None, chosen, environment=GoOn)
     base, timings = trainer.engine.engine, defaultdict(list)
     real = base.sample_continuations
 
@@ -62,7 +66,7 @@ def measure(engine_name: str, args) -> dict:
         return out
 
     base.sample_continuations = timed
-    batch = list(prompts.DEFAULT_PROMPTS[: args.episodes])
+    batch = list(chosen[: args.episodes])
     for repeat in range(args.repeats + 1):
         timed.turn = 0
         if repeat == 0:  # warm-up
@@ -85,6 +89,12 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engines", default="transformers,vllm")
     p.add_argument("--episodes", type=int, default=16)
+    p.add_argument(
+        "--prompts",
+        default="arithmetic",
+        help="a prompt set (name or .jsonl); '' = the default open-ended prompts, whose long answers a "
+        "model may not end within --max-new-tokens (a turn without EOS cuts the episode)",
+    )
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)

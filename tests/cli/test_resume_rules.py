@@ -23,6 +23,8 @@ FIXED = {
     "mini_batch_size": ({}, 8),
     "ppo_epochs": ({}, 2),
     "max_new_tokens": ({}, 24),
+    "max_turns": ({}, 2),
+    "max_episode_tokens": ({}, 512),
     "max_prompt_length": ({}, 64),
     "truncate_prompts": ({}, False),
     "temperature": ({}, 0.7),
