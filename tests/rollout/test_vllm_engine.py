@@ -281,7 +281,6 @@ def test_multi_turn_episodes_sample_with_vllm_and_the_first_ratio_is_exactly_one
     env = b.response_mask & ~b.loss_mask
     assert b.rollout_logprobs is not None and float(b.rollout_logprobs[env].abs().sum()) == 0.0
     assert max_diff(b.old_logprobs, b.rollout_logprobs, b.loss_mask) < LOGPROB_ATOL
-    tr.close()
 
 
 def test_sample_continuations_continues_the_given_ids_with_the_policys_logprobs(model_and_engine):

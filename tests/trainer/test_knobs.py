@@ -348,6 +348,14 @@ CHECKS = {
 
 #: Knobs whose effect is asserted by a test elsewhere: field -> (module, test name).
 ELSEWHERE = {
+    "max_turns": (
+        "agents/test_episodes.py",
+        "test_an_episode_at_max_turns_ends_on_the_agents_turn_without_the_unanswered_reply",
+    ),
+    "max_episode_tokens": (
+        "agents/test_episodes.py",
+        "test_a_reply_that_leaves_no_room_truncates_the_episode_without_it",
+    ),
     "disable_dropout": ("trainer/test_trainer.py", "test_disable_dropout"),
     "kl_coef": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "kl_estimator": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
