@@ -11,7 +11,7 @@ from .. import distributed
 from ..ops import kl_penalty
 from ..precision import autocast
 from ..prompts import prompt_columns
-from ..rewards import score_responses
+from ..trainer.sampling import raw_scores
 from .checkpoint import capture_rng, restore_rng
 
 if TYPE_CHECKING:
@@ -68,20 +68,11 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
     for start in range(0, per_rank, b):
         chunk, fields = prompt_columns(padded[start : start + b])
         batch = trainer.rollout(chunk, fields)
-        scores = [0.0] * len(batch)
-        if trainer.reward_fn is not None:
-            # A reward that fails on one rank fails on all, so rank 0 reports it (as in a step).
-            scores = distributed.on_every_rank(
-                score_responses,
-                trainer.world,
-                trainer.reward_fn,
-                batch.prompts,
-                batch.responses,
-                where=f"evaluation after step {trainer.step_count}",
-                fields=fields,
-            )
-        if batch.turn_rewards is not None:  # an episode's score adds what its environment paid
-            scores = [s + float(r) for s, r in zip(scores, batch.turn_rewards.sum(dim=1))]
+        where = f"evaluation after step {trainer.step_count}"
+        # float64: the reward's own floats, as the rows report them
+        scores = raw_scores(
+            batch, trainer.reward_fn, trainer.world, trainer.device, where=where, fields=fields, dtype=torch.float64
+        ).tolist()
         logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
         for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(trainer.device)

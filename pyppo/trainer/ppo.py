@@ -56,7 +56,7 @@ from .logprob_head import PolicyObjective, policy_objective
 from .results import METRIC_KEYS, MicroStepResult, StepResult
 from .rollout_correction import correct_for_sampler
 from .rollout_forwards import first_policy_forward, rollout_forwards
-from .sampling import rollout, sample_scored_batch, score_batch
+from .sampling import episode_tokens, rollout, sample_scored_batch, score_batch
 from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats
 
 __all__ = ["PPOTrainer", "StepResult", "MicroStepResult", "METRIC_KEYS", "NonFiniteUpdateError", "TrainedPart"]
@@ -190,7 +190,7 @@ class PPOTrainer:
     @property
     def agent(self) -> bool:
         """Whether the run samples multi-turn episodes with an environment (``docs/agents.md``)."""
-        return hasattr(self.engine, "run_episodes")
+        return episode_tokens(self.engine) is not None
 
     @property
     def critic(self) -> Optional[Critic]:
@@ -266,7 +266,7 @@ class PPOTrainer:
     def score(self, batch: RolloutBuffer, fields: Optional[Dict[str, list]] = None) -> Tuple[torch.Tensor, ...]:
         """``(raw_scores [B], scores [B])`` of point 3: :func:`pyppo.trainer.sampling.score_batch`."""
         c, where = self.config, self._where()
-        limit = getattr(getattr(self.engine, "limits", None), "max_episode_tokens", None)
+        limit = episode_tokens(self.engine)
         return score_batch(
             batch, self.reward_fn, c, self.world, self.device, where=where, fields=fields, episode_tokens=limit
         )

@@ -24,7 +24,7 @@ from .buffer import RolloutBuffer, buffer_from_rollout
 from .overlong import overlong_penalty
 from .step_stats import PhaseTimer
 
-__all__ = ["rollout", "sample_scored_batch", "score_batch", "varied_groups"]
+__all__ = ["episode_tokens", "raw_scores", "rollout", "sample_scored_batch", "score_batch", "varied_groups"]
 
 
 def rollout(
@@ -81,17 +81,7 @@ def score_batch(
         whatever the reward raises (``where`` names the step in pyppo's own errors).
     """
     episodes = batch.turn_rewards is not None
-    raw = torch.zeros(len(batch), dtype=torch.float32, device=device)
-    if reward_fn is not None:
-        raw = torch.tensor(
-            distributed.on_every_rank(
-                score_responses, world, reward_fn, batch.prompts, batch.responses, where=where, fields=fields
-            ),
-            dtype=torch.float32,
-            device=device,
-        )
-    if episodes:
-        raw = raw + batch.turn_rewards.sum(dim=1).to(device)
+    raw = raw_scores(batch, reward_fn, world, device, where=where, fields=fields)
     scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
     if c.missing_eos_penalty is not None:
         scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
@@ -101,6 +91,42 @@ def score_batch(
             cap = episode_tokens - batch.query_mask.sum(dim=1)
         scores = scores - overlong_penalty(batch.response_mask.sum(dim=1), cap, c.overlong_buffer, c.overlong_penalty)
     return raw, scores
+
+
+def raw_scores(
+    batch: RolloutBuffer,
+    reward_fn: Optional[Callable],
+    world: distributed.World,
+    device: torch.device,
+    *,
+    where: str,
+    fields: Optional[Dict[str, list]] = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[B]`` ``dtype`` on ``device``: what ``reward_fn`` returned for each response (0 without
+    one), plus, for multi-turn episodes, what the environment paid over the episode. Under
+    ``torchrun`` a reward that fails on one rank raises on every rank, so rank 0 reports it.
+
+    Raises:
+        whatever the reward raises (``where`` names the step in pyppo's own errors).
+    """
+    raw = torch.zeros(len(batch), dtype=dtype, device=device)
+    if reward_fn is not None:
+        raw = torch.tensor(
+            distributed.on_every_rank(
+                score_responses, world, reward_fn, batch.prompts, batch.responses, where=where, fields=fields
+            ),
+            dtype=dtype,
+            device=device,
+        )
+    if batch.turn_rewards is not None:
+        raw = raw + batch.turn_rewards.sum(dim=1).to(device, dtype)
+    return raw
+
+
+def episode_tokens(engine: RolloutEngine) -> Optional[int]:
+    """The resolved ``max_episode_tokens`` of a multi-turn engine; ``None`` for another engine."""
+    return engine.limits.max_episode_tokens if isinstance(engine, AgentEngine) else None
 
 
 def varied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -150,9 +176,8 @@ def sample_scored_batch(
         with timer.phase("generate"):
             batch = rollout(engine, prompts, fields, group_size=n)
         with timer.phase("score"):
-            limit = engine.limits.max_episode_tokens if isinstance(engine, AgentEngine) else None
             batch.raw_scores, batch.scores = score_batch(
-                batch, reward_fn, c, world, device, where=where, fields=fields, episode_tokens=limit
+                batch, reward_fn, c, world, device, where=where, fields=fields, episode_tokens=episode_tokens(engine)
             )
         if not c.filter_groups:
             return batch, _episode_metrics(batch)
