@@ -8,10 +8,14 @@ episodes live), ``--episodes`` episodes of ``--prompts`` (the arithmetic problem
 environment that answers every turn with the same short message and never ends an episode,
 ``--turns`` turns of at most ``--max-new-tokens`` tokens, one warm-up rollout, then ``--repeats``
 measured rollouts per engine. Prints, per engine and turn: live episodes, mean context tokens,
-seconds, and seconds per live episode relative to turn 1.
+seconds, and seconds per live episode relative to turn 1. ``--fixed-length`` makes every turn
+sample exactly ``--max-new-tokens`` tokens (EOS masked until then: ``min_new_tokens`` in
+``transformers``, ``min_tokens`` in vLLM), so the turns differ only in their context: what is left
+of turn k's extra cost is prefilling it, which vLLM's prefix cache saves.
 
     python benchmarks/agent_turns.py                          # both engines (vLLM when installed)
     python benchmarks/agent_turns.py --engines transformers --turns 4
+    python benchmarks/agent_turns.py --fixed-length --max-new-tokens 32 --turns 4
 """
 
 from __future__ import annotations
@@ -30,6 +34,30 @@ class GoOn:
 
     def step(self, action):
         return "Go on.", 0.0, False
+
+
+def fix_length(engine, engine_name: str) -> None:
+    """Mask EOS until a turn holds ``max_new_tokens`` tokens (a benchmark's setting, off-policy
+    for training)."""
+    if engine_name == "transformers":
+        real = engine.sample_continuations
+
+        def at_length(sequences, max_new_tokens):
+            engine.gen_config.min_new_tokens = max_new_tokens
+            return real(sequences, max_new_tokens)
+
+        engine.sample_continuations = at_length
+        return
+    from pyppo.rollout import vllm_engine
+
+    real_params = vllm_engine.sampling_params
+
+    def at_length(**kwargs):
+        params = real_params(**kwargs)
+        params.min_tokens = kwargs["max_new_tokens"]
+        return params
+
+    vllm_engine.sampling_params = at_length
 
 
 def measure(engine_name: str, args) -> dict:
@@ -55,13 +83,16 @@ def measure(engine_name: str, args) -> dict:
     )
     trainer = PPOTrainer(config, policy, None, None, tokenizer, None, chosen, environment=GoOn)
     base, timings = trainer.engine.engine, defaultdict(list)
+    if args.fixed_length:
+        fix_length(base, engine_name)
     real = base.sample_continuations
 
     def timed(sequences, max_new_tokens):
         t0 = time.perf_counter()
         out = real(sequences, max_new_tokens)
         turn = timed.turn
-        timings[turn].append((time.perf_counter() - t0, len(sequences), statistics.mean(map(len, sequences))))
+        sampled = statistics.mean(len(ids) for ids, _ in out)
+        timings[turn].append((time.perf_counter() - t0, len(sequences), statistics.mean(map(len, sequences)), sampled))
         timed.turn += 1
         return out
 
@@ -77,10 +108,16 @@ def measure(engine_name: str, args) -> dict:
     trainer.close()
     rows = {}
     for turn, samples in sorted(timings.items()):
-        seconds = statistics.median(s for s, _, _ in samples)
-        live = statistics.median(n for _, n, _ in samples)
-        context = statistics.mean(c for _, _, c in samples)
-        rows[turn + 1] = {"live": live, "context": context, "seconds": seconds, "per_episode": seconds / live}
+        seconds = statistics.median(s[0] for s in samples)
+        live = statistics.median(s[1] for s in samples)
+        context, sampled = (statistics.mean(s[i] for s in samples) for i in (2, 3))
+        rows[turn + 1] = {
+            "live": live,
+            "context": context,
+            "sampled": sampled,
+            "seconds": seconds,
+            "per_episode": seconds / live,
+        }
     return rows
 
 
@@ -99,6 +136,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--fixed-length", action="store_true", help="every turn samples exactly --max-new-tokens tokens")
     args = p.parse_args()
     for name in args.engines.split(","):
         if name == "vllm":
@@ -109,11 +147,12 @@ def main() -> None:
                 continue
         rows = measure(name, args)
         first = rows[1]["per_episode"]
-        print(f"{name}: {args.episodes} episodes, {args.max_new_tokens} new tokens a turn, {args.dtype}")
-        print("  turn  live  context tokens  seconds  s/episode vs turn 1")
+        exactly = "exactly " if args.fixed_length else "at most "
+        print(f"{name}: {args.episodes} episodes, {exactly}{args.max_new_tokens} new tokens a turn, {args.dtype}")
+        print("  turn  live  context tokens  sampled tokens  seconds  s/episode vs turn 1")
         for turn, r in rows.items():
             print(
-                f"  {turn:>4}  {r['live']:>4.0f}  {r['context']:>14.1f}  {r['seconds']:>7.2f}"
+                f"  {turn:>4}  {r['live']:>4.0f}  {r['context']:>14.1f}  {r['sampled']:>14.1f}  {r['seconds']:>7.2f}"
                 f"  {r['per_episode'] / first:>8.2f}x"
             )
 

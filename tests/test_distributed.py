@@ -224,6 +224,25 @@ def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
             del os.environ["PYPPO_DEBUG"]
 
 
+def test_two_process_agent_run_gives_each_rank_its_own_episodes_and_resumes_exactly(tmp_path):
+    model = save_tiny_causal_lm(tmp_path / "tiny")
+    flags = ["--model", str(model), "--env", f"{HERE / 'support' / 'echo_env.py'}:Echo", "--device", "cpu"]
+    flags += ["--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1", "--max-new-tokens", "12"]
+    flags += ["--max-turns", "3", "--seed", "5", "--save-every", "1", "--dtype", "float32"]
+    torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "1", "--output", str(tmp_path / "run"))
+    torchrun(2, "-m", "pyppo", "train", "--resume", str(tmp_path / "run"), "--steps", "2")
+    torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "2", "--output", str(tmp_path / "straight"))
+
+    def rows(run, name):
+        return [json.loads(line) for line in (tmp_path / run / name).read_text().splitlines()]
+
+    untimed = lambda r: {k: v for k, v in r.items() if "time" not in k and "seconds" not in k}  # noqa: E731
+    assert [untimed(r) for r in rows("run", "metrics.jsonl")] == [untimed(r) for r in rows("straight", "metrics.jsonl")]
+    assert all(r["first_max_abs_logratio"] == 0.0 and "turns_mean" in r for r in rows("run", "metrics.jsonl"))
+    samples = rows("run", "samples.jsonl")
+    assert len(samples) == 2 * 4 and samples == rows("straight", "samples.jsonl")  # both ranks' episodes
+
+
 def test_two_process_fsdp_lora_train_exports_and_resumes(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -6,42 +6,21 @@ from __future__ import annotations
 
 import os
 import signal
-import textwrap
 
 import pytest
 
 from pyppo import cli
-from support.run_fixture import ckpt_step, read_rows, tiny_dir, untimed  # noqa: F401 (fixtures)
+from support.run_fixture import TESTS, ckpt_step, read_rows, tiny_dir, untimed  # noqa: F401 (fixtures)
 
-ENV = textwrap.dedent(
-    """
-    import random
-
-    class Echo:
-        '''Replies with a number drawn from its seed; done on the third turn; pays 0.1 per turn
-        and 1 when the last reply's number appears in the agent's text.'''
-
-        def reset(self, seed, **row):
-            self.rng, self.n = random.Random(seed), 0
-
-        def step(self, action):
-            self.n += 1
-            self.secret = self.rng.randint(0, 9)
-            if self.n == 3:
-                return None, 0.1 + float(str(self.secret) in action), True
-            return f"Say {self.secret}.", 0.1, False
-    """
-)
+ECHO = TESTS / "support" / "echo_env.py"
 
 FLAGS = ["--steps", "3", "--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1"]
 FLAGS += ["--max-new-tokens", "24", "--max-turns", "3", "--seed", "5", "--save-every", "100", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
-def env_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("env") / "echo_env.py"
-    path.write_text(ENV)
-    return path
+def env_file():
+    return ECHO
 
 
 @pytest.fixture(scope="module")

@@ -85,14 +85,20 @@ def test_max_episode_tokens_below_the_prompt_is_refused_naming_it():
 
 
 @pytest.fixture(scope="module")
-def three_turn_step():
-    """One PPO step of 3-turn episodes on the tiny model: each turn scripted to end with EOS."""
+def three_turn_trainer():
+    """A trainer after one PPO step of 3-turn episodes on the tiny model (each turn scripted to
+    end with EOS), and that step's batch."""
     tok = tiny_tokenizer()
     config = small_config(max_turns=3, max_new_tokens=8, steps=1, kl_coef=0.05)
     trainer = PPOTrainer(config, tiny_causal_lm(0), None, None, tok, None, PROMPTS, environment=Replies)
     a, b = (tok(t, add_special_tokens=False)["input_ids"] for t in ("no", "maybe"))
     trainer.engine.engine = Scripted([a + [EOS], b + [EOS], [EOS]])
-    return trainer.step()
+    return trainer, trainer.step()
+
+
+@pytest.fixture(scope="module")
+def three_turn_step(three_turn_trainer):
+    return three_turn_trainer[1]
 
 
 def test_the_first_ratio_is_exactly_one_and_the_step_1_kl_exactly_zero_over_every_agent_token(three_turn_step):
@@ -114,6 +120,36 @@ def test_environment_tokens_take_no_kl_no_advantage_and_no_reward(three_turn_ste
     # agent token; an episode's rewards sum to its score (the KL is 0 at step 1).
     torch.testing.assert_close(batch.rewards.sum(dim=1), batch.scores)
     assert batch.scores.tolist() == [sum(Replies.pay)] * len(batch)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_entropy_bonus_covers_agent_tokens_only(three_turn_trainer, fused):
+    """The entropy term of the policy loss (both paths: the fused linear loss and the log-probs)
+    is the entropy of the agent's tokens, by a float64 reference from the full logits; the
+    environment's tokens are not in it."""
+    from pyppo.trainer.logprob_head import PolicyObjective
+
+    trainer, batch = three_turn_trainer[0], three_turn_trainer[1].batch
+    # Summed over each episode's tokens (not averaged): counting the environment's tokens would
+    # show, whatever the entropies (near log V everywhere on a random tiny model).
+    changes = dict(entropy_coef=0.5, fused_policy_loss=fused, loss_agg="seq-mean-token-sum")
+    objective = PolicyObjective.from_config(trainer.config.with_changes(**changes))
+    head = trainer.models.policy_logprobs
+    _, stats, _, _ = head(batch, objective=objective)
+    with torch.no_grad():
+        T = batch.response_length
+        logits = (
+            trainer.models.policy(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+            )
+            .logits[:, -(T + 1) : -1]
+            .double()
+        )
+    logp = torch.log_softmax(logits / head.temperature, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    agent, episode = ((entropy * m).sum(1).mean() for m in (batch.loss_mask, batch.response_mask))
+    assert float(episode) > 2 * float(agent)
+    assert float(stats["entropy_loss"]) == pytest.approx(float(agent), rel=1e-5)
 
 
 def test_environment_tokens_get_zero_gradient():

@@ -160,6 +160,23 @@ def test_a_weight_sync_makes_the_engine_sample_from_the_updated_policy(model_and
         engine.sync_weights(model)
 
 
+def test_sample_continuations_continues_the_given_ids_with_the_policys_logprobs(model_and_engine):
+    model, engine = model_and_engine
+    tok = tokenizer()
+    contexts = [tok("Say hi.")["input_ids"], tok("Describe the rain, please.")["input_ids"]]
+    out = engine.sample_continuations(contexts, 6)
+    assert len(out) == 2
+    for context, (ids, logprobs) in zip(contexts, out):
+        assert 1 <= len(ids) <= 6 and len(logprobs) == len(ids)
+        if 2 in ids:
+            assert ids.index(2) == len(ids) - 1  # cut after the first EOS
+        full = torch.tensor([context + ids])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits.float()
+        lp = torch.log_softmax(logits[0, len(context) - 1 : -1], -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), lp, rtol=0, atol=LOGPROB_ATOL)
+
+
 @pytest.mark.parametrize("sync", ["direct", "reload"])
 def test_both_sync_paths_copy_every_weight(sync):
     model = vllm_llama(seed=3)
@@ -281,23 +298,6 @@ def test_multi_turn_episodes_sample_with_vllm_and_the_first_ratio_is_exactly_one
     env = b.response_mask & ~b.loss_mask
     assert b.rollout_logprobs is not None and float(b.rollout_logprobs[env].abs().sum()) == 0.0
     assert max_diff(b.old_logprobs, b.rollout_logprobs, b.loss_mask) < LOGPROB_ATOL
-
-
-def test_sample_continuations_continues_the_given_ids_with_the_policys_logprobs(model_and_engine):
-    model, engine = model_and_engine
-    tok = tokenizer()
-    contexts = [tok("Say hi.")["input_ids"], tok("Describe the rain, please.")["input_ids"]]
-    out = engine.sample_continuations(contexts, 6)
-    assert len(out) == 2
-    for context, (ids, logprobs) in zip(contexts, out):
-        assert 1 <= len(ids) <= 6 and len(logprobs) == len(ids)
-        if 2 in ids:
-            assert ids.index(2) == len(ids) - 1  # cut after the first EOS
-        full = torch.tensor([context + ids])
-        with torch.no_grad():
-            logits = model(input_ids=full).logits.float()
-        lp = torch.log_softmax(logits[0, len(context) - 1 : -1], -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(logprobs), lp, rtol=0, atol=LOGPROB_ATOL)
 
 
 def test_a_planted_mismatch_in_the_engine_shows_in_the_metrics():
