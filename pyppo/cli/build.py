@@ -63,6 +63,7 @@ def check_sources(
     device: str,
     eval_prompts: Optional[str] = None,
     env: Optional[str] = None,
+    env_eval: bool = False,
 ):
     """The cheap checks, before anything large is loaded: the model source exists, the prompts
     parse, the reward loads and the prompts have the fields it requires. Returns ``(reward_fn,
@@ -71,7 +72,9 @@ def check_sources(
 
     With an environment ``env`` (:func:`pyppo.agents.registry.load_environment`), ``reward``
     may be ``"none"`` (``reward_fn`` is then ``None``: the environment pays alone), the prompts
-    default to the environment's ``default_prompts`` and are records (its ``reset`` takes them).
+    default to the environment's ``default_prompts`` and are records (its ``reset`` takes them);
+    with ``env_eval`` (the run evaluates: ``eval_every > 0``) the eval prompts default to its
+    ``default_eval_prompts``.
 
     Raises:
         FileNotFoundError, ModuleNotFoundError, ValueError: a bad source, naming it.
@@ -96,6 +99,8 @@ def check_sources(
     eval_records = _load_prompts(eval_prompts, "--eval-prompts", reward_fn, records=agent)
     if records is None and env_class is not None and getattr(env_class, "default_prompts", None) is not None:
         records = list(env_class.default_prompts())
+    if eval_records is None and env_eval and getattr(env_class, "default_eval_prompts", None) is not None:
+        eval_records = list(env_class.default_eval_prompts())
     if reward_fn is not None:
         _check_fields(reward_fn, records, prompts, "--prompts")
         if eval_records is not None:
@@ -124,14 +129,17 @@ def build_trainer(
         prompts: a ``.jsonl`` file of ``{"prompt": ..., <fields>}`` lines or a built-in set's name
             (:func:`pyppo.prompts.load_prompt_records`); ``None`` = the default prompts. With
             fields besides ``"prompt"`` the trainer gets the records (dicts), else the strings.
-        eval_prompts: held-out prompts in the same forms, for ``eval_every``; ``None`` = none.
+        eval_prompts: held-out prompts in the same forms, for ``eval_every``; ``None`` = none, or
+            with ``env`` and ``eval_every``, the environment's ``default_eval_prompts``.
         env: multi-turn episodes with this environment (``pyppo train --env``); ``None`` = none.
         before_loading: called after the cheap checks, before the model loads (e.g. to say so).
 
     Raises:
         as :func:`check_sources` and :func:`pyppo.models.load_model_and_tokenizer`.
     """
-    reward_fn, prompt_list, eval_list = check_sources(model, reward, prompts, config.device, eval_prompts, env)
+    reward_fn, prompt_list, eval_list = check_sources(
+        model, reward, prompts, config.device, eval_prompts, env, env_eval=bool(config.eval_every)
+    )
     if before_loading is not None:
         before_loading()
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).

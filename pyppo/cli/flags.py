@@ -155,5 +155,6 @@ def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = Fa
             "--eval-prompts",
             metavar="FILE.jsonl|NAME",
             help="held-out prompts (same format, or 'arithmetic-eval': arithmetic problems that "
-            "'arithmetic' holds out), evaluated every --eval-every steps and after the last",
+            "'arithmetic' holds out), evaluated every --eval-every steps and after the last "
+            "(default with --env and --eval-every: the environment's held-out prompts)",
         )

@@ -240,8 +240,11 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         ppo_config.check_world_size(world)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    if ppo_config.eval_every and not run["eval_prompts"]:
-        raise CLIError(f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts)")
+    if ppo_config.eval_every and not run["eval_prompts"] and not _env_has_eval_prompts(run["env"]):
+        raise CLIError(
+            f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts), "
+            "or an --env that declares its own (default_eval_prompts)"
+        )
     if args.output is not None:
         output = Path(args.output).expanduser()
     elif resume_dir is not None:
@@ -356,6 +359,14 @@ def _env_reward(spec: str) -> str:
     from ..agents.registry import load_environment
 
     return getattr(load_environment(spec), "default_reward", None) or "none"
+
+
+def _env_has_eval_prompts(spec: Optional[str]) -> bool:
+    """Whether the environment ``spec`` declares held-out prompt records (``default_eval_prompts``),
+    which ``--eval-every`` then evaluates on when ``--eval-prompts`` is not given."""
+    from ..agents.registry import load_environment
+
+    return spec is not None and getattr(load_environment(spec), "default_eval_prompts", None) is not None
 
 
 def _check_python_run_sources(args: argparse.Namespace, config_path: Path, resumed: dict) -> None:

@@ -105,3 +105,16 @@ def test_a_run_started_from_python_with_an_environment_is_continued_by_pyppo_tra
     capsys.readouterr()
     rows = read_rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and "turns_mean" in rows[1]
+
+
+def test_eval_every_with_an_env_evaluates_on_its_held_out_prompts(tiny_dir, tmp_path, capsys):
+    from pyppo.agents.envs.calculator import Calculator
+    from pyppo.cli.build import check_sources
+
+    _, _, held_out = check_sources(str(tiny_dir), "math", None, "cpu", None, "calculator", env_eval=True)
+    assert held_out == Calculator.default_eval_prompts()
+    assert check_sources(str(tiny_dir), "math", None, "cpu", None, "calculator")[2] is None  # no evaluation
+    # An environment with no held-out set of its own needs --eval-prompts.
+    argv = ["train", "--model", str(tiny_dir), "--env", f"{ECHO}:Echo", "--eval-every", "2"]
+    assert cli.main([*argv, "--output", str(tmp_path / "run"), "--steps", "1"]) == 2
+    assert "--eval-every 2 needs --eval-prompts" in capsys.readouterr().err
