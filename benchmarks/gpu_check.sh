@@ -28,8 +28,8 @@
 #   kernels the kernel table (gpu/kernel_table.py): gather_logprobs forward (with and without
 #           entropy) and backward on logits [8, 1024, 151936] in bf16 and fp32, each against a
 #           device-to-device copy of the same bytes (targets: forward >= 80% of copy bandwidth,
-#           backward >= 60%); GAE on [256, 2048]; linear_logprobs forward+backward with entropy
-#           at Liger-Kernel's fused linear cross-entropy shape (M = 16384, H = 4096, V = 131072,
+#           backward >= 60%); GAE and turn GAE on [256, 2048]; linear_logprobs forward+backward
+#           with entropy at Liger-Kernel's fused linear cross-entropy shape (M = 16384, H = 4096, V = 131072,
 #           bf16; target: no slower than Liger's, about 104 ms on an H100, or Liger itself when it
 #           is installed);
 #           writes kernels.json (to OUT when set);

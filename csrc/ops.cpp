@@ -41,8 +41,15 @@ TORCH_LIBRARY(pyppo, m) {
   m.def("shape_rewards(Tensor scores, Tensor logprobs, Tensor ref_logprobs, Tensor response_mask, float kl_coef, "
         "str estimator, float? score_clip) -> (Tensor, Tensor)");
 
-  // -> (advantages [B, T], returns [B, T])
-  m.def("gae(Tensor rewards, Tensor values, Tensor response_mask, float gamma, float lam, Tensor? last_values) "
+  // -> (advantages [B, T], returns [B, T]). row_lam [B]: each row's lam, replacing lam for the
+  // advantages; lam_critic: the returns' lam (None: the advantages' lam, per row with row_lam).
+  m.def("gae(Tensor rewards, Tensor values, Tensor response_mask, float gamma, float lam, Tensor? last_values, "
+        "float? lam_critic=None, Tensor? row_lam=None) -> (Tensor, Tensor)");
+
+  // turn_ids [B, T] integer (the agent turn of a position, negative where no agent token) ->
+  // (advantages [B, T], returns [B, T]): GAE over each row's agent turns, broadcast onto the
+  // turn's agent positions.
+  m.def("turn_gae(Tensor rewards, Tensor values, Tensor turn_ids, float gamma, float lam, Tensor? last_values) "
         "-> (Tensor, Tensor)");
 
   // scores [B], response_mask [B, T], group_ids [B] int64 in [0, B) -> advantages [B, T]: each

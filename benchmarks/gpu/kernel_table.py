@@ -4,7 +4,7 @@ being a read and a write of the logits.
 
 Rows: gather_logprobs forward (with and without entropy) and backward on logits [8, 1024, 151936]
 in bf16 and fp32, each against a device-to-device copy (targets: forward >= 0.80 of the copy's
-bandwidth, backward >= 0.60); GAE on [256, 2048]; linear_logprobs forward+backward with entropy at
+bandwidth, backward >= 0.60); GAE and turn GAE on [256, 2048]; linear_logprobs forward+backward with entropy at
 M = 16384, H = 4096, V = 131072 in bf16 (target: no slower than Liger-Kernel's fused linear
 cross-entropy, run here when installed, else ~104 ms). ``quick`` shrinks the shapes.
 gpu_check.sh's kernels step calls it as ``kernel_table.py "${OUT:-$WORK}/kernels.json"`` (not
@@ -102,6 +102,12 @@ v = torch.randn(B, T, device=d)
 m = torch.rand(B, T, device=d) < 0.9
 t = timed(lambda: ops.gae(r, v, m, gamma=0.99, lam=0.95), reps=20)
 row(f"gae fp32 [{B}, {T}]", t, B * T * (4 * 4 + 1))
+# turns of 32 agent tokens between 32 environment tokens (one thread a row; bytes: rewards,
+# values, int64 ids and both outputs once)
+pos = torch.arange(T, device=d)
+ids = torch.where((pos // 32) % 2 == 0, pos // 64, -1).expand(B, T).contiguous()
+t = timed(lambda: ops.turn_gae(r, v, ids, gamma=0.99, lam=0.95), reps=20)
+row(f"turn_gae fp32 [{B}, {T}]", t, B * T * (4 * 4 + 8))
 
 M, H, V = (16384, 4096, 131072) if not quick else (2048, 4096, 131072)
 hid = (torch.randn(M, H, device=d) * 0.5).to(torch.bfloat16).requires_grad_()

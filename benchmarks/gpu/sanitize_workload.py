@@ -1,7 +1,8 @@
 """Every pyppo CUDA kernel on tiny shapes, for compute-sanitizer: gather_logprobs forward (with and
 without entropy, temperature 1 and not) and backward, on V = 7, 4099 and 6144, contiguous, T-sliced
 and misaligned (every row one element off 16 bytes); linear_logprobs and linear_ppo_loss;
-kl_penalty, shape_rewards, gae (T = 5, 1024, 2500), masked_mean / masked_var / masked_whiten;
+kl_penalty, shape_rewards, gae (T = 5, 1024, 2500; also with a per-row and a critic lambda), turn_gae
+(the same rows), masked_mean / masked_var / masked_whiten;
 group_advantages (B = 3 and 300: one tile of ids and two, groups of 1 to 7); every dtype. Each result is
 checked finite where it must be, so a wrong answer fails as well as a bad access.
 
@@ -85,6 +86,14 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         adv, ret = ops.gae(r, v, mk, gamma=0.99, lam=0.95, last_values=v[:, 0].contiguous())
         if not (torch.isfinite(adv).all() and torch.isfinite(ret).all()):
             problems.append(f"gae {dtype} T={T}: non-finite output")
+        row_lam = torch.tensor([0.0, 0.5, 0.9, 1.0], device=d)
+        adv, ret = ops.gae(r, v, mk, gamma=0.99, lam=row_lam, lam_critic=1.0)
+        if not (torch.isfinite(adv).all() and torch.isfinite(ret).all()):
+            problems.append(f"gae (row lam, lam_critic) {dtype} T={T}: non-finite output")
+        turn_ids = torch.where(mk, torch.arange(T, device=d) // 7, -1)
+        adv, ret = ops.turn_gae(r, v, turn_ids, gamma=0.99, lam=0.95, last_values=v[:, 0].contiguous())
+        if not (torch.isfinite(adv).all() and torch.isfinite(ret).all()):
+            problems.append(f"turn_gae {dtype} T={T}: non-finite output")
         mk[1, 0] = True
         ops.kl_penalty(r, v, estimator="k3")
         ops.shape_rewards(v[:, 0].contiguous(), r, v, mk, kl_coef=0.05)

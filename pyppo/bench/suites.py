@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .case import Case, Sweep
-from .cases import gae, gather_logprobs, group_advantages, kl, linear_logprobs, linear_ppo_loss, masked
+from .cases import gae, gather_logprobs, group_advantages, kl, linear_logprobs, linear_ppo_loss, masked, turn_gae
 
 __all__ = ["Timing", "Suite", "SUITES", "SIZES", "suite"]
 
@@ -79,6 +79,8 @@ def _op_cases(logits_shape, bt_shape, linear_shape, group_shape, with_targets: b
         kl.shape_rewards_case(bt_shape, F32),
         gae.case(bt_shape, F32, targets=t(gae.VS_LOOP)),
         gae.case(bt_shape, F32, eager_name="trl loop"),
+        turn_gae.case(bt_shape, F32, targets=t(turn_gae.VS_LOOP)),
+        turn_gae.case(bt_shape, F32, eager_name="pyppo gae (token level)"),
         masked.masked_whiten_case(bt_shape, F32),
         *group_advantages.cases(group_shape, F32, with_targets=with_targets),
     ]
@@ -88,6 +90,7 @@ def _sweeps(logits_lead: tuple[int, int], vs: list[int], B: int, ts: list[int]) 
     sweeps = [Sweep("gather_logprobs fwd fp32", "V", [gather_logprobs.fwd((*logits_lead, v), F32) for v in vs], vs)]
     for name, make in (
         ("gae (holes) fp32", gae.case),
+        ("turn_gae fp32", turn_gae.case),
         ("shape_rewards fp32", kl.shape_rewards_case),
         ("masked_whiten fp32", masked.masked_whiten_case),
     ):
@@ -143,6 +146,9 @@ def _gpu(sizes: str) -> Suite:
         kl.kl_penalty_case(bt, F32, "k3"),
         kl.shape_rewards_case(bt, F32),
         gae.case(bt, F32, targets=t(gae.VS_LOOP)),
+        # one thread per row, not yet timed on a GPU: no target
+        turn_gae.case(bt, F32),
+        turn_gae.case(bt, F32, eager_name="pyppo gae (token level)"),
         masked.masked_whiten_case(bt, F32),
         group_advantages.grpo_case(GROUP_SHAPE[sizes], F32, targets=t(group_advantages.VS_LOOP)),
         group_advantages.grpo_case(GROUP_SHAPE[sizes], F32, vectorized=True),

@@ -14,7 +14,7 @@ and no message is written twice.
 """
 
 from ._non_differentiable import register_non_differentiable, register_once_differentiable
-from .gae import gae
+from .gae import gae, length_adaptive_lam
 from .gather_logprobs import gather_logprobs
 from .group_advantages import GROUP_ESTIMATORS, group_advantages
 from .kl import KL_ESTIMATORS, kl_penalty, shape_rewards
@@ -23,11 +23,17 @@ from .linear_ppo_loss import linear_ppo_loss
 from .losses import LOSS_AGG_MODES, aggregate_loss, loss_token_weights, ppo_policy_loss, ppo_value_loss
 from .masked import masked_mean, masked_var, masked_whiten
 from .policy_losses import POLICY_LOSSES, cispo_policy_loss, gspo_policy_loss
+from .turn_gae import turn_gae, turn_start_mask
 
 # Outputs that PPO treats as constants: marked non-differentiable rather than left without an
 # autograd kernel, so a requires_grad input gives a clean constant, not a deprecation warning.
 register_non_differentiable(
-    "pyppo::gae", "pyppo::group_advantages", "pyppo::shape_rewards", "pyppo::masked_var", "pyppo::masked_whiten"
+    "pyppo::gae",
+    "pyppo::turn_gae",
+    "pyppo::group_advantages",
+    "pyppo::shape_rewards",
+    "pyppo::masked_var",
+    "pyppo::masked_whiten",
 )
 register_once_differentiable(
     "pyppo::gather_logprobs_backward", "pyppo::kl_penalty_backward", "pyppo::linear_logprobs_backward"
@@ -41,6 +47,9 @@ __all__ = [
     "kl_penalty",
     "shape_rewards",
     "gae",
+    "length_adaptive_lam",
+    "turn_gae",
+    "turn_start_mask",
     "group_advantages",
     "masked_mean",
     "masked_var",

@@ -11,11 +11,14 @@ per operation, vectorised over rows and threads.
   last place, exact at 0 as the hardware is) and ``log2f``; ``fma`` is computed in float64 and
   rounded once more. The contract checks (log-probs never positive, exactly 0 where the row is
   one-hot or V = 1, finite for huge finite logits) hold whatever those last bits are.
-* :func:`gae` replays ``gae_warp_kernel`` (gae_kernel.cu) bit for bit: every operation in the
-  kernel is an explicit IEEE multiply, add or subtract.
+* :func:`gae` replays ``gae_warp_kernel`` (gae_kernel.cu) bit for bit, with a decoupled
+  ``lam_critic`` and a per-row ``row_lam`` too: every operation in the kernel is an explicit IEEE
+  multiply, add or subtract.
 * :func:`group_advantages` replays ``group_advantages_kernel`` (group_advantages_kernel.cu) bit
   for bit: the tiles of ids, the ballots of 32 lanes and the order in which a warp visits its
   group's rows, with the kernel's float64 operations (Python floats are IEEE float64).
+* :func:`turn_gae` replays ``turn_gae_kernel`` (turn_gae_kernel.cu) bit for bit: a thread's two
+  loops over its row, with the kernel's explicit IEEE float32 operations.
 * :func:`kl_k3` replays the float ``k3`` of ``kl_fwd_kernel`` / ``kl_bwd_kernel`` (kl_kernel.cu,
   the arithmetic in csrc/kl_estimators.h): bit for bit where ``|ref - lp| <= 1`` (the series
   and the TwoSum correction are explicit ``__fmul_rn`` / ``__fadd_rn`` and subtractions, no FMA);
@@ -193,14 +196,26 @@ def gae(
     gamma: float,
     lam: float,
     last_values: np.ndarray | None = None,
+    lam_critic: float | None = None,
+    row_lam: np.ndarray | None = None,
 ):
-    """(advantages, returns) ``[B, T]`` float32, bit for bit as ``gae_warp_kernel`` computes them."""
+    """(advantages, returns) ``[B, T]`` float32, bit for bit as ``gae_warp_kernel`` computes them
+    (with ``lam_critic``: its ``Two`` instance, a second composition for the returns; with
+    ``row_lam``: each row's γ·λ from its own λ)."""
     rewards = np.asarray(rewards, F32)
     values = np.asarray(values, F32)
     mask = np.asarray(mask, bool)
     B, T = rewards.shape
     S = GAE_SEGMENT
-    g, gl = F32(gamma), F32(gamma * lam)  # the kernel casts the double product
+    g = F32(gamma)
+    # The kernel casts the double product; an out-of-range row λ gives NaN.
+    if row_lam is None:
+        gl = np.full((B, 1), F32(gamma * lam), F32)
+    else:
+        lam_b = np.asarray(row_lam, np.float64)
+        gl = np.where((lam_b >= 0) & (lam_b <= 1), gamma * lam_b, np.nan).astype(F32)[:, None]
+    two = lam_critic is not None
+    gl_c = np.full((B, 1), F32(gamma * lam_critic), F32) if two else gl
     tiles = -(-T // GAE_TILE)
     Tp = tiles * GAE_TILE
     r_all = np.zeros((B, Tp), F32)
@@ -211,7 +226,18 @@ def gae(
     ret = np.zeros((B, Tp), F32)
     carry_v = np.zeros(B, F32) if last_values is None else np.asarray(last_values, F32).copy()
     carry_a = np.zeros(B, F32)
+    carry_c = np.zeros(B, F32)
     lane = np.arange(32)
+
+    def compose_to_edge(C, D, carry):
+        for off in (1, 2, 4, 8, 16):
+            oC, oD = _shfl_down(C, off), _shfl_down(D, off)
+            upd = lane + off < 32
+            D, C = np.where(upd, (D + (C * oD).astype(F32)).astype(F32), D), np.where(upd, (C * oC).astype(F32), C)
+        right_C, right_D = _shfl_down(C, 1), _shfl_down(D, 1)
+        return np.where(
+            lane < 31, (right_D + (right_C * carry[:, None]).astype(F32)).astype(F32), carry[:, None]
+        ).astype(F32)
 
     def td(r, v, nv):
         return ((r + (g * nv).astype(F32)).astype(F32) - v).astype(F32)
@@ -232,37 +258,91 @@ def gae(
             sh, sv = np.where(upd, oh, sh), np.where(upd, ov, sv)
         right_h, right_v = _shfl_down(sh, 1), _shfl_down(sv, 1)
         v_edge = np.where((lane < 31) & right_h, right_v, carry_v[:, None]).astype(F32)
-        # 2. Each segment's map, then the suffix compositions.
+        # 2. Each segment's map (and the returns' with gl_c), then the suffix compositions.
         C, D = np.ones((B, 32), F32), np.zeros((B, 32), F32)
+        Cc, Dc = C.copy(), D.copy()
         nv = v_edge.copy()
         for k in range(S - 1, -1, -1):
             mk = m[..., k]
-            D = np.where(mk, (td(r[..., k], v[..., k], nv) + (gl * D).astype(F32)).astype(F32), D)
+            delta = td(r[..., k], v[..., k], nv)
+            D = np.where(mk, (delta + (gl * D).astype(F32)).astype(F32), D)
             C = np.where(mk, (gl * C).astype(F32), C)
+            Dc = np.where(mk, (delta + (gl_c * Dc).astype(F32)).astype(F32), Dc)
+            Cc = np.where(mk, (gl_c * Cc).astype(F32), Cc)
             nv = np.where(mk, v[..., k], nv)
-        for off in (1, 2, 4, 8, 16):
-            oC, oD = _shfl_down(C, off), _shfl_down(D, off)
-            upd = lane + off < 32
-            D, C = np.where(upd, (D + (C * oD).astype(F32)).astype(F32), D), np.where(upd, (C * oC).astype(F32), C)
-        right_C, right_D = _shfl_down(C, 1), _shfl_down(D, 1)
-        a_edge = np.where(
-            lane < 31, (right_D + (right_C * carry_a[:, None]).astype(F32)).astype(F32), carry_a[:, None]
-        ).astype(F32)
+        a_edge = compose_to_edge(C, D, carry_a)
+        c_edge = compose_to_edge(Cc, Dc, carry_c)
         # 3. The recurrence over each segment from its right edge.
-        nv, na = v_edge.copy(), a_edge.copy()
+        nv, na, nc = v_edge.copy(), a_edge.copy(), c_edge.copy()
         out_a = np.zeros((B, 32, S), F32)
         out_r = np.zeros((B, 32, S), F32)
         for k in range(S - 1, -1, -1):
             mk = m[..., k]
-            na = np.where(mk, (td(r[..., k], v[..., k], nv) + (gl * na).astype(F32)).astype(F32), na)
+            delta = td(r[..., k], v[..., k], nv)
+            na = np.where(mk, (delta + (gl * na).astype(F32)).astype(F32), na)
+            nc = np.where(mk, (delta + (gl_c * nc).astype(F32)).astype(F32), nc)
             nv = np.where(mk, v[..., k], nv)
             out_a[..., k] = np.where(mk, na, F32(0))
-            out_r[..., k] = np.where(mk, (na + v[..., k]).astype(F32), F32(0))
+            out_r[..., k] = np.where(mk, ((nc if two else na) + v[..., k]).astype(F32), F32(0))
         adv[:, sl] = np.where(active[:, None], out_a.reshape(B, GAE_TILE), F32(0))
         ret[:, sl] = np.where(active[:, None], out_r.reshape(B, GAE_TILE), F32(0))
         carry_v = np.where(active, nv[:, 0], carry_v).astype(F32)
         carry_a = np.where(active, na[:, 0], carry_a).astype(F32)
+        carry_c = np.where(active, nc[:, 0], carry_c).astype(F32)
     return adv[:, :T], ret[:, :T]
+
+
+def turn_gae(
+    rewards: np.ndarray,
+    values: np.ndarray,
+    turn_ids: np.ndarray,
+    *,
+    gamma: float,
+    lam: float,
+    last_values: np.ndarray | None = None,
+):
+    """(advantages, returns) ``[B, T]`` float32, bit for bit as ``turn_gae_kernel`` computes them
+    (one thread a row: the loop over the turns right to left, then the broadcast left to right)."""
+    rewards = np.asarray(rewards, F32)
+    values = np.asarray(values, F32)
+    turn_ids = np.asarray(turn_ids, np.int64)
+    B, T = rewards.shape
+    g, gl = F32(gamma), F32(gamma * lam)
+    adv = np.zeros((B, T), F32)
+    ret = np.zeros((B, T), F32)
+    for b in range(B):
+        ip, rp, vp, ap, op = turn_ids[b], rewards[b], values[b], adv[b], ret[b]
+        next_value = F32(0) if last_values is None else F32(last_values[b])
+        next_adv = F32(0)
+        is_open, tid, start, reward = False, 0, 0, F32(0)
+        for t in range(T - 1, -2, -1):
+            i = int(ip[t]) if t >= 0 else -1
+            if t >= 0 and i < 0:
+                continue
+            if is_open and (t < 0 or i != tid):
+                v = vp[start]
+                delta = F32(F32(reward + F32(g * next_value)) - v)
+                next_adv = F32(delta + F32(gl * next_adv))
+                next_value = v
+                ap[start], op[start] = next_adv, F32(next_adv + v)
+                is_open = False
+            if t < 0:
+                break
+            if is_open:
+                reward = F32(reward + rp[t])
+            else:
+                is_open, tid, reward = True, i, rp[t]
+            start = t
+        seen, a, r = False, F32(0), F32(0)
+        for t in range(T):
+            i = int(ip[t])
+            if i < 0:
+                ap[t] = op[t] = F32(0)
+                continue
+            if not seen or i != tid:
+                seen, tid, a, r = True, i, ap[t], op[t]
+            ap[t], op[t] = a, r
+    return adv, ret
 
 
 def _group_members(ids: np.ndarray, g: int) -> list[int]:

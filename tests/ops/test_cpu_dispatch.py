@@ -15,8 +15,8 @@ SCRIPT = r"""
 import json, sys, torch, pyppo._C as C
 from pyppo import ops
 sys.path.insert(0, sys.argv[1])
-from support.reference import (ref_gae, ref_gather_logprobs, ref_group_advantages, ref_kl_penalty, ref_masked_mean,
-                               ref_masked_whiten)
+from support.reference import (random_turn_ids, ref_gae, ref_gather_logprobs, ref_group_advantages, ref_kl_penalty,
+                               ref_masked_mean, ref_masked_whiten, ref_turn_gae)
 g = torch.Generator().manual_seed(0)
 out = {"isa": C.cpu_capability()}
 for dtype in (torch.float32, torch.bfloat16):
@@ -38,6 +38,12 @@ x, v = torch.randn(9, 700, generator=g), torch.randn(9, 700, generator=g)
 mask = torch.rand(9, 700, generator=g) > 0.3
 adv, _ = ops.gae(x, v, mask, gamma=0.99, lam=0.95)
 out["gae"] = float((adv - ref_gae(x, v, mask, gamma=0.99, lam=0.95)[0]).abs().max())
+row_lam = torch.rand(9, generator=g)
+_, ret = ops.gae(x, v, mask, gamma=0.99, lam=row_lam, lam_critic=1.0)
+out["gae"] = max(out["gae"], float((ret - ref_gae(x, v, mask, gamma=0.99, lam=row_lam, lam_critic=1.0)[1]).abs().max()))
+ids = random_turn_ids(9, 700, g)
+adv, _ = ops.turn_gae(x, v, ids, gamma=0.99, lam=0.95)
+out["turn_gae"] = float((adv - ref_turn_gae(x, v, ids, gamma=0.99, lam=0.95)[0]).abs().max())
 out["masked"] = max(float((ops.masked_whiten(x, mask) - ref_masked_whiten(x, mask)).abs().max()),
                     float((ops.masked_mean(x, mask, dim=1) - ref_masked_mean(x, mask, 1)).abs().max()))
 ids = torch.randint(0, 3, (9,), generator=g)
@@ -74,6 +80,7 @@ def test_each_instruction_set_matches_the_float64_reference(isa):
     lp, ent, grad = res["torch.bfloat16"]  # inputs are rounded to bf16 first; the gradient is stored in bf16
     assert lp < 1e-5 and ent < 1e-5 and grad < 1e-2, res
     assert res["k3"] < 1e-5 and res["gae"] < 1e-4 and res["masked"] < 1e-5 and res["group"] < 1e-6, res
+    assert res["turn_gae"] < 1e-4, res
 
 
 def test_bad_capability_name_is_a_clear_error():

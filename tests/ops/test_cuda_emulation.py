@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.reference import F64, bits_equal, ref_gae, ref_kl_penalty
+from support.reference import F64, bits_equal, random_turn_ids, ref_gae, ref_kl_penalty
 
 
 def _has_cuda() -> bool:
@@ -192,6 +192,73 @@ def test_emulated_gae_equals_the_serial_loop_inside_one_segment():
     assert bits_equal(torch.from_numpy(adv), cpu)
 
 
+@pytest.mark.parametrize("T", [5, 513, 2500])
+def test_emulated_gae_decoupled_and_row_lam(T):
+    # The kernel's second composition (lam_critic) gives the returns of a call with that λ, bit
+    # for bit, and its per-row γ·λ the bits of per-row calls; both against the float64 reference.
+    rewards, values, mask, last = _gae_inputs(6, T, seed=100 + T)
+    row_lam = np.random.default_rng(T).random(6)
+    row_lam[:2] = [0.0, 1.0]
+    for lam, lam_critic in [(0.9, 1.0), (row_lam, None), (row_lam, 0.5)]:
+        kw = dict(gamma=0.99, last_values=last, lam_critic=lam_critic)
+        if isinstance(lam, np.ndarray):
+            adv, ret = emu.gae(rewards, values, mask, lam=1.0, row_lam=lam, **kw)
+            for b in range(6):
+                a, r = emu.gae(
+                    rewards[b : b + 1], values[b : b + 1], mask[b : b + 1], gamma=0.99, lam=float(lam[b]),
+                    last_values=last[b : b + 1], lam_critic=lam_critic,
+                )  # fmt: skip
+                assert np.array_equal(a.view(np.uint32), adv[b : b + 1].view(np.uint32))
+                assert np.array_equal(r.view(np.uint32), ret[b : b + 1].view(np.uint32))
+        else:
+            adv, ret = emu.gae(rewards, values, mask, lam=lam, **kw)
+            a_only, _ = emu.gae(rewards, values, mask, gamma=0.99, lam=lam, last_values=last)
+            _, r_only = emu.gae(rewards, values, mask, gamma=0.99, lam=lam_critic, last_values=last)
+            assert np.array_equal(adv.view(np.uint32), a_only.view(np.uint32))
+            assert np.array_equal(ret.view(np.uint32), r_only.view(np.uint32))
+        ref_a, ref_r = ref_gae(
+            torch.from_numpy(rewards),
+            torch.from_numpy(values),
+            torch.from_numpy(mask),
+            gamma=0.99,
+            lam=torch.from_numpy(lam) if isinstance(lam, np.ndarray) else lam,
+            last_values=torch.from_numpy(last),
+            lam_critic=lam_critic,
+        )
+        t = dict(rtol=1e-4, atol=1e-4 * max(1.0, T / 256))
+        torch.testing.assert_close(torch.from_numpy(adv).to(F64), ref_a, **t)
+        torch.testing.assert_close(torch.from_numpy(ret).to(F64), ref_r, **t)
+
+
+def test_emulated_gae_out_of_range_row_lam_gives_nan():
+    # What a captured graph (no read-back of the check) gives for a row λ outside [0, 1].
+    rewards, values, mask, last = _gae_inputs(4, 40, seed=3)
+    adv, _ = emu.gae(rewards, values, mask, gamma=0.99, lam=1.0, row_lam=np.array([0.5, 0.5, 1.5, 0.5]))
+    assert np.isnan(adv[2][mask[2]]).all() and np.isfinite(adv[[0, 3]]).all()
+
+
+# -------------------------------------------------------------------------------------- turn_gae
+
+
+@pytest.mark.parametrize("with_last", [False, True])
+def test_emulated_turn_gae_is_the_cpu_bits(with_last):
+    # One thread a row runs the CPU loops' float32 operations in their order: the CPU's bits.
+    from pyppo.ops import turn_gae
+
+    g = torch.Generator().manual_seed(5)
+    B, T = 9, 70
+    rewards = torch.randn(B, T, generator=g)
+    values = torch.randn(B, T, generator=g)
+    ids = random_turn_ids(B, T, g, max_span=9)
+    last = torch.randn(B, generator=g) if with_last else None
+    adv, ret = emu.turn_gae(
+        rewards.numpy(), values.numpy(), ids.numpy(), gamma=0.99, lam=0.95,
+        last_values=None if last is None else last.numpy(),
+    )  # fmt: skip
+    cpu = turn_gae(rewards, values, ids, gamma=0.99, lam=0.95, last_values=last)
+    assert bits_equal(torch.from_numpy(adv), cpu[0]) and bits_equal(torch.from_numpy(ret), cpu[1])
+
+
 # ------------------------------------------------------------------------------ group_advantages
 
 
@@ -342,6 +409,41 @@ def test_cuda_gae_matches_its_replay_bit_for_bit(T, with_last):
         lam=0.95,
         last_values=None if lv is None else torch.from_numpy(lv).cuda(),
     )
+    assert bits_equal(a.cpu(), torch.from_numpy(adv)) and bits_equal(r.cpu(), torch.from_numpy(ret))
+
+
+@pytest.mark.parametrize("T", [5, 1024, 2500])
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and pyppo built with CUDA")
+def test_cuda_gae_decoupled_and_row_lam_match_their_replay_bit_for_bit(T):
+    from pyppo.ops import gae
+
+    rewards, values, mask, last = _gae_inputs(9, T, seed=T + 4)
+    row_lam = np.random.default_rng(T).random(9)
+    cuda = [torch.from_numpy(x).cuda() for x in (rewards, values, mask, last, row_lam)]
+    for lam, lam_critic in [(0.9, 1.0), (row_lam, None), (row_lam, 0.5)]:
+        per_row = isinstance(lam, np.ndarray)
+        adv, ret = emu.gae(
+            rewards, values, mask, gamma=0.99, lam=1.0 if per_row else lam, last_values=last,
+            lam_critic=lam_critic, row_lam=lam if per_row else None,
+        )  # fmt: skip
+        a, r = gae(*cuda[:3], gamma=0.99, lam=cuda[4] if per_row else lam, last_values=cuda[3], lam_critic=lam_critic)
+        assert bits_equal(a.cpu(), torch.from_numpy(adv)) and bits_equal(r.cpu(), torch.from_numpy(ret))
+
+
+@pytest.mark.parametrize("T", [1, 300, 2500])
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and pyppo built with CUDA")
+def test_cuda_turn_gae_matches_its_replay_bit_for_bit(T):
+    from pyppo.ops import turn_gae
+
+    g = torch.Generator().manual_seed(T)
+    rewards, values = torch.randn(130, T, generator=g), torch.randn(130, T, generator=g)
+    ids, last = random_turn_ids(130, T, g, max_span=30), torch.randn(130, generator=g)
+    adv, ret = emu.turn_gae(
+        rewards.numpy(), values.numpy(), ids.numpy(), gamma=0.99, lam=0.95, last_values=last.numpy()
+    )
+    a, r = turn_gae(rewards.cuda(), values.cuda(), ids.cuda(), gamma=0.99, lam=0.95, last_values=last.cuda())
     assert bits_equal(a.cpu(), torch.from_numpy(adv)) and bits_equal(r.cpu(), torch.from_numpy(ret))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pyppo import ops
-from support.reference import bits_equal, gen, random_mask
+from support.reference import bits_equal, gen, random_mask, random_turn_ids
 
 
 def _has_cuda() -> bool:
@@ -44,12 +44,13 @@ def _inputs(B=3, T=9, V=4099, H=32, seed=0):
         rewards=torch.randn(B, T, generator=g).to(d),
         values=torch.randn(B, T, generator=g).to(d),
         ref=torch.randn(B, T, generator=g).to(d) - 5,
+        turn_ids=random_turn_ids(B, T, g).to(d),
     )
 
 
 def _step(x):
     """The ops of a PPO step that take device tensors only: gather forward and backward, the
-    chunked head forward and backward (3 chunks), KL, GAE."""
+    chunked head forward and backward (3 chunks), KL, GAE (with a decoupled critic λ too), turn GAE."""
     lp, ent, lse = GATHER(x["logits"], x["labels"], x["mask"], 0.9, -100, True)
     g_logits = GATHER_BWD(
         torch.ones_like(lp), torch.ones_like(ent), x["logits"], x["labels"], x["mask"], lse, ent, 0.9, -100
@@ -72,7 +73,9 @@ def _step(x):
     )
     kl = ops.kl_penalty(lp, x["ref"], estimator="k3")
     adv, ret = ops.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95)
-    return [lp, ent, g_logits, llp, lent, gh, gw, kl, adv, ret]
+    _, ret_c = ops.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95, lam_critic=1.0)
+    t_adv, t_ret = ops.turn_gae(x["rewards"], x["values"], x["turn_ids"], gamma=0.99, lam=0.95)
+    return [lp, ent, g_logits, llp, lent, gh, gw, kl, adv, ret, ret_c, t_adv, t_ret]
 
 
 def test_hot_path_makes_no_host_sync():
@@ -110,6 +113,28 @@ def test_step_is_capturable_and_replays_bit_for_bit():
     eager = _step(fresh)
     for i, (a, b) in enumerate(zip(static_out, eager)):
         assert bits_equal(a, b), i
+
+
+def test_gae_with_row_lam_is_capturable():
+    # row_lam's values are read back outside capture only; under capture an out-of-range λ gives
+    # its row NaN advantages.
+    x = _inputs(seed=5)
+    row_lam = torch.tensor([0.9, 0.5, 1.0], device="cuda")
+
+    def fn():
+        return ops.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=row_lam, lam_critic=1.0)
+
+    graph, (adv, ret) = _capture(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = fn()
+    assert bits_equal(adv, eager[0]) and bits_equal(ret, eager[1])
+    row_lam[0] = 1.5  # row 0 of random_mask is all valid
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(adv[0]).all() and bits_equal(adv[1:], eager[0][1:]) and bits_equal(ret, eager[1])
+    with pytest.raises(ValueError, match="row_lam"):
+        fn()
 
 
 def test_linear_ppo_loss_is_capturable():

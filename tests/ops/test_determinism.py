@@ -19,8 +19,19 @@ from pyppo.ops import (
     masked_var,
     masked_whiten,
     shape_rewards,
+    turn_gae,
 )
-from support.reference import F64, bits_equal, gen, random_mask, ref_gae, ref_gather_logprobs, tol
+from support.reference import (
+    F64,
+    bits_equal,
+    gen,
+    random_mask,
+    random_turn_ids,
+    ref_gae,
+    ref_gather_logprobs,
+    ref_turn_gae,
+    tol,
+)
 
 
 @contextlib.contextmanager
@@ -89,6 +100,24 @@ def test_gae_thread_count_and_repeat():
     last = torch.randn(B, generator=g)
     one, two, again = run_with_threads(lambda: gae(rewards, values, mask, gamma=0.99, lam=0.95, last_values=last))
     assert bitwise_equal(one, two) and bitwise_equal(two, again)
+    row_lam = torch.rand(B, generator=g)
+    one, two, again = run_with_threads(
+        lambda: gae(rewards, values, mask, gamma=0.99, lam=row_lam, last_values=last, lam_critic=1.0)
+    )
+    assert bitwise_equal(one, two) and bitwise_equal(two, again)
+
+
+def test_turn_gae_thread_count_and_repeat():
+    g = gen(11)
+    B, T = 2100, 32  # grain 65536 // T = 2048 rows: two threads split the rows
+    rewards = torch.randn(B, T, generator=g)
+    values = torch.randn(B, T, generator=g)
+    ids = random_turn_ids(B, T, g)
+    last = torch.randn(B, generator=g)
+    one, two, again = run_with_threads(lambda: turn_gae(rewards, values, ids, gamma=0.99, lam=0.95, last_values=last))
+    assert bitwise_equal(one, two) and bitwise_equal(two, again)
+    torch.testing.assert_close(one[0].double(), ref_turn_gae(rewards, values, ids, gamma=0.99, lam=0.95,
+                               last_values=last)[0], **tol(torch.float32, 8))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -338,6 +367,27 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(
         compiled(logits2, labels, mask, ref_lp, values), step(logits2, labels, mask, ref_lp, values)
     )
+
+
+def test_torch_compile_turn_gae_and_gae_options_fullgraph():
+    torch._dynamo.reset()
+    g = gen(12)
+    B, T = 4, 9
+    rewards = torch.randn(B, T, generator=g)
+    values = torch.randn(B, T, generator=g)
+    mask = random_mask(B, T, g)
+    ids = random_turn_ids(B, T, g)
+    row_lam = torch.rand(B, generator=g)
+
+    def advantages(rewards, values, mask, ids, row_lam):
+        return (
+            *gae(rewards, values, mask, gamma=0.99, lam=row_lam, lam_critic=1.0),
+            *turn_gae(rewards, values, ids, gamma=0.99, lam=0.9, last_values=values[:, 0]),
+        )
+
+    compiled = torch.compile(advantages, fullgraph=True)
+    for a, b in zip(compiled(rewards, values, mask, ids, row_lam), advantages(rewards, values, mask, ids, row_lam)):
+        assert bitwise_equal(a, b)
 
 
 def test_torch_compile_group_advantages_fullgraph():

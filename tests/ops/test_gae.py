@@ -1,4 +1,6 @@
-"""pyppo.ops.gae: GAE over the valid positions of each row, against an explicit Python loop."""
+"""pyppo.ops.gae: GAE over the valid positions of each row, against an explicit Python loop; its
+decoupled λ (``lam_critic``, VC-PPO) and per-row λ (a tensor ``lam``, VAPO's length-adaptive GAE
+from ``length_adaptive_lam``)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyppo.ops import gae
+from pyppo.ops import gae, length_adaptive_lam
 from support.reference import (
     F64,
     FLOAT_DTYPES,
@@ -18,6 +20,7 @@ from support.reference import (
     random_mask,
     ref_gae,
     ref_gae_compact,
+    ref_length_adaptive_lam,
     tol,
 )
 
@@ -33,9 +36,11 @@ def make_inputs(B, T, dtype, seed, *, with_last=False):
     return rewards, values, mask, last
 
 
-def check(rewards, values, mask, *, gamma, lam, last_values=None, scale=1.0):
-    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values)
-    exp_adv, exp_ret = ref_gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values)
+def check(rewards, values, mask, *, gamma, lam, last_values=None, lam_critic=None, scale=1.0):
+    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values, lam_critic=lam_critic)
+    exp_adv, exp_ret = ref_gae(
+        rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values, lam_critic=lam_critic
+    )
     od = out_dtype(rewards.dtype)
     assert adv.dtype == od and ret.dtype == od
     assert adv.shape == rewards.shape and ret.shape == rewards.shape
@@ -149,24 +154,27 @@ def test_non_contiguous_inputs():
     check(r_nc, v_nc, m_nc, gamma=0.95, lam=0.9, last_values=l_nc)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     B=st.integers(0, 5),
     T=st.integers(0, 20),
     gamma=st.floats(0, 1),
     lam=st.floats(0, 1),
+    lam_critic=st.one_of(st.none(), st.floats(0, 1)),
+    per_row=st.booleans(),
     p_valid=st.sampled_from([0.0, 0.3, 0.8, 1.0]),
     with_last=st.booleans(),
     dtype=st.sampled_from(FLOAT_DTYPES),
     seed=st.integers(0, 2**20),
 )
-def test_hypothesis(B, T, gamma, lam, p_valid, with_last, dtype, seed):
+def test_hypothesis(B, T, gamma, lam, lam_critic, per_row, p_valid, with_last, dtype, seed):
     g = gen(seed)
     rewards = torch.randn(B, T, generator=g, dtype=F64).to(dtype)
     values = torch.randn(B, T, generator=g, dtype=F64).to(dtype)
     mask = torch.rand(B, T, generator=g) < p_valid
     last = torch.randn(B, generator=g, dtype=F64).to(dtype) if with_last else None
-    check(rewards, values, mask, gamma=gamma, lam=lam, last_values=last)
+    lam_arg = torch.rand(B, generator=g, dtype=F64).to(dtype) if per_row else lam
+    check(rewards, values, mask, gamma=gamma, lam=lam_arg, last_values=last, lam_critic=lam_critic)
 
 
 def test_opcheck():
@@ -176,6 +184,160 @@ def test_opcheck():
         OP, (rewards.double().t().contiguous().t(), values.double(), mask.float(), 0.9, 0.8, last.double())
     )
     torch.library.opcheck(OP, (rewards.bfloat16(), values.half(), mask.long(), 0.99, 1.0, last))
+
+
+# ------------------------------------------------ decoupled λ (VC-PPO) and per-row λ (VAPO)
+
+
+def _row_lam(B, g, dtype=torch.float32):
+    """Per-row λ in [0, 1], the ends included when B allows."""
+    lam = torch.rand(B, generator=g, dtype=F64)
+    if B >= 2:
+        lam[0], lam[1] = 0.0, 1.0
+    return lam.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("B,T", [(7, 19), (5, 33), (1, 1), (6, 2)])
+@pytest.mark.parametrize("with_last", [False, True])
+def test_decoupled_and_row_lam_match_reference(dtype, B, T, with_last):
+    # Fresh random inputs with holes, an all-masked row, a single-token row (random_mask).
+    seed = 1000 + FLOAT_DTYPES.index(dtype) * 100 + B * 10 + T + with_last
+    rewards, values, mask, last = make_inputs(B, T, dtype, seed, with_last=with_last)
+    row_lam = _row_lam(B, gen(seed + 1))
+    for gamma, lam, lam_critic in [(0.99, 0.95, 1.0), (1.0, 0.9, 0.0), (0.9, 0.0, 0.7), (1.0, 1.0, 0.95)]:
+        check(rewards, values, mask, gamma=gamma, lam=lam, last_values=last, lam_critic=lam_critic)
+    for gamma, lam_critic in [(0.99, None), (1.0, 1.0), (0.9, 0.5)]:
+        check(rewards, values, mask, gamma=gamma, lam=row_lam, last_values=last, lam_critic=lam_critic)
+
+
+def test_decoupled_hand_computed_example():
+    # γ = 1, λ = 0.5 for the advantages, λ_critic = 1 for the returns: the returns are the
+    # rewards-to-go (plus the bootstrap), the advantages the λ = 0.5 ones of test_hand_computed_example's kind.
+    rewards = torch.tensor([[1.0, 100.0, 2.0, 3.0]])
+    values = torch.tensor([[0.5, 100.0, 1.0, 2.0]])
+    mask = torch.tensor([[1, 0, 1, 1]])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.5, lam_critic=1.0)
+    # δ_3 = 3 − 2 = 1; δ_2 = 2 + 2 − 1 = 3; δ_0 = 1 + 1 − 0.5 = 1.5
+    # A(λ=0.5): 1, 3 + 0.5 = 3.5, 1.5 + 1.75 = 3.25; returns: rewards-to-go 3, 5, 6
+    torch.testing.assert_close(adv, torch.tensor([[3.25, 0.0, 3.5, 1.0]]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(ret, torch.tensor([[6.0, 0.0, 5.0, 3.0]]), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("with_last", [False, True])
+def test_decoupled_lam_equals_two_calls(dtype, with_last):
+    # Advantages: the bits of the call with lam; returns: the bits of the call with lam_critic.
+    rewards, values, mask, last = make_inputs(9, 37, dtype, 2000 + FLOAT_DTYPES.index(dtype), with_last=with_last)
+    for gamma, lam, lam_critic in [(0.99, 0.95, 1.0), (1.0, 0.9, 0.3), (0.5, 1.0, 0.0), (0.99, 0.95, 0.95)]:
+        adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last, lam_critic=lam_critic)
+        a_only, _ = gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last)
+        _, r_only = gae(rewards, values, mask, gamma=gamma, lam=lam_critic, last_values=last)
+        assert bits_equal(adv, a_only) and bits_equal(ret, r_only), (gamma, lam, lam_critic)
+
+
+def test_lam_critic_none_is_todays_gae():
+    rewards, values, mask, last = make_inputs(6, 15, torch.float32, 2010, with_last=True)
+    adv, ret = gae(rewards, values, mask, gamma=0.99, lam=0.9, last_values=last, lam_critic=None)
+    old = torch.ops.pyppo.gae.default(rewards, values, mask, 0.99, 0.9, last)  # the schema's defaults
+    assert bits_equal(adv, old[0]) and bits_equal(ret, old[1])
+    assert torch.equal(ret, torch.where(mask, adv + values, torch.zeros_like(adv)))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("lam_dtype", FLOAT_DTYPES, ids=str)
+def test_row_lam_equals_per_row_calls(dtype, lam_dtype):
+    # Row b of a call with a per-row λ is the bits of a call on row b alone with lam = lam[b]
+    # (whatever lam's dtype: the op forms γ·λ in float64, as from a Python float).
+    B, T = 7, 23
+    seed = 2100 + FLOAT_DTYPES.index(dtype) * 10 + FLOAT_DTYPES.index(lam_dtype)
+    rewards, values, mask, last = make_inputs(B, T, dtype, seed, with_last=True)
+    row_lam = _row_lam(B, gen(seed + 1), lam_dtype)
+    for lam_critic in (None, 1.0, 0.5):
+        adv, ret = gae(rewards, values, mask, gamma=0.99, lam=row_lam, last_values=last, lam_critic=lam_critic)
+        for b in range(B):
+            a, r = gae(
+                rewards[b : b + 1],
+                values[b : b + 1],
+                mask[b : b + 1],
+                gamma=0.99,
+                lam=float(row_lam[b]),
+                last_values=last[b : b + 1],
+                lam_critic=lam_critic,
+            )
+            assert bits_equal(adv[b : b + 1], a) and bits_equal(ret[b : b + 1], r), (b, lam_critic)
+
+
+def test_constant_row_lam_equals_float_lam():
+    rewards, values, mask, last = make_inputs(5, 12, torch.float32, 2200, with_last=True)
+    for lam in (0.0, 0.9, 1.0):
+        a = gae(rewards, values, mask, gamma=0.99, lam=torch.full((5,), lam), last_values=last)
+        b = gae(rewards, values, mask, gamma=0.99, lam=lam, last_values=last)
+        assert bits_equal(a[0], b[0]) and bits_equal(a[1], b[1])
+
+
+def test_row_lam_non_contiguous_and_odd_layouts():
+    rewards, values, mask, last = make_inputs(6, 9, torch.bfloat16, 2300, with_last=True)
+    row_lam = _row_lam(6, gen(2301))
+    lam_nc = torch.stack([row_lam, row_lam], 1)[:, 1]
+    r_nc = rewards.t().contiguous().t()
+    assert not (lam_nc.is_contiguous() or r_nc.is_contiguous())
+    a = gae(r_nc, values, mask.float(), gamma=0.95, lam=lam_nc, last_values=last, lam_critic=1.0)
+    b = gae(rewards, values, mask, gamma=0.95, lam=row_lam, last_values=last, lam_critic=1.0)
+    assert bits_equal(a[0], b[0]) and bits_equal(a[1], b[1])
+    check(r_nc, values, mask, gamma=0.95, lam=lam_nc, last_values=last, lam_critic=1.0)
+
+
+def test_opcheck_decoupled_and_row_lam():
+    rewards, values, mask, last = make_inputs(4, 7, torch.float32, 2400, with_last=True)
+    row_lam = _row_lam(4, gen(2401))
+    torch.library.opcheck(OP, (rewards, values, mask, 1.0, 0.95, None, 1.0, None))
+    torch.library.opcheck(OP, (rewards, values, mask, 0.99, 0.95, last, None, row_lam))
+    torch.library.opcheck(
+        OP, (rewards.double(), values.bfloat16(), mask.long(), 0.9, 1.0, last.half(), 0.5, row_lam.double())
+    )
+
+
+# ------------------------------------------------------------------------ length_adaptive_lam
+
+
+def test_length_adaptive_lam_values():
+    # l = 0 -> 0; 1 − 1/(α·l) below 0 -> 0; it grows towards 1 with l.
+    mask = torch.zeros(5, 400, dtype=torch.bool)
+    for b, l in enumerate([0, 1, 20, 40, 400]):
+        mask[b, :l] = True
+    mask[3, 10] = False  # a hole in the middle,
+    mask[3, 45] = True  # and a valid position after a gap: still 40 valid positions
+    lam = length_adaptive_lam(mask, 0.05)
+    assert lam.dtype == torch.float32 and lam.shape == (5,)
+    torch.testing.assert_close(lam, torch.tensor([0.0, 0.0, 0.0, 0.5, 0.95]), rtol=0, atol=0)
+    torch.testing.assert_close(lam.double(), ref_length_adaptive_lam(mask, 0.05), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("alpha", [0.05, 1.0, 3.7, 1e6])
+def test_length_adaptive_lam_matches_reference_and_clamps(alpha):
+    g = gen(2500)
+    mask = random_mask(9, 31, g)
+    for m in (mask, mask.float(), mask.long(), mask.t().contiguous().t()):
+        lam = length_adaptive_lam(m, alpha)
+        torch.testing.assert_close(lam.double(), ref_length_adaptive_lam(mask, alpha), rtol=0, atol=1e-7)
+        assert ((lam >= 0) & (lam <= 1)).all() and lam[1] == 0  # row 1 is all masked
+    # the result feeds gae directly
+    rewards, values, _, _ = make_inputs(9, 31, torch.float32, 2501)
+    check(rewards, values, mask, gamma=1.0, lam=length_adaptive_lam(mask, alpha), lam_critic=1.0)
+
+
+@pytest.mark.parametrize("alpha", [0, -0.05, float("nan"), float("inf"), None, "0.05", True])
+def test_length_adaptive_lam_bad_alpha(alpha):
+    with pytest.raises(ValueError, match="alpha"):
+        length_adaptive_lam(torch.ones(2, 3, dtype=torch.bool), alpha)
+
+
+def test_length_adaptive_lam_bad_mask():
+    with pytest.raises(ValueError, match="loss_mask"):
+        length_adaptive_lam(torch.ones(3, dtype=torch.bool), 0.05)
+    with pytest.raises(ValueError, match="loss_mask"):
+        length_adaptive_lam([[1, 0]], 0.05)
 
 
 # -------------------------------------------------------------------------------- errors
@@ -197,6 +359,31 @@ def test_error_lam(lam):
     rewards, values, mask, _ = _ok()
     with pytest.raises(ValueError, match="lam"):
         gae(rewards, values, mask, lam=lam)
+
+
+@pytest.mark.parametrize("lam_critic", [-0.01, 1.01, float("nan"), float("inf")])
+def test_error_lam_critic(lam_critic):
+    rewards, values, mask, _ = _ok()
+    with pytest.raises(ValueError, match=r"lam_critic must be in \[0, 1\]"):
+        gae(rewards, values, mask, lam_critic=lam_critic)
+
+
+@pytest.mark.parametrize("bad", [-0.01, 1.01, float("nan"), float("inf")])
+def test_error_row_lam_values(bad):
+    rewards, values, mask, _ = _ok()
+    lam = torch.tensor([0.5, bad, 2.0])
+    with pytest.raises(ValueError, match=r"row_lam \(the per-row lam\) must hold values in \[0, 1\], got row_lam\[1\]"):
+        gae(rewards, values, mask, lam=lam)
+
+
+def test_error_row_lam_shape_and_dtype():
+    rewards, values, mask, _ = _ok()
+    with pytest.raises(ValueError, match=r"row_lam must have shape \[B\] = \[3\]"):
+        gae(rewards, values, mask, lam=torch.full((2,), 0.5))
+    with pytest.raises(ValueError, match=r"row_lam must have shape \[B\]"):
+        gae(rewards, values, mask, lam=torch.full((3, 1), 0.5))
+    with pytest.raises(ValueError, match="row_lam must be float32, bfloat16, float16 or float64"):
+        gae(rewards, values, mask, lam=torch.ones(3, dtype=torch.long))
 
 
 def test_error_shapes():
@@ -323,6 +510,9 @@ def _bad_cases():
         "dtype": (call, rewards.long(), values, mask),
         "last_values_shape": (lambda r, v, m, b: gae(r, v, m, last_values=b), rewards, values, mask, last[:2]),
         "last_values_dtype": (lambda r, v, m, b: gae(r, v, m, last_values=b), rewards, values, mask, last.long()),
+        "lam_critic": (lambda r, v, m: gae(r, v, m, lam_critic=1.5), rewards, values, mask),
+        "row_lam_shape": (lambda r, v, m, b: gae(r, v, m, lam=b), rewards, values, mask, last[:2]),
+        "row_lam_dtype": (lambda r, v, m, b: gae(r, v, m, lam=b), rewards, values, mask, last.long()),
     }
 
 
@@ -337,7 +527,51 @@ def test_data_errors_are_the_same_on_every_device(device):
     assert_same_error(device, lambda r, v, m: gae(r, v, m), rewards, values, mask.float() * 0.5)
 
 
+def test_row_lam_data_error_is_the_same_on_every_device(device):
+    rewards, values, mask, _ = _ok()
+    for bad in (torch.tensor([0.5, 1.5, 0.2]), torch.tensor([float("nan"), 0.5, 0.2])):
+        assert_same_error(device, lambda r, v, m, l: gae(r, v, m, lam=l), rewards, values, mask, bad)
+
+
+@pytest.mark.parametrize("T", [1, 37, 1500])
+def test_device_decoupled_and_row_lam(device, T):
+    # CUDA's second composition (the returns' λ) and its per-row γ·λ, across tiles of 512.
+    g = gen(90 + T)
+    B = 6
+    rewards = torch.randn(B, T, generator=g, dtype=F64).float()
+    values = torch.randn(B, T, generator=g, dtype=F64).float()
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[1] = False
+    last = torch.randn(B, generator=g, dtype=F64).float()
+    row_lam = _row_lam(B, g)
+    on = [x.to(device) for x in (rewards, values, mask, last, row_lam)]
+    for lam, lam_critic in [(0.95, 1.0), (row_lam, None), (row_lam, 1.0)]:
+        lam_d = on[4] if isinstance(lam, torch.Tensor) else lam
+        adv, ret = gae(*on[:3], gamma=0.99, lam=lam_d, last_values=on[3], lam_critic=lam_critic)
+        exp_adv, exp_ret = ref_gae(rewards, values, mask, gamma=0.99, lam=lam, last_values=last, lam_critic=lam_critic)
+        torch.testing.assert_close(adv.cpu().to(F64), exp_adv, rtol=1e-5, atol=2e-5 * max(1, T / 512))
+        torch.testing.assert_close(ret.cpu().to(F64), exp_ret, rtol=1e-5, atol=2e-5 * max(1, T / 512))
+        # the two-call and per-row identities hold on every device
+        lc = lam_critic if lam_critic is not None else lam_d
+        a_only, _ = gae(*on[:3], gamma=0.99, lam=lam_d, last_values=on[3])
+        _, r_only = gae(*on[:3], gamma=0.99, lam=lc, last_values=on[3])
+        assert bits_equal(adv, a_only) and bits_equal(ret, r_only)
+        if isinstance(lam, torch.Tensor):
+            for b in (0, 2, 5):
+                a, r = gae(
+                    *(x[b : b + 1] for x in on[:3]),
+                    gamma=0.99,
+                    lam=float(row_lam[b]),
+                    last_values=on[3][b : b + 1],
+                    lam_critic=lam_critic,
+                )
+                assert bits_equal(adv[b : b + 1], a) and bits_equal(ret[b : b + 1], r)
+
+
 def test_device_opcheck(device):
     g = gen(72)
     r, v = torch.randn(2, 3, generator=g).to(device), torch.randn(2, 3, generator=g).to(device)
     torch.library.opcheck(OP, (r, v, random_mask(2, 3, g).to(device), 0.99, 0.95, None))
+    torch.library.opcheck(
+        OP, (r, v, random_mask(2, 3, g).to(device), 0.99, 0.95, None, 1.0, torch.tensor([0.3, 1.0]).to(device))
+    )

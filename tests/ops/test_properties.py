@@ -30,8 +30,10 @@ from pyppo.ops import (  # noqa: E402
     masked_var,
     masked_whiten,
     shape_rewards,
+    turn_gae,
 )
 from support.reference import (  # noqa: E402
+    random_turn_ids,
     ref_gae,
     ref_gather_logprobs,
     ref_group_advantages,
@@ -40,6 +42,7 @@ from support.reference import (  # noqa: E402
     ref_masked_var,
     ref_masked_whiten,
     ref_shape_rewards,
+    ref_turn_gae,
 )
 
 #: PYPPO_PROPERTY_SCALE=N runs N times as many examples, freshly random (a bug hunt); the
@@ -335,32 +338,74 @@ def test_shape_rewards_property(data):
     _close(rewards, exp_rewards, **_tols(dtype))
 
 
-# ----------------------------------------------------------------------------- gae
+# ----------------------------------------------------------------------------- gae, turn_gae
 
 
-@settings(max_examples=60 * _SCALE, **SETTINGS)
-@given(st.data())
-def test_gae_property(data):
-    g = _seed(data)
+def _rollout(data, g, max_T: int):
+    """Rewards and values ``[B, T]`` in drawn layouts, an optional ``last_values [B]``, and a
+    discount γ (out of range too): what gae and turn_gae share."""
     B = data.draw(st.integers(0, 5), label="B")
-    T = data.draw(st.integers(0, 7), label="T")
+    T = data.draw(st.integers(0, max_T), label="T")
     dtype = data.draw(st.sampled_from(DTYPES))
     rewards = _layout(torch.randn(B, T, generator=g).to(dtype), data.draw(st.sampled_from(LAYOUTS)))
     values = _layout(torch.randn(B, T, generator=g).to(dtype), data.draw(st.sampled_from(LAYOUTS)))
-    mask = _mask(data, g, (B, T))
-    gamma = data.draw(st.sampled_from([1.0, 0.99, 0.5, 0.0, 1.01, -0.1]))
-    lam = data.draw(st.sampled_from([0.95, 1.0, 0.0, 0.3, 1.5, -0.5]))
     last_values = None
     if data.draw(st.booleans(), label="last_values"):
         last_values = _layout(
             torch.randn(B, generator=g).to(dtype), data.draw(st.sampled_from(["contiguous", "sliced"]))
         )
+    gamma = data.draw(st.sampled_from([1.0, 0.99, 0.5, 0.0, 1.01, -0.1]))
+    return B, T, dtype, rewards, values, last_values, gamma
+
+
+_LAMS = st.sampled_from([0.95, 1.0, 0.0, 0.3, 1.5, -0.5])
+
+
+@settings(max_examples=80 * _SCALE, **SETTINGS)
+@given(st.data())
+def test_gae_property(data):
+    g = _seed(data)
+    B, T, dtype, rewards, values, last_values, gamma = _rollout(data, g, 7)
+    mask = _mask(data, g, (B, T))
+    lam = data.draw(_LAMS)
     expect_error = not (0 <= gamma <= 1 and 0 <= lam <= 1)
-    res = _run(lambda: gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values), expect_error)
+    if data.draw(st.booleans(), label="a lam per row"):  # replaces the float
+        expect_error = not 0 <= gamma <= 1
+        row = torch.rand(B, generator=g, dtype=torch.float64)
+        if B and data.draw(st.booleans(), label="a row's lam out of range"):
+            row[data.draw(st.integers(0, B - 1))] = data.draw(st.sampled_from([1.5, -0.1, math.nan]))
+            expect_error = True
+        lam = _layout(row.to(data.draw(st.sampled_from(DTYPES), label="row lam dtype")), "sliced")
+    lam_critic = data.draw(st.sampled_from([None, None, 1.0, 0.0, 0.7, 1.5, -0.1, math.nan]), label="lam_critic")
+    expect_error = expect_error or (lam_critic is not None and not 0 <= lam_critic <= 1)
+    res = _run(
+        lambda: gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values, lam_critic=lam_critic),
+        expect_error,
+    )
     if res is None:
         return
     adv, ret = res
-    exp_adv, exp_ret = ref_gae(rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values)
+    exp_adv, exp_ret = ref_gae(
+        rewards, values, mask, gamma=gamma, lam=lam, last_values=last_values, lam_critic=lam_critic
+    )
+    _close(adv, exp_adv, **_tols(dtype))
+    _close(ret, exp_ret, **_tols(dtype))
+
+
+@settings(max_examples=60 * _SCALE, **SETTINGS)
+@given(st.data())
+def test_turn_gae_property(data):
+    g = _seed(data)
+    B, T, dtype, rewards, values, last_values, gamma = _rollout(data, g, 12)
+    ids = random_turn_ids(B, T, g, max_span=data.draw(st.integers(1, 5), label="max_span"))
+    ids = _layout(ids.to(data.draw(st.sampled_from([torch.int64, torch.int32]))), data.draw(st.sampled_from(LAYOUTS)))
+    lam = data.draw(_LAMS)
+    expect_error = not (0 <= gamma <= 1 and 0 <= lam <= 1)
+    res = _run(lambda: turn_gae(rewards, values, ids, gamma=gamma, lam=lam, last_values=last_values), expect_error)
+    if res is None:
+        return
+    adv, ret = res
+    exp_adv, exp_ret = ref_turn_gae(rewards, values, ids, gamma=gamma, lam=lam, last_values=last_values)
     _close(adv, exp_adv, **_tols(dtype))
     _close(ret, exp_ret, **_tols(dtype))
 

@@ -204,13 +204,17 @@ def ref_gae(
     response_mask: torch.Tensor,
     *,
     gamma: float = 1.0,
-    lam: float = 0.95,
+    lam: float | torch.Tensor = 0.95,
     last_values: torch.Tensor | None = None,
+    lam_critic: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2015, eq. 16) over the valid positions of each row, as a Python loop.
 
     The valid positions of a row are gathered into a list first; the recursion then runs over
     that list only, so masked positions in the middle neither add a TD term nor break the chain.
+    ``lam`` may be a ``[B]`` tensor (a λ per row, VAPO). The returns are ``A' + V`` with ``A'``
+    the same recursion with ``lam_critic`` (decoupled λ, VC-PPO), or with the row's λ when it
+    is None.
     """
     B, T = rewards.shape
     r = rewards.to(F64)
@@ -218,16 +222,21 @@ def ref_gae(
     adv = torch.zeros(B, T, dtype=F64)
     ret = torch.zeros(B, T, dtype=F64)
     for b in range(B):
+        lam_b = float(lam[b]) if isinstance(lam, torch.Tensor) else float(lam)
+        lam_c = lam_b if lam_critic is None else float(lam_critic)
         idx = [t for t in range(T) if response_mask[b, t] != 0]
         next_value = float(last_values[b].to(F64)) if last_values is not None else 0.0
         next_adv = 0.0
+        next_adv_c = 0.0
         for t in reversed(idx):
             delta = float(r[b, t]) + gamma * next_value - float(v[b, t])
-            a = delta + gamma * lam * next_adv
+            a = delta + gamma * lam_b * next_adv
+            a_c = delta + gamma * lam_c * next_adv_c
             adv[b, t] = a
-            ret[b, t] = a + float(v[b, t])
+            ret[b, t] = a_c + float(v[b, t])
             next_value = float(v[b, t])
             next_adv = a
+            next_adv_c = a_c
     return adv, ret
 
 
@@ -240,6 +249,95 @@ def ref_gae_compact(rewards, values, *, gamma, lam, last_value=0.0):
     for t in range(T):
         adv.append(sum((gamma * lam) ** l * deltas[t + l] for l in range(T - t)))
     return adv
+
+
+def ref_length_adaptive_lam(loss_mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's λ = 1 − 1/(α·l) per row, l its number of valid positions, clamped to [0, 1] (0 for l = 0)."""
+    out = []
+    for row in loss_mask:
+        l = sum(1 for x in row.tolist() if x != 0)
+        out.append(0.0 if l == 0 else min(1.0, max(0.0, 1.0 - 1.0 / (alpha * l))))
+    return torch.tensor(out, dtype=F64)
+
+
+# ---------------------------------------------------------------------------------------------
+# turn_gae
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_turns(turn_ids_row) -> list[list[int]]:
+    """The turns of one row, left to right, each the list of its agent positions: maximal runs of
+    agent positions (id >= 0) with one id, the positions between them that are not agent
+    positions skipped (docs/ops.md#turn_gae)."""
+    turns: list[list[int]] = []
+    prev = None
+    for t, i in enumerate(int(x) for x in turn_ids_row):
+        if i < 0:
+            continue
+        if prev is None or i != prev:
+            turns.append([])
+        turns[-1].append(t)
+        prev = i
+    return turns
+
+
+def ref_turn_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    turn_ids: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    last_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over each row's agent turns, as a Python loop over the turns (Schulman et al. 2015,
+    eq. 16 with a turn as the time step): R_k the sum of the turn's rewards, V_k the value at its
+    first position, A_k broadcast onto its agent positions, returns A_k + V_k, 0 elsewhere."""
+    B, T = rewards.shape
+    r = rewards.to(F64)
+    v = values.to(F64)
+    adv = torch.zeros(B, T, dtype=F64)
+    ret = torch.zeros(B, T, dtype=F64)
+    for b in range(B):
+        turns = ref_turns(turn_ids[b])
+        next_value = float(last_values[b].to(F64)) if last_values is not None else 0.0
+        next_adv = 0.0
+        for positions in reversed(turns):
+            R = sum(float(r[b, t]) for t in positions)
+            V = float(v[b, positions[0]])
+            a = R + gamma * next_value - V + gamma * lam * next_adv
+            for t in positions:
+                adv[b, t] = a
+                ret[b, t] = a + V
+            next_value, next_adv = V, a
+    return adv, ret
+
+
+def random_turn_ids(B: int, T: int, g: torch.Generator, *, max_span: int = 6) -> torch.Tensor:
+    """int64 ``[B, T]`` turn layouts: a row is an optional environment span, then agent turns
+    (spans of 1..max_span tokens, ids 0, 1, ...) alternating with environment spans (possibly
+    empty, so two turns can touch), then trailing padding; when B allows, row 1 is all -1, row 2
+    a single turn (a single-turn response) and row 3 one-token turns only."""
+    ids = torch.full((B, T), -1, dtype=torch.int64)
+    for b in range(B):
+        t = int(torch.randint(0, 3, (1,), generator=g))
+        end = T - int(torch.randint(0, max(1, T // 4) + 1, (1,), generator=g))
+        k = 0
+        while t < end:
+            n = int(torch.randint(1, max_span + 1, (1,), generator=g))
+            ids[b, t : min(t + n, end)] = k
+            k += 1
+            t += n + int(torch.randint(0, max_span, (1,), generator=g))
+    if B >= 2:
+        ids[1] = -1
+    if B >= 3 and T >= 1:
+        ids[2] = -1
+        ids[2, : int(torch.randint(1, T + 1, (1,), generator=g))] = 0  # one turn, then padding
+    if B >= 4:
+        ids[3] = -1
+        for k, t in enumerate(range(0, T, 2)):
+            ids[3, t] = k
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ OPS = {
     "kl_penalty",
     "shape_rewards",
     "gae",
+    "turn_gae",
     "masked_whiten",
     "group_advantages",
 }
@@ -296,6 +297,34 @@ def test_eager_gae_loop_matches_pyppo_with_holes(gamma, lam):
     want_adv, want_ret = ops.gae(inp["rewards"], inp["values"], inp["mask"], gamma=gamma, lam=lam)
     torch.testing.assert_close(adv, want_adv, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ret, want_ret, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gamma,lam,with_last", [(1.0, 0.95, False), (0.9, 0.8, True)])
+def test_eager_turn_gae_loop_matches_pyppo(gamma, lam, with_last):
+    from pyppo.bench.cases.turn_gae import turn_inputs
+
+    inp = turn_inputs((16, 300), torch.float32, torch.device("cpu"), 7)
+    ids = inp["turn_ids"].clone()
+    ids[3] = -1  # a row without a turn
+    ids[4, 100:] = -1
+    ids[4, :100] = 0  # a row of one turn
+    last = torch.randn(16, generator=torch.Generator().manual_seed(1)) if with_last else None
+    got = eager.turn_gae_loop(inp["rewards"], inp["values"], ids, gamma, lam, last)
+    want = ops.turn_gae(inp["rewards"], inp["values"], ids, gamma=gamma, lam=lam, last_values=last)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+def test_bench_turn_layouts_have_turns_environment_spans_and_padding():
+    from pyppo.bench.cases.turn_gae import turn_inputs
+
+    ids = turn_inputs((16, 512), torch.float32, torch.device("cpu"), 3)["turn_ids"]
+    starts = ops.turn_start_mask(ids)
+    assert (starts.sum(1) >= 2).all()  # several turns a row
+    agent = ids >= 0
+    last = torch.where(agent, torch.arange(512), -1).amax(1)
+    assert (last < 511).any()  # right padding
+    assert all((~agent[b, : int(last[b])]).any() for b in range(16))  # environment spans between turns
 
 
 def test_eager_trl_gae_equals_verl_without_holes_and_differs_with_them():

@@ -29,7 +29,7 @@ bool cpu_has_avx512() {
 
 #define PYPPO_KERNEL_TABLE(ISA)                                                                            \
   KernelTable {                                                                                            \
-    #ISA, &ISA::gather_fwd, &ISA::gather_bwd, &ISA::kl_fwd, &ISA::kl_bwd, &ISA::gae,                       \
+    #ISA, &ISA::gather_fwd, &ISA::gather_bwd, &ISA::kl_fwd, &ISA::kl_bwd, &ISA::gae, &ISA::turn_gae,       \
         &ISA::group_advantages, &ISA::masked_sum, &ISA::masked_sq_dev, &ISA::masked_whiten,                \
         &ISA::masked_mean_rows                                                                             \
   }

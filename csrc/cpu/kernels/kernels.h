@@ -56,13 +56,32 @@ struct KLArgs {
   int64_t n;
 };
 
-// gae over [B, T] contiguous arrays of the accumulation dtype (float or double).
+// gae over [B, T] contiguous arrays of the accumulation dtype (float or double). The advantages
+// use lam (row_lam[b] where given); the returns use lam_critic where has_lam_critic, else the
+// advantages' lam, from the same scan.
 struct GaeArgs {
   c10::ScalarType dtype;
   int64_t B, T;
   const void* rewards;
   const void* values;
   const bool* mask;
+  const void* last_values;    // [B] or nullptr
+  double gamma, lam;
+  const double* row_lam = nullptr;  // [B] or nullptr: each row's lam, replacing lam
+  bool has_lam_critic = false;
+  double lam_critic = 0;
+  void* advantages;
+  void* returns;
+};
+
+// turn_gae over [B, T] contiguous arrays of the accumulation dtype (float or double), turn_ids
+// [B, T] int64 (negative: not an agent position).
+struct TurnGaeArgs {
+  c10::ScalarType dtype;
+  int64_t B, T;
+  const void* rewards;
+  const void* values;
+  const int64_t* turn_ids;
   const void* last_values;    // [B] or nullptr
   double gamma, lam;
   void* advantages;
@@ -102,6 +121,7 @@ struct KernelTable {
   void (*kl_fwd)(const KLArgs&);
   void (*kl_bwd)(const KLArgs&);
   void (*gae)(const GaeArgs&);
+  void (*turn_gae)(const TurnGaeArgs&);
   void (*group_advantages)(const GroupAdvantagesArgs&);
   MaskedMoments (*masked_sum)(const MaskedArgs&);
   double (*masked_sq_dev)(const MaskedArgs&, double mean);  // sum of (x - mean)^2 over valid x
@@ -123,6 +143,7 @@ const KernelTable& cpu_kernels();
   void kl_fwd(const KLArgs& a);                                                                 \
   void kl_bwd(const KLArgs& a);                                                                 \
   void gae(const GaeArgs& a);                                                                   \
+  void turn_gae(const TurnGaeArgs& a);                                                          \
   void group_advantages(const GroupAdvantagesArgs& a);                                          \
   MaskedMoments masked_sum(const MaskedArgs& a);                                                \
   double masked_sq_dev(const MaskedArgs& a, double mean);                                       \

@@ -20,6 +20,12 @@
 // depend on T, and the split inside a tile is fixed by absolute positions alone: deterministic
 // and batch-invariant. Every product and sum is an explicit IEEE operation (no fma
 // contraction), so tests/ops/cuda_emulation.py replays the kernel bit for bit in numpy float32.
+//
+// Decoupled lambda (the returns' lam_critic given): steps 2 and 3 run a second composition and a
+// second recurrence with gamma * lam_critic beside the first, on the same TD errors; each is,
+// operation for operation, the one a call with that lam runs, so the returns are the bits of
+// gae(..., lam=lam_critic)'s returns. A per-row lam (row_lam) only changes which gamma * lam a
+// warp uses: gamma * row_lam[b] in double, rounded once, as a call with lam = row_lam[b] has it.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -40,12 +46,31 @@ __device__ __forceinline__ T td_error(T r, T v, T v_next, T g) {
   return sub_rn(add_rn(r, mul_rn(g, v_next)), v);
 }
 
+// The suffix composition of the lanes' maps (C, D) over the warp, then A at this lane's
+// segment's right edge given A = carry at the tile's right edge.
 template <typename T>
+__device__ __forceinline__ T compose_to_edge(T C, T D, T carry, int lane) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const T oC = __shfl_down_sync(kFull, C, off);
+    const T oD = __shfl_down_sync(kFull, D, off);
+    if (lane + off < 32) {  // (C, D) <- (C, D) o (oC, oD)
+      D = add_rn(D, mul_rn(C, oD));
+      C = mul_rn(C, oC);
+    }
+  }
+  const T right_C = __shfl_down_sync(kFull, C, 1);
+  const T right_D = __shfl_down_sync(kFull, D, 1);
+  return lane < 31 ? add_rn(right_D, mul_rn(right_C, carry)) : carry;
+}
+
+// Two: the returns have their own lambda (gamma * lam_critic), composed beside the advantages'.
+template <typename T, bool Two>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) gae_warp_kernel(const GaeArgs p) {
   constexpr int S = kGaeSegment;
   const T* bp = static_cast<const T*>(p.last_values);
   const T g = static_cast<T>(p.gamma);
-  const T gl = static_cast<T>(p.gamma * p.lam);
+  const T gl_critic = static_cast<T>(p.gamma * p.lam_critic);
   const int lane = threadIdx.x & 31;
   const int64_t T_ = p.T;
   const int64_t num_tiles = (T_ + kGaeTile - 1) / kGaeTile;
@@ -57,8 +82,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) gae_warp_kernel(const Gae
     const bool* mp = p.mask + b * T_;
     T* ap = static_cast<T*>(p.advantages) + b * T_;
     T* op = static_cast<T*>(p.returns) + b * T_;
+    // gamma * lam in double, rounded once; a row_lam outside [0, 1] (or NaN) gives NaN.
+    T gl = static_cast<T>(p.gamma * p.lam);
+    if (p.row_lam) {
+      const double lam_b = p.row_lam[b];
+      const double nan = __longlong_as_double(0x7ff8000000000000ll);
+      gl = static_cast<T>(lam_b >= 0 && lam_b <= 1 ? p.gamma * lam_b : nan);
+    }
+    const T gl_c = Two ? gl_critic : gl;
     T carry_v = bp ? bp[b] : T(0);  // V_next at the current tile's right edge
     T carry_a = T(0);               // A_next there
+    T carry_c = T(0);               // the returns' A_next there (Two)
 
     for (int64_t tile = num_tiles - 1; tile >= 0; --tile) {
       const int64_t base = tile * kGaeTile + int64_t(lane) * S;
@@ -106,33 +140,29 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) gae_warp_kernel(const Gae
       const T right_v = __shfl_down_sync(kFull, sv, 1);
       const T v_edge = (lane < 31 && right_h) ? right_v : carry_v;
 
-      // 2. The segment's map A_left = D + C * A_right, then the suffix compositions.
-      T C = T(1), D = T(0);
+      // 2. The segment's map A_left = D + C * A_right (and the returns' (Cc, Dc) with gl_c),
+      //    then the suffix compositions.
+      T C = T(1), D = T(0), Cc = T(1), Dc = T(0);
       {
         T nv = v_edge;
 #pragma unroll
         for (int k = S - 1; k >= 0; --k)
           if (m[k]) {
-            D = add_rn(td_error(r[k], v[k], nv, g), mul_rn(gl, D));
+            const T delta = td_error(r[k], v[k], nv, g);
+            D = add_rn(delta, mul_rn(gl, D));
             C = mul_rn(gl, C);
+            if (Two) {
+              Dc = add_rn(delta, mul_rn(gl_c, Dc));
+              Cc = mul_rn(gl_c, Cc);
+            }
             nv = v[k];
           }
       }
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const T oC = __shfl_down_sync(kFull, C, off);
-        const T oD = __shfl_down_sync(kFull, D, off);
-        if (lane + off < 32) {  // (C, D) <- (C, D) o (oC, oD)
-          D = add_rn(D, mul_rn(C, oD));
-          C = mul_rn(C, oC);
-        }
-      }
-      const T right_C = __shfl_down_sync(kFull, C, 1);
-      const T right_D = __shfl_down_sync(kFull, D, 1);
-      const T a_edge = lane < 31 ? add_rn(right_D, mul_rn(right_C, carry_a)) : carry_a;
+      const T a_edge = compose_to_edge(C, D, carry_a, lane);
+      const T c_edge = Two ? compose_to_edge(Cc, Dc, carry_c, lane) : T(0);
 
       // 3. The CPU loop over the segment from its right edge, writing the outputs.
-      T nv = v_edge, na = a_edge;
+      T nv = v_edge, na = a_edge, nc = c_edge;
 #pragma unroll
       for (int k = S - 1; k >= 0; --k) {
         const int64_t t = base + k;
@@ -142,13 +172,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) gae_warp_kernel(const Gae
           op[t] = T(0);
           continue;
         }
-        na = add_rn(td_error(r[k], v[k], nv, g), mul_rn(gl, na));
+        const T delta = td_error(r[k], v[k], nv, g);
+        na = add_rn(delta, mul_rn(gl, na));
+        if (Two) nc = add_rn(delta, mul_rn(gl_c, nc));
         nv = v[k];
         ap[t] = na;
-        op[t] = add_rn(na, v[k]);
+        op[t] = add_rn(Two ? nc : na, v[k]);
       }
       carry_v = __shfl_sync(kFull, nv, 0);
       carry_a = __shfl_sync(kFull, na, 0);
+      if (Two) carry_c = __shfl_sync(kFull, nc, 0);
     }
   }
 }
@@ -157,7 +190,10 @@ template <typename T>
 cudaError_t launch_typed(const GaeArgs& p) {
   const int64_t blocks = (p.B + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int grid = static_cast<int>(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
-  gae_warp_kernel<T><<<grid, kWarpsPerBlock * 32, 0, p.stream>>>(p);
+  if (p.has_lam_critic)
+    gae_warp_kernel<T, true><<<grid, kWarpsPerBlock * 32, 0, p.stream>>>(p);
+  else
+    gae_warp_kernel<T, false><<<grid, kWarpsPerBlock * 32, 0, p.stream>>>(p);
   return cudaGetLastError();
 }
 

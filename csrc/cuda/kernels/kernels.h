@@ -104,7 +104,10 @@ struct ShapeRewardsArgs {
 // left in tiles of kGaeTile positions that start at multiples of kGaeTile from the row's
 // start, each lane taking kGaeSegment consecutive positions of a tile: the split depends on
 // neither B nor T, so extra right padding (whole masked tiles, skipped) leaves a row's bits
-// unchanged.
+// unchanged. The advantages use row_lam[b] (else lam); the returns use lam_critic when
+// has_lam_critic (a second composition beside the advantages' one), else the advantages' lam.
+// A row_lam value outside [0, 1] (only possible while a graph is captured: the impl checks them
+// otherwise) gives that row NaN advantages at its valid positions.
 struct GaeArgs {
   bool is_double = false;
   int64_t B = 0, T = 0;
@@ -113,12 +116,33 @@ struct GaeArgs {
   const bool* mask = nullptr;
   const void* last_values = nullptr;
   double gamma = 1.0, lam = 0.95;
+  const double* row_lam = nullptr;  // [B] or nullptr
+  bool has_lam_critic = false;
+  double lam_critic = 0;
   void* advantages = nullptr;
   void* returns = nullptr;
   cudaStream_t stream = nullptr;
 };
 constexpr int kGaeSegment = 16;
 constexpr int kGaeTile = 32 * kGaeSegment;
+
+// turn_gae: rewards, values [B, T] contiguous acc arrays, turn_ids [B, T] int64 (negative: not an
+// agent position), last_values [B] or nullptr. One thread per row runs the CPU kernel's two
+// loops (right to left over the turns, then left to right broadcasting each turn's advantage
+// onto its positions) with the same operations in the same order: the CPU's bits, and a row's
+// result depends on nothing but that row.
+struct TurnGaeArgs {
+  bool is_double = false;
+  int64_t B = 0, T = 0;
+  const void* rewards = nullptr;
+  const void* values = nullptr;
+  const int64_t* turn_ids = nullptr;
+  const void* last_values = nullptr;
+  double gamma = 1.0, lam = 0.95;
+  void* advantages = nullptr;
+  void* returns = nullptr;
+  cudaStream_t stream = nullptr;
+};
 
 // group_advantages: scores [B] and advantages [B, T] contiguous acc arrays, group_ids [B] int64
 // (checked to lie in [0, B) outside graph capture; the kernel only compares them, so any value is
@@ -193,6 +217,7 @@ cudaError_t launch_kl_penalty_fwd(const KLArgs& p);
 cudaError_t launch_kl_penalty_bwd(const KLArgs& p);
 cudaError_t launch_shape_rewards(const ShapeRewardsArgs& p);
 cudaError_t launch_gae(const GaeArgs& p);
+cudaError_t launch_turn_gae(const TurnGaeArgs& p);
 cudaError_t launch_group_advantages(const GroupAdvantagesArgs& p);
 // stats[0..2] (sum, count, mean).
 cudaError_t launch_masked_sum_count(const MaskedStatsArgs& p);

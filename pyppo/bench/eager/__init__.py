@@ -13,6 +13,7 @@ from .kl import compute_approx_kl, compute_reward, shape_rewards
 from .linear_logprobs import linear_logsoftmax_gather
 from .linear_ppo_loss import linear_ppo_loss
 from .masked import masked_mean, masked_var, masked_whiten, masked_whiten_fill
+from .turn_gae import turn_gae_loop
 
 __all__ = [
     "logsoftmax_gather",
@@ -22,6 +23,7 @@ __all__ = [
     "linear_ppo_loss",
     "gae_loop",
     "gae_loop_trl",
+    "turn_gae_loop",
     "verl_grpo",
     "verl_grpo_vectorized",
     "verl_rloo",
