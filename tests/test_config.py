@@ -105,7 +105,7 @@ def test_docs_key_table_is_current():
     assert BEGIN in text and END in text, f"{DOCS} lost its generated-table markers"
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert table == config_markdown().strip(), (
-        "docs/trainer.md's key table is stale: regenerate it from pyppo/config.py with "
+        "docs/trainer.md's key table is stale: regenerate it from pyppo/config/ with "
         "`python -m pyppo.config` and paste it between the markers"
     )
 
