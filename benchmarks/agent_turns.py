@@ -10,8 +10,9 @@ environment that answers every turn with the same short message and never ends a
 measured rollouts per engine. Prints, per engine and turn: live episodes, mean context tokens,
 seconds, and seconds per live episode relative to turn 1. ``--fixed-length`` makes every turn
 sample exactly ``--max-new-tokens`` tokens (EOS masked until then: ``min_new_tokens`` in
-``transformers``, ``min_tokens`` in vLLM), so the turns differ only in their context: what is left
-of turn k's extra cost is prefilling it, which vLLM's prefix cache saves.
+``transformers``, ``min_tokens`` in vLLM; the last one is then replaced by EOS, so that the episode
+goes on), so the turns differ only in their context: what is left of turn k's extra cost is
+prefilling it, which vLLM's prefix cache saves.
 
     python benchmarks/agent_turns.py                          # both engines (vLLM when installed)
     python benchmarks/agent_turns.py --engines transformers --turns 4
@@ -90,6 +91,8 @@ def measure(engine_name: str, args) -> dict:
     def timed(sequences, max_new_tokens):
         t0 = time.perf_counter()
         out = real(sequences, max_new_tokens)
+        if args.fixed_length:  # EOS in the last place, so that the episode goes on to the next turn
+            out = [(ids[:-1] + [tokenizer.eos_token_id], logprobs) for ids, logprobs in out]
         turn = timed.turn
         sampled = statistics.mean(len(ids) for ids, _ in out)
         timings[turn].append((time.perf_counter() - t0, len(sequences), statistics.mean(map(len, sequences)), sampled))

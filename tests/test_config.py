@@ -163,6 +163,8 @@ def test_resolved_config_keeps_none_over_a_non_none_default(tmp_path):
 #: For each rule of NEEDS (by its first knob): settings where it does not hold, and settings where it does.
 RULE_OFF_ON = {
     "value_lr": (dict(advantage_estimator="grpo", samples_per_prompt=2, kl_coef=0.0, lora_rank=4), dict(lora_rank=4)),
+    "lam": (dict(advantage_estimator="gae_turn"), {}),
+    "gamma_turn": ({}, dict(advantage_estimator="gae_turn")),
     "gamma": (
         dict(advantage_estimator="rloo", samples_per_prompt=2, kl_coef=0.0),
         dict(advantage_estimator="reinforce_pp"),
@@ -193,6 +195,10 @@ OTHER_VALUE = {
     "vf_coef": 0.5,
     "cliprange_value": None,
     "lam": 0.9,
+    "lam_critic": 1.0,
+    "lam_alpha": 0.5,
+    "gamma_turn": 0.9,
+    "lam_turn": 1.0,
     "value_lora": True,
     "gamma": 0.99,
     "whiten_advantages": False,

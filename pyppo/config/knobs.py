@@ -21,8 +21,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 ROLLOUT_ENGINES = ("transformers", "vllm")
 
 #: ``PPOConfig.advantage_estimator`` values (:data:`pyppo.trainer.advantages.ADVANTAGE_ESTIMATORS`):
-#: ``gae`` trains a value model, the others are critic-free.
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+#: ``gae`` and ``gae_turn`` train a value model, the others are critic-free.
+ADVANTAGE_ESTIMATORS = ("gae", "gae_turn", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 #: The critic-free estimators whose baseline is the mean of a prompt's group of responses.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")

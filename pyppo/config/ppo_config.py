@@ -147,13 +147,25 @@ class PPOConfig:
 
     group("advantages")
     advantage_estimator: str = knob("gae", one_of(ADVANTAGE_ESTIMATORS), resume="fixed", always_acts=True,
-        help="gae (actor-critic PPO: trains a value model); critic-free, no value model: grpo, rloo (group "
+        help="gae (actor-critic PPO: trains a value model), gae_turn (the same, GAE over agent turns); "
+             "critic-free, no value model: grpo, rloo (group "
              "baselines over samples_per_prompt responses), reinforce_pp, reinforce_pp_baseline (REINFORCE++) "
              '(docs/trainer.md, "Advantage estimators")')
     grpo_std_normalize: bool = knob(True, boolean(), resume="fixed",
         help="grpo: divide by the group's standard deviation; false = Dr. GRPO (the mean is subtracted only)")
     gamma: float = knob(1.0, number(0.0, 1.0), resume="fixed", help="discount of GAE and of reinforce_pp's returns")
-    lam: float = knob(0.95, number(0.0, 1.0), resume="fixed", help="GAE lambda")
+    lam: float = knob(0.95, number(0.0, 1.0), resume="fixed",
+        help="GAE lambda of the policy's advantages, and of the value targets unless lam_critic")
+    lam_critic: Optional[float] = knob(None, number(0.0, 1.0), resume="fixed", optional=True,
+        help="GAE lambda of the value targets (decoupled GAE, VC-PPO: 1.0); None = lam")
+    lam_alpha: float = knob(0.0, number(0.0), resume="fixed",
+        help="length-adaptive GAE (VAPO): each response's policy lambda = 1 - 1/(lam_alpha * its trained "
+             "tokens), clamped to [0, 1], instead of lam; 0 = off; 0.5 suits responses of tens of tokens "
+             "(VAPO's 0.05 was for thousands)")
+    gamma_turn: float = knob(1.0, number(0.0, 1.0), resume="fixed",
+        help="gae_turn: the discount per agent turn")
+    lam_turn: float = knob(0.95, number(0.0, 1.0), resume="fixed",
+        help="gae_turn: the GAE lambda per agent turn")
     whiten_advantages: bool = knob(True, boolean(), resume="fixed",
         help="whiten advantages over the whole batch's valid tokens (skipped below 2 valid tokens); gae and "
              "reinforce_pp* only: grpo and rloo are normalised within each group")
@@ -176,7 +188,7 @@ class PPOConfig:
     loss_agg_norm: Optional[float] = knob(None, number(0.0, lo_open=True), resume="fixed", optional=True,
         help="the constant of seq-mean-token-sum-norm; None = max_new_tokens")
 
-    group("value model")  # gae only
+    group("value model")  # gae and gae_turn only
     value_lr: Optional[float] = knob(None, number(0.0, lo_open=True), resume="fixed", optional=True,
         help="AdamW learning rate of the value model; None = lr")
     cliprange_value: Optional[float] = knob(0.2, number(0.0, lo_open=True), resume="fixed", optional=True,
@@ -339,8 +351,8 @@ class PPOConfig:
 
     @property
     def uses_critic(self) -> bool:
-        """Whether the run trains a value model (``gae``); the other estimators are critic-free."""
-        return self.advantage_estimator == "gae"
+        """Whether the run trains a value model (``gae``, ``gae_turn``); the others are critic-free."""
+        return self.advantage_estimator in ("gae", "gae_turn")
 
     @property
     def effective_value_lr(self) -> float:

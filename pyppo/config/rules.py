@@ -40,7 +40,7 @@ class Needs:
     warn: bool = False
 
 
-_VALUE_MODEL = ("value_lr", "vf_coef", "cliprange_value", "lam", "value_lora")
+_VALUE_MODEL = ("value_lr", "vf_coef", "cliprange_value", "value_lora")
 _LORA = ("lora_alpha", "lora_target_modules", "value_lora", "merge_lora")
 
 #: Every knob that acts only together with others, and what it needs. A knob that no rule names
@@ -48,9 +48,21 @@ _LORA = ("lora_alpha", "lora_target_modules", "value_lora", "merge_lora")
 NEEDS: Tuple[Needs, ...] = (
     Needs(
         _VALUE_MODEL,
+        "advantage_estimator 'gae' or 'gae_turn'",
+        "a value model (advantage_estimator 'gae' or 'gae_turn'; {c.advantage_estimator!r} trains none)",
+        lambda c, n: c.advantage_estimator in ("gae", "gae_turn"),
+    ),
+    Needs(
+        ("lam", "lam_critic", "lam_alpha"),
         "advantage_estimator = 'gae'",
-        "a value model (advantage_estimator = 'gae'; {c.advantage_estimator!r} trains none)",
+        "token-level GAE (advantage_estimator = 'gae', not {c.advantage_estimator!r})",
         lambda c, n: c.advantage_estimator == "gae",
+    ),
+    Needs(
+        ("gamma_turn", "lam_turn"),
+        "advantage_estimator = 'gae_turn'",
+        "GAE over agent turns (advantage_estimator = 'gae_turn', not {c.advantage_estimator!r})",
+        lambda c, n: c.advantage_estimator == "gae_turn",
     ),
     Needs(
         ("gamma",),

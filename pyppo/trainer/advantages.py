@@ -26,14 +26,14 @@ never split between processes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from .. import distributed
 from ..config import ADVANTAGE_ESTIMATORS as NAMES
 from ..config import PPOConfig
-from ..ops import gae, group_advantages, shape_rewards
+from ..ops import gae, group_advantages, length_adaptive_lam, shape_rewards, turn_gae, turn_start_mask
 from .buffer import RolloutBuffer
 from .guards import check_rollout
 from .overlong import mask_truncated
@@ -44,6 +44,8 @@ __all__ = [
     "Estimator",
     "GROUP_EPS",
     "gae_advantages",
+    "gae_turn_advantages",
+    "agent_turn_ids",
     "grpo_advantages",
     "rloo_advantages",
     "reinforce_pp_advantages",
@@ -69,11 +71,14 @@ class Estimator:
             value model (otherwise none exists, and the value metrics are absent).
         whitened: the trainer whitens its advantages over the global batch afterwards (when
             ``whiten_advantages``); ``False`` for estimators normalised within each group.
+        value_positions: ``batch -> [B, T]`` bool, where the value loss trains (intersected
+            with ``loss_mask``); ``None``: every ``loss_mask`` token.
     """
 
     fn: EstimatorFn
     uses_critic: bool
     whitened: bool
+    value_positions: Optional[Callable[[RolloutBuffer], torch.Tensor]] = None
 
     def __call__(self, batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.fn(batch, config)
@@ -82,9 +87,36 @@ class Estimator:
 def gae_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous
     Control Using Generalized Advantage Estimation", eq. 16) over each response's valid tokens,
-    with ``config.gamma`` and ``config.lam``; ``returns = advantages + values``
-    (:func:`pyppo.ops.gae`)."""
-    return gae(batch.rewards, batch.values, batch.loss_mask, gamma=config.gamma, lam=config.lam)
+    with ``config.gamma`` and ``config.lam`` (:func:`pyppo.ops.gae`). The value targets take
+    ``lam_critic`` when set (decoupled GAE: VC-PPO, Yuan et al. 2025, arXiv 2503.01491); ``lam_alpha > 0``
+    gives each response its own policy λ, ``1 - 1/(lam_alpha · l)`` for ``l`` trained tokens
+    (VAPO's Length-Adaptive GAE: Yue et al. 2025, arXiv 2504.05118;
+    :func:`pyppo.ops.length_adaptive_lam`)."""
+    lam = length_adaptive_lam(batch.loss_mask, config.lam_alpha) if config.lam_alpha > 0 else config.lam
+    return gae(batch.rewards, batch.values, batch.loss_mask, gamma=config.gamma, lam=lam, lam_critic=config.lam_critic)
+
+
+def agent_turn_ids(batch: RolloutBuffer) -> torch.Tensor:
+    """``[B, T]`` int64: each ``loss_mask`` token's agent turn (``batch.turn_ids``; a response
+    of one turn is turn 0), -1 elsewhere."""
+    ids = batch.turn_ids if batch.turn_ids is not None else torch.zeros_like(batch.loss_mask, dtype=torch.long)
+    return torch.where(batch.loss_mask, ids, torch.full_like(ids, -1))
+
+
+def turn_starts(batch: RolloutBuffer) -> torch.Tensor:
+    """``[B, T]`` bool: each agent turn's first token (:func:`pyppo.ops.turn_start_mask`), where
+    ``gae_turn`` reads and trains the value model."""
+    return turn_start_mask(agent_turn_ids(batch))
+
+
+def gae_turn_advantages(batch: RolloutBuffer, config: PPOConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GAE over agent turns (:func:`pyppo.ops.turn_gae`): a turn is one action, valued by the
+    value model at its first token, paid the sum of its tokens' rewards (the KL penalty
+    included); GAE with ``config.gamma_turn`` and ``config.lam_turn`` runs over the turns, and
+    every token of a turn gets its turn's advantage. The value loss trains at the turns' first
+    tokens (:func:`pyppo.ops.turn_start_mask`), toward the turn returns. On a response of one
+    turn it is a bandit estimate: ``A = R − V`` of the response's first token."""
+    return turn_gae(batch.rewards, batch.values, agent_turn_ids(batch), gamma=config.gamma_turn, lam=config.lam_turn)
 
 
 def sequence_rewards(batch: RolloutBuffer) -> torch.Tensor:
@@ -140,6 +172,7 @@ def reinforce_pp_baseline_advantages(batch: RolloutBuffer, config: PPOConfig) ->
 #: Estimators by name (``PPOConfig.advantage_estimator``).
 ADVANTAGE_ESTIMATORS: Dict[str, Estimator] = {
     "gae": Estimator(gae_advantages, uses_critic=True, whitened=True),
+    "gae_turn": Estimator(gae_turn_advantages, uses_critic=True, whitened=True, value_positions=turn_starts),
     "grpo": Estimator(grpo_advantages, uses_critic=False, whitened=False),
     "rloo": Estimator(rloo_advantages, uses_critic=False, whitened=False),
     "reinforce_pp": Estimator(reinforce_pp_advantages, uses_critic=False, whitened=True),
@@ -214,6 +247,8 @@ def shaped_advantages(
     metrics = rollout_metrics(batch)
     if c.mask_truncated:
         metrics["truncated_masked"] = mask_truncated(batch.loss_mask, batch.advantages, batch.has_eos)
+    if estimator.value_positions is not None:
+        batch.value_mask = estimator.value_positions(batch) & batch.loss_mask
     valid = distributed.all_sum([int(batch.loss_mask.sum())], world)[0]
     if c.whiten_advantages and estimator.whitened and valid >= 2:
         batch.advantages = distributed.whiten(batch.advantages, batch.loss_mask, world)

@@ -61,7 +61,9 @@ class RolloutBuffer:
     Multi-turn episodes (:mod:`pyppo.agents`) add ``turn_ids [B, T]`` int64 (the agent turn of each
     token, -1 at the environment's tokens and padding), ``turn_rewards [B, T]`` float32 (what the
     environment paid, on the last agent token of each turn) and ``episodes`` (``B``
-    :class:`~pyppo.agents.episodes.EpisodeRecord`); ``None`` for one sampled response.
+    :class:`~pyppo.agents.episodes.EpisodeRecord`); ``None`` for one sampled response. An
+    estimator that trains the value model on some tokens only (``gae_turn``: each turn's first)
+    sets ``value_mask [B, T]`` bool; :attr:`critic_mask` is it, else ``loss_mask``.
 
     Raises:
         ValueError: (at construction, and from :meth:`validate`) a field with the wrong batch size
@@ -93,6 +95,7 @@ class RolloutBuffer:
     kl: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    value_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.query_mask = self.query_mask.bool()
@@ -137,6 +140,7 @@ class RolloutBuffer:
             "rollout_logprobs",
             "turn_ids",
             "turn_rewards",
+            "value_mask",
         ):
             expected[name] = (B, T)
         for name in ("raw_scores", "scores", "has_eos"):
@@ -149,6 +153,11 @@ class RolloutBuffer:
             v = getattr(self, name)
             if v is not None and len(v) != B:
                 raise ValueError(f"{name} has {len(v)} entries, expected {B}")
+
+    @property
+    def critic_mask(self) -> torch.Tensor:
+        """``[B, T]`` bool, the tokens the value loss trains on: ``value_mask``, else ``loss_mask``."""
+        return self.loss_mask if self.value_mask is None else self.value_mask
 
     # ------------------------------------------------------------------ model inputs
     @property

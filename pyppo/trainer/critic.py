@@ -67,9 +67,9 @@ class Critic:
         self, mu: RolloutBuffer, normalizer: float
     ) -> Tuple[float, Dict[str, torch.Tensor], torch.Tensor]:
         """Forward the value model on a micro-batch (under the trainer's autocast), then backward
-        ``vf_coef`` times its clipped value loss (:func:`pyppo.ops.ppo_value_loss` over ``loss_mask``,
-        divided by the minibatch's ``normalizer``). Returns ``(value_loss, its token statistics, values [b, T]
-        detached)``."""
+        ``vf_coef`` times its clipped value loss (:func:`pyppo.ops.ppo_value_loss` over the
+        micro-batch's ``critic_mask``, divided by the minibatch's ``normalizer``, the count of
+        that mask). Returns ``(value_loss, its token statistics, values [b, T] detached)``."""
         c = self.config
         with autocast(self.device, self.dtype):
             values = self.values(mu)
@@ -77,7 +77,7 @@ class Critic:
             values,
             mu.values,
             mu.returns,
-            mu.loss_mask,
+            mu.critic_mask,
             cliprange_value=c.cliprange_value,
             loss_agg=c.loss_agg,
             loss_agg_norm=c.effective_loss_agg_norm,

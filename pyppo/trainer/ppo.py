@@ -323,7 +323,7 @@ class PPOTrainer:
         out = {k: math.nan for k in ("policy_loss", "clipfrac", "approx_kl", "ratio_max")}
         if self.critic is not None and seen:
             values, returns, mask = (
-                torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "loss_mask")
+                torch.cat([getattr(s, k) for s in seen]) for k in ("values", "returns", "critic_mask")
             )
             out.update(
                 value_loss=math.nan,
@@ -355,10 +355,11 @@ class PPOTrainer:
         token_stats, losses = RunningStats(), RunningStats()
         # The whole minibatch's count over all ranks, divided by N because DDP and FSDP average
         # the ranks' gradients: each rank's loss is then its share of the global minibatch's sum.
-        count = distributed.all_sum([loss_normalizer(mb.loss_mask, self.config.loss_agg)], self.world)[0]
+        counts = [loss_normalizer(m, self.config.loss_agg) for m in (mb.loss_mask, mb.critic_mask)]
+        count, value_count = distributed.all_sum(counts, self.world)
         if count == 0:  # every response of the minibatch left the loss (mask_truncated): nothing to learn
             return []
-        normalizer = count / self.world.size
+        normalizer = (count / self.world.size, max(value_count, 1) / self.world.size)
         micros = list(mb.micro_batches(self.micro_batch_size))
         seen = []
         for i, mu in enumerate(micros):
@@ -398,35 +399,35 @@ class PPOTrainer:
     def micro_step(
         self,
         mu: RolloutBuffer,
-        normalizer: float,
+        normalizer: Tuple[float, float],
         token_stats: RunningStats,
         losses: RunningStats,
         *,
         first_forward: LiveForward = None,
     ) -> MicroStepResult:
         """Forward and backward of one micro-batch. The losses are divided by the minibatch's
-        ``normalizer``, so the accumulated gradient (and the sum of the micro-batch losses) is the
-        minibatch's. The policy's backward runs before the value model's forward, so the two
-        models' activations are never held at once. ``first_forward``: the policy's live
+        ``normalizer`` (the policy's, the value model's), so the accumulated gradient (and the sum
+        of the micro-batch losses) is the minibatch's. The policy's backward runs before the value
+        model's forward, so the two models' activations are never held at once. ``first_forward``: the policy's live
         ``(logprobs, entropy)`` of ``mu`` (``rollout_forwards.first_policy_forward``), trained on
         instead of a new forward."""
         if first_forward is None:
             with autocast(self.device, self.dtype):
                 pg_loss, pg_stats, logprobs, _ = self.models.policy_module(
-                    mu, objective=self.objective, normalizer=normalizer
+                    mu, objective=self.objective, normalizer=normalizer[0]
                 )
         else:
             logprobs, entropy = first_forward
-            pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, self.objective, normalizer)
+            pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, self.objective, normalizer[0])
             logprobs = logprobs.detach()
         pg_loss.backward()
         terms = {k: float(pg_stats.pop(k)) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
         vf_stats, values = {}, mu.values
         if self.critic is not None:
-            terms["value_loss"], vf_stats, values = self.critic.loss_backward(mu, normalizer)
+            terms["value_loss"], vf_stats, values = self.critic.loss_backward(mu, normalizer[1])
         losses.add(terms)
         record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.loss_mask.sum()))
-        return MicroStepResult(logprobs, mu.old_logprobs, values, mu.returns, mu.loss_mask)
+        return MicroStepResult(logprobs, mu.old_logprobs, values, mu.returns, mu.loss_mask, mu.critic_mask)
 
     def clip_grad_norm(self, model: nn.Module) -> float:
         """Clip ``model``'s gradient norm to ``max_grad_norm``; returns the norm before clipping."""

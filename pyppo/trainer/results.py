@@ -60,3 +60,4 @@ class MicroStepResult(NamedTuple):
     values: torch.Tensor
     returns: torch.Tensor
     loss_mask: torch.Tensor
+    critic_mask: torch.Tensor

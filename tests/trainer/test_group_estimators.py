@@ -16,7 +16,7 @@ from support.tiny_models import tiny_causal_lm, tiny_tokenizer
 from support.trainer_fixture import PROMPTS, count_e, make_trainer, small_config
 
 F64 = torch.float64
-CRITIC_FREE = [name for name in ADVANTAGE_ESTIMATORS if name != "gae"]
+CRITIC_FREE = [name for name in ADVANTAGE_ESTIMATORS if name not in ("gae", "gae_turn")]
 VALUE_KEYS = ("value_loss", "explained_variance", "value_grad_norm", "vf_clipfrac", "time_value_forward")
 
 
@@ -69,7 +69,8 @@ def reference(batch, estimator, k, std_normalize=True, gamma=1.0):
 
 def test_the_config_names_and_the_registry_agree():
     assert tuple(REGISTRY) == ADVANTAGE_ESTIMATORS
-    assert [n for n, e in REGISTRY.items() if e.uses_critic] == ["gae"]
+    critics = [n for n, e in REGISTRY.items() if e.uses_critic]
+    assert critics == ["gae", "gae_turn"] and all(PPOConfig(advantage_estimator=n).uses_critic for n in critics)
     assert PPOConfig(advantage_estimator="grpo", samples_per_prompt=2).uses_critic is False and PPOConfig().uses_critic
     assert PPOConfig(advantage_estimator="reinforce_pp").uses_critic is False  # no group: one response is enough
 
@@ -84,7 +85,7 @@ def test_the_config_names_and_the_registry_agree():
         (
             dict(advantage_estimator="grpo", samples_per_prompt=2, lora_rank=4, value_lora=True),
             r"value_lora = True has no effect here: it needs a value model "
-            r"\(advantage_estimator = 'gae'; 'grpo' trains none\)",
+            r"\(advantage_estimator 'gae' or 'gae_turn'; 'grpo' trains none\)",
         ),
         (dict(advantage_estimator="rloo", samples_per_prompt=2, vf_coef=0.5), r"vf_coef = 0.5 has no effect here"),
         (dict(advantage_estimator="reinforce_pp", value_lr=1e-4), r"value_lr = 0.0001 has no effect here"),

@@ -366,6 +366,16 @@ ELSEWHERE = {
     ),
     "gamma": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "lam": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
+    "lam_critic": ("trainer/test_critic_estimators.py", "test_lam_critic_sets_the_value_targets_lambda"),
+    "lam_alpha": ("trainer/test_critic_estimators.py", "test_lam_alpha_gives_each_response_its_length_adaptive_lambda"),
+    "gamma_turn": (
+        "trainer/test_critic_estimators.py",
+        "test_gae_turn_runs_gae_over_the_turns_with_gamma_turn_and_lam_turn",
+    ),
+    "lam_turn": (
+        "trainer/test_critic_estimators.py",
+        "test_gae_turn_runs_gae_over_the_turns_with_gamma_turn_and_lam_turn",
+    ),
     "whiten_advantages": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "target_kl": ("trainer/test_trainer.py", "test_adaptive_kl_controller_is_applied"),
     "kl_horizon": ("trainer/test_trainer.py", "test_adaptive_kl_controller_is_applied"),
