@@ -483,6 +483,11 @@ def _load_function(spec: str) -> Callable:
 #: The rewards ``--reward`` knows by name (matched before any directory of that name).
 BUILTIN_REWARDS: Dict[str, RewardFn] = {"sentiment": sentiment_reward, "math": math_reward}
 
+#: The fields a multi-turn episode gives a reward besides its prompt record's: ``transcript``,
+#: each episode's ``[{"role": "agent" | "environment", "turn": k, "text": str}, ...]``
+#: (``docs/agents.md``).
+EPISODE_FIELDS = ("transcript",)
+
 
 def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.device = "cpu") -> RewardFn:
     """Turn a reward spec into a validated ``reward_fn(prompts, responses) -> list[float]``.

@@ -195,6 +195,7 @@ OTHER_VALUE = {
     "vf_coef": 0.5,
     "cliprange_value": None,
     "lam": 0.9,
+    "critic_warmup_steps": 2,
     "lam_critic": 1.0,
     "lam_alpha": 0.5,
     "gamma_turn": 0.9,

@@ -226,7 +226,10 @@ def test_two_process_train_resumes_like_an_uninterrupted_run(tmp_path):
 
 def test_two_process_agent_run_gives_each_rank_its_own_episodes_and_resumes_exactly(tmp_path):
     model = save_tiny_causal_lm(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:8]) + "\n")
     flags = ["--model", str(model), "--env", f"{HERE / 'support' / 'echo_env.py'}:Echo", "--device", "cpu"]
+    flags += ["--prompts", str(prompts)]
     flags += ["--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1", "--max-new-tokens", "12"]
     flags += ["--max-turns", "3", "--seed", "5", "--save-every", "1", "--dtype", "float32"]
     torchrun(2, "-m", "pyppo", "train", *flags, "--steps", "1", "--output", str(tmp_path / "run"))

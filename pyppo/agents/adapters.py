@@ -21,12 +21,20 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .tools import ToolCallParser, call_tools, run_awaitable, tool_schemas
-from .types import Environment, TurnResult
+from .types import Environment, EnvironmentContractError, TurnResult
 
-__all__ = ["EnvironmentFactory", "TextEnvironment", "ToolEnvironment", "environment_factory", "environment_methods"]
+__all__ = [
+    "EnvironmentFactory",
+    "TextEnvironment",
+    "ToolEnvironment",
+    "environment_factory",
+    "environment_methods",
+    "tool_list",
+]
 
 # TRL's reserved names: called by the trainer, never offered to the model as tools.
 _RESERVED = ("reset", "get_reward")
@@ -70,7 +78,7 @@ def _reset_arguments(instance: Any, row: Mapping[str, Any], seed: int) -> Dict[s
     try:
         signature.bind(**kwargs)
     except TypeError as exc:
-        raise TypeError(
+        raise EnvironmentContractError(
             f"environment {name}: reset{signature} cannot take the prompt record's fields {sorted(row)}: {exc}"
         ) from exc
     return kwargs
@@ -81,7 +89,9 @@ def _call_reset(instance: Any, row: Mapping[str, Any], seed: int) -> Optional[st
     if inspect.isawaitable(result):
         result = run_awaitable(result)
     if result is not None and not isinstance(result, str):
-        raise TypeError(f"environment {type(instance).__name__}: reset() must return a str or None, got {result!r}")
+        raise EnvironmentContractError(
+            f"environment {type(instance).__name__}: reset() must return a str or None, got {result!r}"
+        )
     return result
 
 
@@ -93,6 +103,15 @@ def _reward(value: Any, where: str) -> float:
     if not math.isfinite(reward):
         raise ValueError(f"{where} must be finite, got {reward}")
     return reward
+
+
+def _is_bool(flag: Any) -> bool:
+    """A ``bool`` or a numpy boolean (``numpy.bool_``, named ``bool`` in numpy 2); numpy is looked
+    up only where it was imported already (a numpy boolean implies it was)."""
+    if isinstance(flag, bool):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(flag, numpy.bool_)
 
 
 def _require_reset(instance: Any) -> None:
@@ -142,8 +161,8 @@ class ToolEnvironment:
 
     def reset(self, row: Mapping[str, Any], seed: int) -> Optional[str]:
         """``instance.reset(**row)`` (see :func:`_reset_arguments` for which fields and ``seed``);
-        its text (appended to the prompt) or ``None``. Raises TypeError: the record's fields do not
-        fit ``reset``'s signature, or ``reset`` returned neither a str nor None."""
+        its text (appended to the prompt) or ``None``. Raises EnvironmentContractError: the record's
+        fields do not fit ``reset``'s signature, or ``reset`` returned neither a str nor None."""
         if self.instance is None:
             return None
         return _call_reset(self.instance, row, seed)
@@ -204,8 +223,8 @@ class TextEnvironment:
         unless done or ``None``.
 
         Raises:
-            TypeError: step returned something else than the tuples above, or items of the wrong
-                type (naming the class and what it returned).
+            EnvironmentContractError: step returned something else than the tuples above, or items
+                of the wrong type (naming the class and what it returned).
             ValueError: a non-finite reward; no observation (``None``) for a step that is not done.
         """
         result = self.instance.step(text)
@@ -224,28 +243,30 @@ class TextEnvironment:
                     " (a str: if step is meant as a tool, rename it; an environment whose class defines step "
                     "is a text environment)"
                 )
-            raise TypeError(
+            raise EnvironmentContractError(
                 f"environment {name}: step() must return (observation, reward, done) or (observation, reward, "
                 f"done, info), got {type(result).__name__} {result!r:.200}{hint}"
             )
         observation, reward = result[0], result[1]
         flags = result[2:4] if len(result) == 5 else result[2:3]
         if observation is not None and not isinstance(observation, str):
-            raise TypeError(
+            raise EnvironmentContractError(
                 f"environment {name}: step()'s observation must be a str or None, got {type(observation).__name__} "
                 f"{observation!r:.200} (the return was {result!r:.200})"
             )
         if not isinstance(reward, numbers.Real):
-            raise TypeError(
+            hint = " (a tensor or array: return float(reward))" if hasattr(reward, "item") else ""
+            raise EnvironmentContractError(
                 f"environment {name}: step()'s reward must be a number, got {type(reward).__name__} "
-                f"{reward!r:.200} (the return was {result!r:.200})"
+                f"{reward!r:.200} (the return was {result!r:.200}){hint}"
             )
-        # numpy's bool_ is not a bool; an int (0/1) would hide a swapped (reward, done) order.
-        if not all(isinstance(flag, bool) or type(flag).__name__ == "bool_" for flag in flags):
-            raise TypeError(
-                f"environment {name}: step()'s done must be a bool, got {result[2]!r:.200} "
-                f"(the return was {result!r:.200})"
-            )
+        # An int (0/1) would hide a swapped (reward, done) order.
+        for what, flag in zip(("terminated", "truncated") if len(result) == 5 else ("done",), flags):
+            if not _is_bool(flag):
+                raise EnvironmentContractError(
+                    f"environment {name}: step()'s {what} must be a bool (Python's or numpy's), got "
+                    f"{type(flag).__name__} {flag!r:.200} (the return was {result!r:.200})"
+                )
         done = any(bool(flag) for flag in flags)
         reward = _reward(reward, f"environment {name}: step()'s reward")
         if not done and observation is None:
@@ -272,18 +293,18 @@ class EnvironmentFactory:
     """
 
     def __init__(self, env: Any = None, tools: Optional[Sequence[Callable]] = None, tokenizer: Any = None):
-        tools = list(tools or [])
+        tools = tool_list(tools)
         if env is None and not tools:
             raise ValueError("environment_factory: give an environment (a class or a zero-argument factory) or tools")
         if env is not None and not callable(env):
-            raise TypeError(
+            raise EnvironmentContractError(
                 f"environment_factory: env must be a class or a zero-argument callable that returns an environment "
                 f"instance, got {type(env).__name__} {env!r:.200} (pass the class, not an instance)"
             )
+        if env is not None:
+            _check_zero_arguments(env)
         self._env, self._standalone, self._tokenizer = env, tools, tokenizer
-        probe = env() if env is not None else None
-        if env is not None and probe is None:
-            raise TypeError(f"environment_factory: {env!r:.200}() returned None, not an environment instance")
+        probe = self._instance()
         if probe is not None:
             _require_reset(probe)
         self.name = type(probe).__name__ if probe is not None else "tools"
@@ -309,10 +330,57 @@ class EnvironmentFactory:
         first, self._first = self._first, None
         if first is not None:
             return first  # the probed instance serves the first episode instead of being wasted
-        instance = self._env() if self._env is not None else None
-        if self._env is not None and instance is None:
-            raise TypeError(f"environment_factory: {self._env!r:.200}() returned None, not an environment instance")
-        return self._wrap(instance)
+        return self._wrap(self._instance())
+
+    def _instance(self) -> Any:
+        if self._env is None:
+            return None
+        instance = self._env()
+        if instance is None:
+            raise EnvironmentContractError(
+                f"environment_factory: {self._env!r:.200}() returned None, not an environment instance"
+            )
+        return instance
+
+
+def tool_list(tools: Any) -> List[Callable]:
+    """``tools`` (``None``, or a list of functions: any iterable but a string or a mapping) as a list.
+
+    Raises:
+        TypeError: ``tools`` is a single function, or not a list (naming ``tools`` and what was
+            given).
+    """
+    if tools is None:
+        return []
+    if callable(tools) or isinstance(tools, (str, bytes, Mapping)) or not hasattr(tools, "__iter__"):
+        name = getattr(tools, "__name__", None)
+        hint = f" (tools=[{name}])" if callable(tools) and name else ""
+        raise TypeError(f"tools must be a list of functions{hint}, got {type(tools).__name__} {tools!r:.200}")
+    return list(tools)
+
+
+def _check_zero_arguments(env: Callable) -> None:
+    """Raises :class:`EnvironmentContractError` when ``env`` (a class or factory) cannot be called
+    with no arguments, as pyppo calls it once per episode; one whose signature cannot be read is
+    called as it is."""
+    try:
+        signature = inspect.signature(env)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind()
+    except TypeError as exc:
+        name = getattr(env, "__qualname__", None) or f"{env!r:.200}"
+        if isinstance(env, type):
+            what = f"{name}.__init__{signature} needs arguments ({exc})"
+            fix = f"give __init__ defaults, or pass a zero-argument factory such as functools.partial({name}, ...)"
+        else:
+            what = f"{name}{signature} needs arguments ({exc})"
+            fix = "pass the environment's class (module:Class, not a method of it) or a zero-argument factory"
+        raise EnvironmentContractError(
+            f"environment {name}: pyppo makes one instance per episode by calling it with no arguments, but {what}; "
+            f"{fix}"
+        ) from None
 
 
 def environment_factory(
@@ -326,7 +394,7 @@ def environment_factory(
             max_attempts=5)``), called once per episode; ``None`` with ``tools`` for standalone
             tools only. An instance whose class defines ``step`` is a text environment, any other a
             tool environment (so no tool can be named ``step``).
-        tools: standalone tool functions (tool environments only).
+        tools: standalone tool functions, a list (tool environments only).
         tokenizer: reads the tool calls (:class:`~pyppo.agents.tools.ToolCallParser`); ``None``
             reads ``<tool_call>`` blocks only.
 
@@ -337,6 +405,8 @@ def environment_factory(
     Raises:
         ValueError: neither ``env`` nor ``tools``; the instance lacks a callable ``reset``; a text
             environment with tools; a tool without type hints or docstring; two tools of one name.
-        TypeError: ``env`` is not callable (an instance was passed), or returned ``None``.
+        EnvironmentContractError (a TypeError): ``env`` is not callable (an instance was passed),
+            needs arguments, or returned ``None``.
+        TypeError: ``tools`` is not a list (a single function: ``tools=[add]``).
     """
     return EnvironmentFactory(env, tools, tokenizer)

@@ -51,17 +51,19 @@ def make_agent_engine(
             whether sampling is a collective: FSDP2).
 
     Raises:
-        ValueError, TypeError: a bad environment or tool (naming it), or limits the model cannot
-            hold.
+        ValueError, TypeError: a bad environment or tool (naming it; ``tools`` not a list of
+            functions), or limits the model cannot hold; a broken environment contract is an
+            :class:`~pyppo.agents.types.EnvironmentContractError` (a TypeError).
     """
-    from .adapters import environment_factory
+    from .adapters import environment_factory, tool_list
     from .registry import load_environment
     from .render import ChatRenderer
 
     spec = environment if isinstance(environment, str) else _importable_name(environment)
     if isinstance(environment, str):
         environment = load_environment(environment)
-    make_env = environment_factory(environment, list(tools or []), tokenizer)
+    tools = tool_list(tools)
+    make_env = environment_factory(environment, tools, tokenizer)
     renderer = ChatRenderer(tokenizer, use_chat_template=config.use_chat_template, tools=make_env.tools)
     base = getattr(models.policy, "get_base_model", lambda: models.policy)()
     limits = EpisodeLimits(

@@ -31,7 +31,7 @@ import torch
 
 from .. import distributed
 from ..rollout.engine import Rollout, RolloutEngine
-from .types import Environment
+from .types import Environment, EnvironmentContractError
 
 __all__ = ["AgentEngine", "EpisodeLimits", "EpisodeRecord", "episode_metrics"]
 
@@ -191,7 +191,9 @@ class AgentEngine:
         env = self.make_env()
         appended = env.reset(dict(row), seed)
         if appended is not None and not isinstance(appended, str):
-            raise TypeError(f"{type(env).__name__}.reset() must return a str or None, got {type(appended).__name__}")
+            raise EnvironmentContractError(
+                f"{type(env).__name__}.reset() must return a str or None, got {type(appended).__name__}"
+            )
         leading = self.renderer.messages(row["prompt"], appended)
         prompt = list(self.renderer.prompt_ids(leading))
         room = self.limits.max_episode_tokens - len(prompt)

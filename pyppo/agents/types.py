@@ -12,7 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence
 
-__all__ = ["Environment", "TurnResult"]
+__all__ = ["Environment", "EnvironmentContractError", "TurnResult"]
+
+
+class EnvironmentContractError(TypeError):
+    """An environment (or its class, or a factory of it) breaks the contract of ``docs/agents.md``:
+    ``reset`` or ``step`` returned the wrong thing, the class cannot be called with no arguments,
+    ``default_prompts`` is not a class method returning prompt records, and so on. The message names
+    the environment and what was expected. A ``TypeError``, so ``except TypeError`` still catches
+    it; the command line prints it as one line (``pyppo.cli.flags.USER_ERRORS``)."""
 
 
 @dataclass

@@ -39,12 +39,15 @@ def _fits(reward_fn, set_name: str) -> bool:
     return True
 
 
-def _check_fields(reward_fn, records: Optional[List[dict]], source: Optional[str], flag: str) -> None:
+def _check_fields(
+    reward_fn, records: Optional[List[dict]], source: Optional[str], flag: str, *, agent: bool = False
+) -> None:
     """:func:`~pyppo.rewards.check_reward_fields` on one prompt set; when the prompts lack a field,
     the message names a built-in set that has what the reward needs."""
     where = f"{flag} {source!r}" if source else "the default prompts (no --prompts)"
     try:
-        rewards.check_reward_fields(reward_fn, prompt_sets.prompt_fields(records or []), source=where)
+        episode = rewards.EPISODE_FIELDS if agent else ()  # what an episode adds (a transcript)
+        rewards.check_reward_fields(reward_fn, [*prompt_sets.prompt_fields(records or []), *episode], source=where)
     except rewards.RewardError as exc:
         eval_set = flag == "--eval-prompts"
         fitting = [
@@ -74,15 +77,19 @@ def check_sources(
     may be ``"none"`` (``reward_fn`` is then ``None``: the environment pays alone), the prompts
     default to the environment's ``default_prompts`` and are records (its ``reset`` takes them);
     with ``env_eval`` (the run evaluates: ``eval_every > 0``) the eval prompts default to its
-    ``default_eval_prompts``.
+    ``default_eval_prompts``. An environment that declares no prompts (or an empty list) needs
+    ``prompts``.
 
     Raises:
-        FileNotFoundError, ModuleNotFoundError, ValueError: a bad source, naming it.
+        FileNotFoundError, ModuleNotFoundError, ValueError: a bad source, naming it (an invalid
+            ``default_reward`` of the environment is named as such).
+        EnvironmentContractError: the environment's ``default_prompts`` / ``default_eval_prompts``
+            is not a class method returning prompt records.
     """
     models.resolve_model_source(model)
     env_class = None
     if env is not None:
-        from ..agents.registry import load_environment
+        from ..agents.registry import declared_prompts, load_environment
 
         env_class = load_environment(env)
     if reward == "none":
@@ -94,17 +101,27 @@ def check_sources(
             reward_fn = rewards.load_reward(reward, device=local_device(device))
         except (AttributeError, TypeError) as exc:  # "module:function" naming a missing or non-callable attribute
             raise ValueError(str(exc)) from None
+        except (OSError, ValueError, ImportError) as exc:
+            if env_class is not None and reward == getattr(env_class, "default_reward", None):
+                # No --reward: the environment's own default_reward was loaded (pyppo train's rule).
+                name = getattr(env_class, "__qualname__", None) or type(env_class).__name__
+                raise ValueError(
+                    f"--env {env}: environment {name}'s default_reward {reward!r} is invalid: {exc}"
+                ) from exc
+            raise
     agent = env_class is not None
     records = _load_prompts(prompts, "--prompts", reward_fn, records=agent)
     eval_records = _load_prompts(eval_prompts, "--eval-prompts", reward_fn, records=agent)
-    if records is None and env_class is not None and getattr(env_class, "default_prompts", None) is not None:
-        records = list(env_class.default_prompts())
-    if eval_records is None and env_eval and getattr(env_class, "default_eval_prompts", None) is not None:
-        eval_records = list(env_class.default_eval_prompts())
+    if records is None and env_class is not None:
+        records = declared_prompts(env_class)
+        if not records:
+            raise ValueError(f"--env {env} declares no prompts (default_prompts); pass --prompts FILE.jsonl")
+    if eval_records is None and env_eval and env_class is not None:
+        eval_records = declared_prompts(env_class, "default_eval_prompts")
     if reward_fn is not None:
-        _check_fields(reward_fn, records, prompts, "--prompts")
+        _check_fields(reward_fn, records, prompts, "--prompts", agent=agent)
         if eval_records is not None:
-            _check_fields(reward_fn, eval_records, eval_prompts, "--eval-prompts")
+            _check_fields(reward_fn, eval_records, eval_prompts, "--eval-prompts", agent=agent)
     prompt_list: List[Any] = _for_trainer(records) if records else list(prompt_sets.DEFAULT_PROMPTS)
     return reward_fn, prompt_list, _for_trainer(eval_records) if eval_records else None
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from pyppo.agents.types import EnvironmentContractError
+
 __all__ = [
     "CLIError",
     "PROG",
@@ -28,9 +30,10 @@ class CLIError(Exception):
 
 
 # Exceptions that mean "the user asked for something that cannot be done" rather than a bug:
-# missing files (OSError), bad values (ValueError), missing packages (ImportError). The command
-# line prints them as one line and exits 2.
-USER_ERRORS = (CLIError, OSError, ValueError, ImportError)
+# missing files (OSError), bad values (ValueError), missing packages (ImportError), an --env that
+# breaks the environment contract (EnvironmentContractError, a TypeError naming the environment;
+# other TypeErrors stay tracebacks). The command line prints them as one line and exits 2.
+USER_ERRORS = (CLIError, OSError, ValueError, ImportError, EnvironmentContractError)
 
 
 def flag_name(name: str) -> str:
@@ -147,8 +150,9 @@ def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = Fa
         metavar="NAME|module:Class|file.py:Class",
         help="train multi-turn episodes with an environment (docs/agents.md): a built-in one ('arithmetic-retry', "
         "'calculator', 'guess-number'), or a class in TRL's environment_factory convention or a text "
-        "environment's (reset / step); its prompts and reward are the defaults of --prompts and --reward "
-        "(default: no environment, one response per prompt)",
+        "environment's (reset / step), found in the current directory too; its prompts (default_prompts) and "
+        "reward (default_reward) are the defaults of --prompts and --reward, and one that declares no prompts "
+        "needs --prompts (default: no environment, one response per prompt)",
     )
     if eval_prompts:
         src.add_argument(

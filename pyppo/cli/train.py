@@ -279,6 +279,12 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
             )
         except ValueError as exc:
             raise CLIError(str(exc)) from None
+    from ..trainer.assemble import check_episode_knobs
+
+    try:  # after the resume's checks, which name every changed setting in one line
+        check_episode_knobs(ppo_config, agent=run["env"] is not None)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     return TrainPlan(run, ppo_config, output, resume_dir, resume_step, changes)
 
 
@@ -374,9 +380,10 @@ def _check_python_run_sources(args: argparse.Namespace, config_path: Path, resum
     (:func:`pyppo.run.config_file.record_python_run`): the others must be given, not defaulted.
 
     Raises:
-        CLIError: the model, reward or prompts are neither in it nor given, naming the flags.
+        CLIError: the model, reward or prompts are neither in it nor given, naming the flags; or
+            its environment has no name the command line loads and no ``--env`` is given.
     """
-    from ..run.config_file import written_from_python
+    from ..run.config_file import UNNAMED_ENV, written_from_python
 
     if not written_from_python(config_path):
         return
@@ -387,6 +394,15 @@ def _check_python_run_sources(args: argparse.Namespace, config_path: Path, resum
             f"--resume {args.resume!r}: the run was started from Python, and its config.toml does not "
             f"name its {', '.join(missing)}; pass {flags} (what it started with)"
         )
+    env = resumed.get("env")
+    if isinstance(env, str) and env.startswith(UNNAMED_ENV):
+        if args.env is None:
+            raise CLIError(
+                f"--resume {args.resume!r}: the run was started from Python with {env[len(UNNAMED_ENV) :]}, "
+                "which the command line cannot load by name; pass --env NAME|module:Class|file.py:Class "
+                "(the same environment), or continue the run from Python"
+            )
+        del resumed["env"]  # the given --env stands in for it
 
 
 def write_resolved_config(path: Path, run: dict, ppo_config) -> None:

@@ -194,6 +194,9 @@ class PPOConfig:
     cliprange_value: Optional[float] = knob(0.2, number(0.0, lo_open=True), resume="fixed", optional=True,
         help="value clip epsilon around the rollout's values; None = unclipped")
     vf_coef: float = knob(0.1, number(0.0), resume="fixed", help="value-loss weight")
+    critic_warmup_steps: int = knob(0, integer(0), resume="fixed",
+        help="the first N steps train the value model only (sampled and scored as usual; the policy, its "
+             "optimizer and its learning-rate warm-up wait), as VC-PPO pretrains its critic; 0 = none")
 
     group("optimisation")
     lr: float = knob(1e-5, number(0.0, lo_open=True), resume="fixed", always_acts=True,

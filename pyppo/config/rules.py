@@ -40,7 +40,7 @@ class Needs:
     warn: bool = False
 
 
-_VALUE_MODEL = ("value_lr", "vf_coef", "cliprange_value", "value_lora")
+_VALUE_MODEL = ("value_lr", "vf_coef", "cliprange_value", "critic_warmup_steps", "value_lora")
 _LORA = ("lora_alpha", "lora_target_modules", "value_lora", "merge_lora")
 
 #: Every knob that acts only together with others, and what it needs. A knob that no rule names

@@ -69,7 +69,9 @@ def record_python_run(trainer: Any, run: Any) -> None:
       ``prompts.jsonl`` / ``eval_prompts.jsonl`` in ``run`` (``{"prompt": ...}`` per line, with
       the record's fields), when they are plain JSON;
     * ``env``: the environment, when the trainer was given its name, ``module:Class`` or
-      ``file.py:Class``, or a class importable by ``module:Class`` (not standalone tools).
+      ``file.py:Class``, or a class importable by ``module:Class``; else (a class of
+      ``__main__``, standalone tools) ``"python:<what it was>"`` (:data:`UNNAMED_ENV`), which
+      ``pyppo train --resume`` refuses to continue without an ``--env`` standing in for it.
 
     A run given its own ``ref_policy`` or ``value_model`` is resumed by the command line with
     the ones it builds from the model (the value model's trained weights come from the checkpoint).
@@ -78,7 +80,7 @@ def record_python_run(trainer: Any, run: Any) -> None:
         return
     sources = {"model": _model_spec(trainer), "reward": _reward_spec(trainer.reward_fn)}
     if trainer.agent:  # the environment, when it has a name the command line takes
-        sources["env"] = getattr(trainer.engine, "spec", None)
+        sources["env"] = getattr(trainer.engine, "spec", None) or _unnamed_env(trainer.engine)
         if trainer.reward_fn is None:
             sources["reward"] = "none"
     for key, records in (("prompts", trainer.sampler.prompts), ("eval_prompts", trainer.eval_prompts)):
@@ -86,6 +88,17 @@ def record_python_run(trainer: Any, run: Any) -> None:
     write_config(
         run.config, sources, trainer.config, header=f"{PYTHON_HEADER}; `pyppo train --resume DIR` reads it back."
     )
+
+
+#: The prefix of config.toml's ``env`` for an environment the command line cannot load by name.
+UNNAMED_ENV = "python:"
+
+
+def _unnamed_env(engine: Any) -> str:
+    factory = engine.make_env
+    names = ", ".join(t["function"]["name"] for t in factory.tools if "function" in t)
+    what = f"tools [{names}]" if factory.name == "tools" else f"{factory.kind} environment {factory.name}"
+    return f"{UNNAMED_ENV}{what}"
 
 
 def _model_spec(trainer: Any) -> Optional[str]:

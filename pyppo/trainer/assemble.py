@@ -18,7 +18,7 @@ from ..config import PPOConfig
 from ..models import ValueModel, add_lora, make_reference, share_frozen_weights
 from ..models.export import check_exportable
 from ..prompts import prompt_columns, prompt_fields
-from ..rewards import SequenceClassifierReward, check_reward_fields
+from ..rewards import EPISODE_FIELDS, SequenceClassifierReward, check_reward_fields
 from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
 from .critic import Critic
 from .logprob_head import AdaptersDisabled, LogprobHead
@@ -40,6 +40,24 @@ __all__ = [
 
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
 MaybeModel = Optional[nn.Module]
+
+
+#: The knobs of multi-turn episodes, refused without an environment.
+EPISODE_KNOBS = ("max_turns", "max_episode_tokens")
+
+
+def check_episode_knobs(config: PPOConfig, agent: bool) -> None:
+    """Refuse :data:`EPISODE_KNOBS` away from their defaults without multi-turn episodes.
+
+    Raises:
+        ValueError: naming the knobs and what they need.
+    """
+    defaults = PPOConfig.__dataclass_fields__
+    episodic = [f"{k} = {getattr(config, k)!r}" for k in EPISODE_KNOBS if getattr(config, k) != defaults[k].default]
+    if episodic and not agent:
+        raise ValueError(
+            f"{', '.join(episodic)} has no effect here: it needs multi-turn episodes (an environment or tools)"
+        )
 
 
 def check_arguments(
@@ -66,6 +84,7 @@ def check_arguments(
         )
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise ValueError("tokenizer must have an eos_token_id")
+    check_episode_knobs(config, agent)
     if config.lora_rank and ref_policy is not None:
         raise ValueError(
             "ref_policy must be None with lora_rank > 0: the reference is the policy with its adapters disabled"
@@ -260,11 +279,18 @@ def check_lora_exportable(policy: nn.Module, c: PPOConfig) -> None:
 
 
 def check_prompt_sets(
-    c: PPOConfig, policy: nn.Module, tokenizer: Any, reward_fn: RewardFn, sets: Mapping[str, Sequence[Any]]
+    c: PPOConfig,
+    policy: nn.Module,
+    tokenizer: Any,
+    reward_fn: RewardFn,
+    sets: Mapping[str, Sequence[Any]],
+    *,
+    agent: bool = False,
 ) -> Optional[int]:
     """Check, once and up front, every prompt set (``{"prompts": [...], "eval_prompts": [...]}``):
-    the reward accepts its fields, and each prompt fits the context with ``max_new_tokens`` to
-    spare (one that does not would make generation crawl past the model's positions).
+    the reward accepts its fields (with ``agent``, an episode's ``transcript`` too), and each
+    prompt fits the context with ``max_new_tokens`` to spare (one that does not would make
+    generation crawl past the model's positions).
 
     Returns:
         the prompt token limit of :func:`pyppo.rollout.tokens.prompt_token_limit`.
@@ -275,7 +301,8 @@ def check_prompt_sets(
     limit, room = prompt_token_limit(policy, max_new_tokens=c.max_new_tokens, max_prompt_length=c.max_prompt_length)
     for what, records in sets.items():
         if records and reward_fn is not None:  # no eval prompts, or no reward function: nothing to check
-            check_reward_fields(reward_fn, prompt_fields(records), source=what)
+            episode = EPISODE_FIELDS if agent else ()  # what an episode adds (a transcript)
+            check_reward_fields(reward_fn, [*prompt_fields(records), *episode], source=what)
         check_prompt_lengths(
             tokenizer,
             prompt_columns(records)[0],

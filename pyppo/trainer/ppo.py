@@ -8,7 +8,7 @@
    (``loss_mask``): :mod:`.rollout_forwards`;
 5. reward shaping, the advantage estimator and the whitening: :mod:`.advantages`;
 6. ``ppo_epochs`` passes over shuffled minibatches, gradient accumulation over micro-batches,
-   clipping, AdamW (the value model's share: :mod:`.critic`);
+   clipping, AdamW: one minibatch's step is :mod:`.update` (the value model's share: :mod:`.critic`);
 7. the KL coefficient's update; 8. the step's metrics and its batch.
 
 The first PPO ratio is exactly 1: point 4 runs on exactly the micro-batches (rows, order,
@@ -27,7 +27,6 @@ this package imports nothing of it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import random
@@ -41,8 +40,7 @@ from torch import nn
 from .. import distributed
 from ..agents.build import make_agent_engine
 from ..config import PPOConfig
-from ..ops.losses import loss_normalizer
-from ..precision import autocast, resolve_dtype
+from ..precision import resolve_dtype
 from ..prompts import PromptSampler
 from ..rollout import EngineSync, RolloutEngine, make_engine
 from . import assemble
@@ -52,21 +50,20 @@ from .buffer import RolloutBuffer
 from .critic import Critic
 from .guards import NonFiniteUpdateError, SkipPolicy
 from .kl_controllers import make_kl_controller
-from .logprob_head import PolicyObjective, policy_objective
+from .logprob_head import PolicyObjective
 from .results import METRIC_KEYS, MicroStepResult, StepResult
 from .rollout_correction import correct_for_sampler
 from .rollout_forwards import first_policy_forward, rollout_forwards
 from .sampling import episode_tokens, rollout, sample_scored_batch, score_batch
-from .step_stats import PhaseTimer, RunningStats, ratio_stats, record_token_stats
+from .step_stats import PhaseTimer, RunningStats, ratio_stats
+from .update import LiveForward, MinibatchUpdate
 
 __all__ = ["PPOTrainer", "StepResult", "MicroStepResult", "METRIC_KEYS", "NonFiniteUpdateError", "TrainedPart"]
 
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
-#: The first minibatch's live policy forward, ``(logprobs, entropy)`` ``[b, T]``, when point 4 ran it.
-LiveForward = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
-class PPOTrainer:
+class PPOTrainer(MinibatchUpdate):
     """PPO for a causal LM policy: actor-critic with a separate value model (GAE), or critic-free
     (GRPO, RLOO, REINFORCE++: ``advantage_estimator``). This class is the algorithm, one
     :meth:`step` at a time, for a loop of your own; :class:`pyppo.PPOTrainer` adds the run around
@@ -160,7 +157,7 @@ class PPOTrainer:
         self.sampler = PromptSampler(prompts, c.seed)
         self.eval_prompts = list(eval_prompts or [])
         sets = {"prompts": prompts, "eval_prompts": self.eval_prompts}
-        limit = assemble.check_prompt_sets(c, self.policy, tokenizer, reward_fn, sets)
+        limit = assemble.check_prompt_sets(c, self.policy, tokenizer, reward_fn, sets, agent=agent)
         m, on = self.models, dict(device=self.device, dtype=self.dtype)
         self.engine: RolloutEngine = make_engine(
             c, policy=m.policy, policy_module=m.policy_module, tokenizer=tokenizer, max_prompt_tokens=limit, **on
@@ -177,6 +174,7 @@ class PPOTrainer:
         self.skips = SkipPolicy(c.max_consecutive_skips)
         self.step_count = 0
         self.optimizer_steps = 0  # applied ones (skipped updates do not count): the warm-up's clock
+        self.policy_steps = 0  # those that moved the policy (not the critic warm-up's)
         self.base_model_source = base_model_source
         self.resumed_step: Optional[int] = None  # set by the run when it restores a checkpoint
         if self.world.active:
@@ -222,7 +220,7 @@ class PPOTrainer:
         )
         # 4: the rollout's forwards, on the micro-batches the first epoch trains on
         first_perm, n = batch.epoch_permutation(self.shuffle_generator), self.micro_batch_size
-        fold = self.first_pass_is_rollout_pass()
+        fold = self.first_pass_is_rollout_pass() and not self.critic_warming_up
         rollout_forwards(self.models, batch, first_perm, n, timer, first_policy=not fold)
         first_forward = first_policy_forward(self.models, batch, first_perm, n, timer) if fold else None
         # 5: rewards, advantages, and the sampler's mismatch
@@ -254,7 +252,7 @@ class PPOTrainer:
     def sync_engine(self) -> None:
         """Give an engine that holds its own copy of the policy the current weights
         (:class:`~pyppo.rollout.EngineSync`)."""
-        self.engine_sync(self.engine, self.policy, self.optimizer_steps)
+        self.engine_sync(self.engine, self.policy, self.policy_steps)
 
     def rollout(self, prompts: List[str], fields: Optional[Dict[str, list]] = None) -> RolloutBuffer:
         """Points 1 and 2 for ``prompts`` (:func:`pyppo.trainer.sampling.rollout`; ``fields``: the
@@ -332,112 +330,6 @@ class PPOTrainer:
         out.update(stats.means(), skipped_updates=self.skips.total - skipped_before)
         return {**out, **{f"first_{k}": v for k, v in first.items()}}
 
-    def train_mode(self, mode: bool) -> None:
-        """The policy and the value model in training (``True``) or eval mode."""
-        self.policy.train(mode)
-        if self.critic is not None:
-            self.critic.train(mode)
-
-    def zero_grad(self) -> None:
-        """Free the gradients of the policy and the value model."""
-        self.policy_optimizer.zero_grad(set_to_none=True)
-        if self.critic is not None:
-            self.critic.zero_grad()
-
-    def minibatch_step(
-        self, mb: RolloutBuffer, stats: RunningStats, where: str, *, first_forward: LiveForward = None
-    ) -> List[MicroStepResult]:
-        """One optimizer step of both models on a minibatch, accumulated over its micro-batches;
-        skipped when a loss or gradient norm is not finite. Its statistics go into ``stats``
-        when applied. Returns the micro-batches' :meth:`micro_step` results. ``first_forward``:
-        the live policy forward of the minibatch's only micro-batch (:meth:`micro_step`)."""
-        self.zero_grad()
-        token_stats, losses = RunningStats(), RunningStats()
-        # The whole minibatch's count over all ranks, divided by N because DDP and FSDP average
-        # the ranks' gradients: each rank's loss is then its share of the global minibatch's sum.
-        counts = [loss_normalizer(m, self.config.loss_agg) for m in (mb.loss_mask, mb.critic_mask)]
-        count, value_count = distributed.all_sum(counts, self.world)
-        if count == 0:  # every response of the minibatch left the loss (mask_truncated): nothing to learn
-            return []
-        normalizer = (count / self.world.size, max(value_count, 1) / self.world.size)
-        micros = list(mb.micro_batches(self.micro_batch_size))
-        seen = []
-        for i, mu in enumerate(micros):
-            sync = i == len(micros) - 1  # gradients are reduced once, after the last micro-batch
-            value_sync = self.critic.gradient_sync(sync) if self.critic is not None else contextlib.nullcontext()
-            with distributed.gradient_sync(self.models.policy_module, sync), value_sync:
-                live = first_forward if i == 0 else None
-                seen.append(self.micro_step(mu, normalizer, token_stats, losses, first_forward=live))
-        # The micro losses sum to this rank's share; the ranks' shares average to the minibatch's.
-        totals = distributed.reduce_metrics({k: losses.total(k) for k in losses.means()}, self.world)
-        totals.update(policy_grad_norm=self.clip_grad_norm(self.policy))
-        if self.critic is not None:
-            totals.update(value_grad_norm=self.clip_grad_norm(self.critic.model))
-        if self.skips.allows(totals, where):
-            self.warm_up_learning_rates()
-            self.policy_optimizer.step()
-            if self.critic is not None:
-                self.critic.step()
-            self.optimizer_steps += 1
-            stats.merge(token_stats)
-            stats.add(totals)
-        else:
-            self.zero_grad()
-        return seen
-
-    def warm_up_learning_rates(self) -> None:
-        """Set both learning rates for the next optimizer step: ``lr · min(1, (n + 1) /
-        lr_warmup_steps)`` after ``n`` applied steps (Goyal et al. 2017, "Accurate, Large Minibatch
-        SGD", §2.2), then constant."""
-        c = self.config
-        scale = min(1.0, (self.optimizer_steps + 1) / c.lr_warmup_steps) if c.lr_warmup_steps else 1.0
-        for group in self.policy_optimizer.param_groups:
-            group["lr"] = c.lr * scale
-        if self.critic is not None:
-            self.critic.set_lr_scale(scale)
-
-    def micro_step(
-        self,
-        mu: RolloutBuffer,
-        normalizer: Tuple[float, float],
-        token_stats: RunningStats,
-        losses: RunningStats,
-        *,
-        first_forward: LiveForward = None,
-    ) -> MicroStepResult:
-        """Forward and backward of one micro-batch. The losses are divided by the minibatch's
-        ``normalizer`` (the policy's, the value model's), so the accumulated gradient (and the sum
-        of the micro-batch losses) is the minibatch's. The policy's backward runs before the value
-        model's forward, so the two models' activations are never held at once. ``first_forward``: the policy's live
-        ``(logprobs, entropy)`` of ``mu`` (``rollout_forwards.first_policy_forward``), trained on
-        instead of a new forward."""
-        if first_forward is None:
-            with autocast(self.device, self.dtype):
-                pg_loss, pg_stats, logprobs, _ = self.models.policy_module(
-                    mu, objective=self.objective, normalizer=normalizer[0]
-                )
-        else:
-            logprobs, entropy = first_forward
-            pg_loss, pg_stats = policy_objective(logprobs, entropy, mu, self.objective, normalizer[0])
-            logprobs = logprobs.detach()
-        pg_loss.backward()
-        terms = {k: float(pg_stats.pop(k)) for k in ("policy_loss", "kl_loss", "entropy_loss") if k in pg_stats}
-        vf_stats, values = {}, mu.values
-        if self.critic is not None:
-            terms["value_loss"], vf_stats, values = self.critic.loss_backward(mu, normalizer[1])
-        losses.add(terms)
-        record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.loss_mask.sum()))
-        return MicroStepResult(logprobs, mu.old_logprobs, values, mu.returns, mu.loss_mask, mu.critic_mask)
-
-    def clip_grad_norm(self, model: nn.Module) -> float:
-        """Clip ``model``'s gradient norm to ``max_grad_norm``; returns the norm before clipping."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
-
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Where the run is, apart from weights and RNGs: the step, the applied optimizer steps,
@@ -446,6 +338,7 @@ class PPOTrainer:
         return {
             "step": self.step_count,
             "optimizer_steps": self.optimizer_steps,
+            "policy_steps": self.policy_steps,
             "kl_ctl": self.kl_ctl.state_dict(),
             "sampler": self.sampler.state_dict(),
             "shuffle_generator": self.shuffle_generator.get_state(),
@@ -461,6 +354,7 @@ class PPOTrainer:
         self.step_count = int(st["step"])
         # Checkpoints from before the warm-up existed: their runs are past any warm-up.
         self.optimizer_steps = int(st.get("optimizer_steps", 2**62))
+        self.policy_steps = int(st.get("policy_steps", self.optimizer_steps))
 
     def checkpoint_parts(self) -> Dict[str, Optional[TrainedPart]]:
         """What trains, as a checkpoint saves it: ``"policy"`` and ``"value"`` (``None`` for a

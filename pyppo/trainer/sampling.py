@@ -104,13 +104,16 @@ def raw_scores(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``[B]`` ``dtype`` on ``device``: what ``reward_fn`` returned for each response (0 without
-    one), plus, for multi-turn episodes, what the environment paid over the episode. Under
+    one), plus, for multi-turn episodes, what the environment paid over the episode (a reward
+    that names a ``transcript`` parameter gets each episode's, ``pyppo.rewards.EPISODE_FIELDS``). Under
     ``torchrun`` a reward that fails on one rank raises on every rank, so rank 0 reports it.
 
     Raises:
         whatever the reward raises (``where`` names the step in pyppo's own errors).
     """
     raw = torch.zeros(len(batch), dtype=dtype, device=device)
+    if batch.episodes is not None:  # what an episode adds to its record's fields (EPISODE_FIELDS)
+        fields = {**(fields or {}), "transcript": [e.transcript for e in batch.episodes]}
     if reward_fn is not None:
         raw = torch.tensor(
             distributed.on_every_rank(

@@ -119,7 +119,8 @@ def record_token_stats(stats: RunningStats, op_stats: Dict[str, torch.Tensor], n
     stats.add(
         {k: float(v) for k, v in op_stats.items() if k not in ("ratio_max", "explained_variance")}, weight=n_tokens
     )
-    stats.add_max("ratio_max", float(op_stats["ratio_max"]))
+    if "ratio_max" in op_stats:  # absent while the critic warms up: no policy loss
+        stats.add_max("ratio_max", float(op_stats["ratio_max"]))
 
 
 def ratio_stats(seen: list) -> Dict[str, float]:

@@ -11,13 +11,15 @@ import math
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+import torch
 
 from pyppo.agents.adapters import TextEnvironment, ToolEnvironment, environment_factory, environment_methods
 from pyppo.agents.envs import ArithmeticRetry, Calculator, GuessNumber, calculator_prompts, evaluate_expression
-from pyppo.agents.registry import BUILTIN_ENVIRONMENTS, load_environment
+from pyppo.agents.registry import BUILTIN_ENVIRONMENTS, declared_prompts, load_environment
 from pyppo.agents.tools import ToolCallParser
-from pyppo.agents.types import TurnResult
+from pyppo.agents.types import EnvironmentContractError, TurnResult
 from pyppo.math_reward import math_reward
 from pyppo.prompts import arithmetic_prompts
 from support.tiny_models import tiny_tokenizer
@@ -202,7 +204,7 @@ def test_reset_arguments_and_seed():
     environment_factory(Seeded)().reset({"prompt": "p", "seed": 9}, seed=2)  # the record's own seed wins
     environment_factory(AnyFields)().reset({"prompt": "p"}, seed=3)
     assert seen == [4, 2, 9, ["prompt"]]
-    with pytest.raises(TypeError, match="Named.*answer"):
+    with pytest.raises(EnvironmentContractError, match="Named.*answer"):
         environment_factory(Named)().reset({"prompt": "p"}, seed=1)
 
 
@@ -211,7 +213,7 @@ def test_reset_must_return_text_or_none():
         def reset(self, **kwargs):
             return 3
 
-    with pytest.raises(TypeError, match="Bad"):
+    with pytest.raises(EnvironmentContractError, match="Bad: reset\\(\\) must return a str or None, got 3"):
         environment_factory(Bad)().reset({"prompt": "p"}, 0)
 
 
@@ -247,7 +249,7 @@ def test_factory_takes_a_zero_argument_callable():
 def test_factory_errors():
     with pytest.raises(ValueError, match="give an environment.*or tools"):
         environment_factory()
-    with pytest.raises(TypeError, match="not an instance"):
+    with pytest.raises(EnvironmentContractError, match="not an instance"):
         environment_factory(IncrementEnv())
 
     class NoReset:
@@ -274,8 +276,49 @@ def test_factory_errors():
 
     with pytest.raises(ValueError, match="act"):
         environment_factory(Untyped)
-    with pytest.raises(TypeError, match="returned None"):
+    with pytest.raises(EnvironmentContractError, match="returned None"):
         environment_factory(lambda: None)
+
+
+def test_an_environment_that_needs_arguments_or_a_method_is_a_contract_error():
+    class NeedsArg:
+        def __init__(self, size):
+            self.size = size
+
+        def reset(self, **kwargs):
+            pass
+
+    with pytest.raises(EnvironmentContractError, match=r"NeedsArg.__init__\(size\) needs arguments.*functools.partial"):
+        environment_factory(NeedsArg)
+    assert environment_factory(functools.partial(NeedsArg, 3))().instance.size == 3
+    # `--env module:Cls.reset`: a method, not the class
+    with pytest.raises(EnvironmentContractError, match=r"IncrementEnv.reset.*needs arguments.*not a method"):
+        environment_factory(IncrementEnv.reset)
+
+
+def add(a: int, b: int) -> int:
+    """
+    Add two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+@pytest.mark.parametrize("tools", [add, "add", {"add": add}, 3])
+def test_tools_must_be_a_list_of_functions(tools):
+    with pytest.raises(TypeError, match="tools must be a list of functions") as info:
+        environment_factory(None, tools)
+    assert not isinstance(info.value, EnvironmentContractError)
+    if tools is add:
+        assert "tools=[add]" in str(info.value)
+        from pyppo.agents.build import make_agent_engine  # PPOTrainer(..., tools=add) comes this way
+
+        with pytest.raises(TypeError, match=r"tools must be a list of functions \(tools=\[add\]\)"):
+            make_agent_engine(None, None, None, add, None, None, None)
+    assert [t["function"]["name"] for t in environment_factory(None, (add,)).tools] == ["add"]
 
 
 def test_a_tool_named_step_makes_a_text_environment():
@@ -294,7 +337,7 @@ def test_a_tool_named_step_makes_a_text_environment():
 
     env = environment_factory(EchoLike)()
     env.reset({"prompt": "p"}, 0)
-    with pytest.raises(TypeError, match="EchoLike.*rename it"):
+    with pytest.raises(EnvironmentContractError, match="EchoLike.*rename it"):
         turn(env, "hello")
 
 
@@ -346,21 +389,41 @@ def test_text_environment_gymnasium_five_tuple_and_async_step():
 @pytest.mark.parametrize(
     "returned, error, match",
     [
-        ("just text", TypeError, "Scripted.*step\\(\\) must return"),
-        (("obs", 1.0), TypeError, "Scripted.*\\('obs', 1.0\\)"),
-        ({"observation": "o"}, TypeError, "Scripted.*dict"),
-        ((3, 1.0, False), TypeError, "Scripted.*observation must be a str"),
-        (("obs", "1", False), TypeError, "Scripted.*reward must be a number"),
-        (("obs", False, 1.0), TypeError, "Scripted.*done must be a bool"),
-        (("obs", 1.0, 1), TypeError, "Scripted.*done must be a bool"),
+        ("just text", EnvironmentContractError, "Scripted.*step\\(\\) must return"),
+        (("obs", 1.0), EnvironmentContractError, "Scripted.*\\('obs', 1.0\\)"),
+        ({"observation": "o"}, EnvironmentContractError, "Scripted.*dict"),
+        ((3, 1.0, False), EnvironmentContractError, "Scripted.*observation must be a str"),
+        (("obs", "1", False), EnvironmentContractError, "Scripted.*reward must be a number"),
+        (("obs", torch.tensor(0.5), False), EnvironmentContractError, "Scripted.*reward must be a number.*float"),
+        (("obs", False, 1.0), EnvironmentContractError, "Scripted.*done must be a bool"),
+        (("obs", 1.0, 1), EnvironmentContractError, "Scripted.*done must be a bool"),
+        (("obs", 1.0, False, 0, {}), EnvironmentContractError, "Scripted.*truncated must be a bool.*got int 0"),
         (("obs", float("nan"), False), ValueError, "Scripted.*finite"),
         ((None, 0.0, False), ValueError, "Scripted.*observation None.*not done"),
     ],
 )
 def test_text_environment_contract_errors(returned, error, match):
     env = environment_factory(scripted([returned]))()
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         turn(env, "a")
+    assert isinstance(info.value, TypeError) == (error is EnvironmentContractError)  # except TypeError still works
+
+
+@pytest.mark.parametrize(
+    "returned, done",
+    [
+        (("obs", 0.5, np.False_), False),
+        ((None, 0.5, np.True_), True),
+        (("obs", 0.5, np.False_, {}), False),
+        (("obs", 0.5, np.False_, np.False_, {}), False),
+        (("obs", 0.5, np.True_, np.False_, {}), True),
+        (("obs", 0.5, np.False_, np.True_, {}), True),
+        (("obs", np.float32(0.5), np.bool_(False)), False),
+    ],
+)
+def test_text_environment_takes_numpy_booleans(returned, done):
+    result = turn(environment_factory(scripted([returned]))(), "a")
+    assert result.done is done and result.reward == 0.5 and type(result.done) is bool
 
 
 def test_text_environment_needs_reset_and_step():
@@ -430,17 +493,83 @@ def test_registry_errors(spec, why):
     assert all(name in message for name in BUILTIN_ENVIRONMENTS)
 
 
+def test_registry_finds_a_module_in_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "cwd_env_mod.py").write_text("class HereEnv:\n    def reset(self, **kwargs):\n        return None\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    try:
+        assert load_environment("cwd_env_mod:HereEnv").__name__ == "HereEnv"
+    finally:
+        sys.modules.pop("cwd_env_mod", None)
+
+
+@pytest.mark.parametrize(
+    "source, error, original",
+    [
+        ("class Broken\n    pass\n", ValueError, "SyntaxError: expected ':'"),
+        ("raise RuntimeError('module-level boom')\n", ValueError, "RuntimeError: module-level boom"),
+        ("import does_not_exist_pkg\n", ImportError, "No module named 'does_not_exist_pkg'"),
+    ],
+)
+@pytest.mark.parametrize("as_module", [False, True])
+def test_an_env_file_that_fails_to_import_is_named(source, error, original, as_module, tmp_path, monkeypatch):
+    module = f"failing_env_{error.__name__.lower()}_{len(source)}"
+    path = tmp_path / f"{module}.py"
+    path.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the registry adds the current directory
+    spec = f"{module}:Env" if as_module else f"{path}:Env"
+    try:
+        with pytest.raises(error) as info:
+            load_environment(spec)
+    finally:
+        sys.modules.pop(module, None)
+    message = str(info.value)
+    assert message.startswith(f"--env {spec!r}: importing ") and str(path) in message and original in message
+    assert "\n" not in message
+
+
+def test_declared_prompts_must_be_a_class_method_returning_records():
+    class Good:
+        @classmethod
+        def default_prompts(cls):
+            return [{"prompt": "p", "x": 1}]
+
+    class Instance:
+        def default_prompts(self):
+            return [{"prompt": "p"}]
+
+    class Strings:
+        @classmethod
+        def default_prompts(cls):
+            return ["not", "records"]
+
+    class NotAList:
+        default_prompts = staticmethod(lambda: "p")
+
+    assert (
+        declared_prompts(Good) == [{"prompt": "p", "x": 1}] and declared_prompts(Good, "default_eval_prompts") is None
+    )
+    assert declared_prompts(functools.partial(Good)) is None  # a factory declares nothing
+    for cls, why in ((Instance, "is an instance method"), (Strings, "returned str 'not'"), (NotAList, "returned str")):
+        with pytest.raises(EnvironmentContractError, match=f"environment {cls.__qualname__}: default_prompts.*{why}"):
+            declared_prompts(cls)
+
+
 # --- built-in environments ----------------------------------------------------------------------
+
+
+CALCULATOR_REWARD = "pyppo.agents.envs.calculator:final_answer_reward"
 
 
 def test_builtins_declare_prompts_and_reward():
     for cls in BUILTIN_ENVIRONMENTS.values():
-        assert cls.default_reward in (None, "math") and cls.__doc__ and "Reward" in cls.__doc__
+        assert cls.default_reward in (None, CALCULATOR_REWARD) and cls.__doc__ and "Reward" in cls.__doc__
         for records in (cls.default_prompts(), cls.default_eval_prompts()):
             assert records and all(isinstance(r["prompt"], str) for r in records)
         train = {json.dumps(r, sort_keys=True) for r in cls.default_prompts()}
         assert not train & {json.dumps(r, sort_keys=True) for r in cls.default_eval_prompts()}
-    assert Calculator.default_reward == "math"
+    assert Calculator.default_reward == CALCULATOR_REWARD
     assert ArithmeticRetry.default_reward is None and GuessNumber.default_reward is None
 
 

@@ -51,6 +51,7 @@ FIXED = {
     "grpo_std_normalize": ({"advantage_estimator": "grpo", "samples_per_prompt": 2, "kl_coef": 0.0}, False),
     "gamma": ({}, 0.99),
     "lam": ({}, 0.9),
+    "critic_warmup_steps": ({}, 2),
     "lam_critic": ({}, 1.0),
     "lam_alpha": ({}, 0.5),
     "gamma_turn": ({"advantage_estimator": "gae_turn"}, 0.9),

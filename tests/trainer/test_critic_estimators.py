@@ -84,3 +84,26 @@ def test_gae_turn_trains_the_value_model_at_each_turns_first_token_only(turn_ste
     assert torch.equal(batch.value_mask, starts) and int(starts.sum(1).max()) == 3
     assert masks and sum(int(m.sum()) for m in masks) == int(starts.sum()) * small_config().ppo_epochs
     assert math.isfinite(result.metrics["value_loss"]) and math.isfinite(result.metrics["explained_variance"])
+
+
+def test_critic_warmup_steps_train_the_value_model_only_then_the_policy_from_its_own_lr_warm_up():
+    tr = make_trainer(small_config(steps=3, critic_warmup_steps=2, lr_warmup_steps=8))
+
+    def weights(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+    policy, value = weights(tr.policy), weights(tr.critic.model)
+    for _ in range(2):
+        m = tr.step().metrics
+        assert math.isnan(m["policy_loss"]) and m["policy_grad_norm"] == 0.0 and math.isfinite(m["value_loss"])
+    assert all(torch.equal(a, b) for a, b in zip(policy, tr.policy.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(value, tr.critic.model.parameters()))
+    assert (tr.optimizer_steps, tr.policy_steps) == (8, 0)
+    m = tr.step().metrics  # the policy's first step: 4 optimizer steps, its warm-up at 4 of 8
+    assert math.isfinite(m["policy_loss"]) and m["policy_grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(policy, tr.policy.parameters()))
+    assert (tr.optimizer_steps, tr.policy_steps) == (12, 4)
+    assert tr.policy_optimizer.param_groups[0]["lr"] == pytest.approx(tr.config.lr * 4 / 8)
+    assert tr.critic.optimizer.param_groups[0]["lr"] == pytest.approx(tr.config.effective_value_lr)
+    # A checkpoint holds the policy's own count, so that a resumed run goes on from it.
+    assert tr.state_dict()["policy_steps"] == 4

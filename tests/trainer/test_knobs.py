@@ -367,6 +367,10 @@ ELSEWHERE = {
     "gamma": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "lam": ("trainer/test_trainer.py", "test_rollout_tensors_match_the_references_with_the_config_knobs"),
     "lam_critic": ("trainer/test_critic_estimators.py", "test_lam_critic_sets_the_value_targets_lambda"),
+    "critic_warmup_steps": (
+        "trainer/test_critic_estimators.py",
+        "test_critic_warmup_steps_train_the_value_model_only_then_the_policy_from_its_own_lr_warm_up",
+    ),
     "lam_alpha": ("trainer/test_critic_estimators.py", "test_lam_alpha_gives_each_response_its_length_adaptive_lambda"),
     "gamma_turn": (
         "trainer/test_critic_estimators.py",

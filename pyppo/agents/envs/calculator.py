@@ -8,7 +8,7 @@ import re
 from fractions import Fraction
 from typing import Any, List, Optional
 
-__all__ = ["CALCULATOR_EVAL_SIZE", "Calculator", "calculator_prompts", "evaluate_expression"]
+__all__ = ["CALCULATOR_EVAL_SIZE", "Calculator", "calculator_prompts", "evaluate_expression", "final_answer_reward"]
 
 #: Problems the ``eval`` split holds back from ``train``.
 CALCULATOR_EVAL_SIZE = 64
@@ -116,20 +116,39 @@ def calculator_prompts(split: str = "train", *, seed: int = 0) -> List[dict]:
     ]
 
 
+def final_answer_reward(
+    prompts: List[str], responses: List[str], answer: List[Any], transcript: List[List[dict]]
+) -> List[float]:
+    """The ``math`` reward of each episode's last agent turn only: 1.0 when its last number (or
+    ``\\boxed{}``) equals the record's ``answer``, else 0.0 (:func:`pyppo.math_reward.math_reward`).
+    The whole transcript would also hold the tool's replies, and an agent that called the tool
+    and then never answered would be paid for the tool's number.
+
+    Args:
+        prompts, responses: the episodes' prompts and transcripts (unused: the turns are read
+            from ``transcript``). answer: ``B`` reference answers.
+        transcript: ``B`` episode transcripts (``[{"role", "turn", "text"}, ...]``).
+    """
+    from ...math_reward import math_reward
+
+    finals = [next((t["text"] for t in reversed(turns) if t["role"] == "agent"), "") for turns in transcript]
+    return math_reward(prompts, finals, answer)
+
+
 class Calculator:
     """A tool environment in TRL's ``environment_factory`` convention: ``reset(**row)`` and one
     tool, :meth:`calculate`.
 
     Reward: the environment pays nothing itself (no ``get_reward``); :attr:`default_reward` is
-    ``"math"``, which scores the whole transcript: 1.0 when its last number (or ``\\boxed{}``),
-    the agent's final turn, equals the record's ``answer``, else 0.0. Tool calls cost nothing.
+    :func:`final_answer_reward`: 1.0 when the last number (or ``\\boxed{}``) of the agent's
+    final turn equals the record's ``answer``, else 0.0. Tool calls cost nothing.
 
     Prompt records: :meth:`default_prompts` / :meth:`default_eval_prompts`
     (:func:`calculator_prompts`).
     """
 
-    #: The built-in reward that scores the episode's transcript.
-    default_reward: Optional[str] = "math"
+    #: The reward that scores the episode: the ``math`` reward of its last agent turn.
+    default_reward: Optional[str] = "pyppo.agents.envs.calculator:final_answer_reward"
 
     # Class methods, so that TRL's rule (functions on the class are tools) never sees them.
     @classmethod
