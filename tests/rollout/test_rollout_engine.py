@@ -68,7 +68,7 @@ def test_the_gae_estimator_is_registered_and_matches_the_reference():
 def test_an_unknown_estimator_is_named_with_the_known_ones():
     with pytest.raises(
         ValueError,
-        match=r"'dapo' is not one of \['gae', 'grpo', 'reinforce_pp', "
+        match=r"'dapo' is not one of \['gae', 'gae_turn', 'grpo', 'reinforce_pp', "
         r"'reinforce_pp_baseline', 'rloo'\]",
     ):
         get_estimator("dapo")
