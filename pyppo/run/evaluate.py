@@ -28,12 +28,14 @@ def evaluate_prompts(
     or records whose fields the reward receives) as a rollout does, score it with the training
     reward and measure its KL to the reference.
 
-    The sampling draws from the torch (CPU and CUDA), numpy and Python generators as they are and
-    then puts them back (also when it fails): an evaluation does not move the training's random
-    streams, so the steps after it sample what they would have sampled without it, and a run
-    extended from a checkpoint written after an evaluation (``--steps 2``, then ``--resume
-    --steps 4``, which evaluates at step 2 where the 4-step run does not) takes the 4-step run's
-    steps.
+    Every evaluation samples from torch's generator seeded with the run's ``seed`` (plus the
+    rank): the held-out episodes of every evaluation get the same environment seeds (the same
+    secret numbers, the same tasks) and the same sampling noise, so evaluations at different steps
+    differ by the policy only. The torch (CPU and CUDA), numpy and Python generators are put back
+    afterwards (also when it fails): an evaluation does not move the training's random streams,
+    so the steps after it sample what they would have sampled without it, and a run extended from
+    a checkpoint written after an evaluation (``--steps 2``, then ``--resume --steps 4``, which
+    evaluates at step 2 where the 4-step run does not) takes the 4-step run's steps.
 
     Returns:
         ``(metrics, rows)``: ``eval/score_mean`` (raw scores), ``eval/kl_mean`` (the
@@ -41,7 +43,8 @@ def evaluate_prompts(
         ``eval/response_length_mean`` and ``eval/eos_fraction`` (with an environment: of whole
         episodes, scored with what the environment paid, plus ``eval/turns_mean``, ``eval/tool_calls_mean`` and
         ``eval/first_turn_success``, the fraction that scored > 0 in one turn); and one row per prompt
-        (``step``, ``prompt``, ``response``, ``score``, ``kl``). The same on every rank.
+        (``step``, ``prompt``, ``response``, ``score``, ``kl``; with an environment also
+        ``turns``, ``tool_calls`` and ``transcript``). The same on every rank.
 
     Raises:
         ValueError: no prompts. RewardError: as ``trainer.step``.
@@ -51,6 +54,7 @@ def evaluate_prompts(
         raise ValueError("evaluate_prompts: no prompts (pass eval_prompts to the trainer)")
     training_rng = capture_rng()
     try:
+        torch.manual_seed(trainer.config.seed + trainer.world.rank)
         return _evaluate(trainer, prompts)
     finally:
         restore_rng(training_rng)
@@ -95,6 +99,7 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
                         "eos": bool(batch.has_eos[i]),
                         "turns": batch.episodes[i].turns if batch.episodes is not None else 1,
                         "tool_calls": batch.episodes[i].tool_calls if batch.episodes is not None else 0,
+                        "transcript": batch.episodes[i].transcript if batch.episodes is not None else None,
                     }
                 )
     # Back in the prompts' order: rank r evaluated prompts r, r + n, r + 2n, ...
@@ -111,4 +116,7 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
         metrics["eval/turns_mean"] = mean("turns")
         metrics["eval/tool_calls_mean"] = mean("tool_calls")
         metrics["eval/first_turn_success"] = sum(r["turns"] == 1 and r["score"] > 0 for r in ordered) / len(ordered)
-    return metrics, [{k: r[k] for k in ("step", "prompt", "response", "score", "kl")} for r in ordered]
+    keys = ("step", "prompt", "response", "score", "kl") + (
+        ("turns", "tool_calls", "transcript") if trainer.agent else ()
+    )
+    return metrics, [{k: r[k] for k in keys} for r in ordered]

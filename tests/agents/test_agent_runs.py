@@ -248,3 +248,24 @@ def test_episode_limits_without_an_environment_are_refused(tiny_dir, tmp_path, c
     argv = ["train", "--model", str(tiny_dir), "--output", str(tmp_path / "run"), "--steps", "1", "--max-turns", "3"]
     assert cli.main(argv) == 2
     assert "max_turns = 3 has no effect here: it needs multi-turn episodes" in capsys.readouterr().err
+
+
+def test_every_evaluation_gets_the_same_episodes_and_its_rows_their_transcripts(tiny_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pyppo import PPOConfig, PPOTrainer
+    from pyppo.run.evaluate import evaluate_prompts
+    from support.echo_env import Echo
+
+    config = PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=8, max_turns=3)
+    policy, tok = AutoModelForCausalLM.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    held_out = ["Say hi.", "Why?", "Count to three."]
+    trainer = PPOTrainer(config, policy, None, None, tok, None, ["Go."] * 2, environment=Echo, eval_prompts=held_out)
+    first = evaluate_prompts(trainer)
+    torch.rand(1000)  # the training's generator moved on: the evaluation does not follow it
+    again = evaluate_prompts(trainer)
+    assert first == again
+    rows = first[1]
+    assert [r["prompt"] for r in rows] == held_out
+    assert all(r["transcript"] and r["transcript"][0]["role"] == "agent" and r["turns"] >= 1 for r in rows)
