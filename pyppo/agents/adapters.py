@@ -22,6 +22,7 @@ import inspect
 import math
 import numbers
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .tools import ToolCallParser, call_tools, run_awaitable, tool_schemas
@@ -313,6 +314,13 @@ class EnvironmentFactory:
             raise ValueError(
                 f"environment {self.name} is a text environment (it defines step), which takes no tools; "
                 f"got {len(tools)} tool(s). A tool environment cannot have a method named step."
+            )
+        if self.kind == "text" and callable(getattr(probe, "get_reward", None)):
+            warnings.warn(
+                f"environment {self.name} is a text environment (it defines step): its steps' rewards pay it, "
+                "and its get_reward is never called; pay the final reward from the last step",
+                UserWarning,
+                stacklevel=2,
             )
         self._parser: Optional[ToolCallParser] = None
         if self.kind == "tool":

@@ -700,3 +700,19 @@ def test_built_in_environments_through_the_tool_parser():
     env.reset({"prompt": "p", "answer": "2"}, 0)
     assert turn(env, call("calculate", expression="1 + 1")).reply[0]["content"] == "2"
     assert math.isclose(float(turn(env, call("calculate", expression="1/8")).reply[0]["content"]), 0.125)
+
+
+def test_a_text_environments_get_reward_is_said_to_be_unused():
+    class TextWithGetReward:
+        def reset(self, **row):
+            return None
+
+        def step(self, action):
+            return None, 0.0, True
+
+        def get_reward(self):
+            return 1.0
+
+    with pytest.warns(UserWarning, match="TextWithGetReward is a text environment .* get_reward is never called"):
+        factory = environment_factory(TextWithGetReward)
+    assert factory.kind == "text"
