@@ -55,15 +55,14 @@ def make_agent_engine(
             functions), or limits the model cannot hold; a broken environment contract is an
             :class:`~pyppo.agents.types.EnvironmentContractError` (a TypeError).
     """
-    from .adapters import environment_factory, tool_list
+    from .adapters import environment_factory
     from .registry import load_environment
     from .render import ChatRenderer
 
     spec = environment if isinstance(environment, str) else _importable_name(environment)
     if isinstance(environment, str):
         environment = load_environment(environment)
-    tools = tool_list(tools)
-    make_env = environment_factory(environment, tools, tokenizer)
+    make_env = environment_factory(environment, tools, tokenizer)  # tools checked there (tool_list)
     renderer = ChatRenderer(tokenizer, use_chat_template=config.use_chat_template, tools=make_env.tools)
     base = getattr(models.policy, "get_base_model", lambda: models.policy)()
     limits = EpisodeLimits(

@@ -360,8 +360,9 @@ def _resolved_env(spec: Any) -> str:
 
 
 def _env_reward(spec: str) -> str:
-    """The reward an environment's episodes get by default: its ``default_reward`` (a built-in
-    reward's name), else ``"none"`` (what the environment pays is the score)."""
+    """The reward an environment's episodes get by default: its ``default_reward`` (a reward spec:
+    a built-in name or ``module:function``), else ``"none"`` (what the environment pays is the
+    score)."""
     from ..agents.registry import load_environment
 
     return getattr(load_environment(spec), "default_reward", None) or "none"
