@@ -30,24 +30,8 @@ from .docs_table import config_markdown
 
 # The option tuples and the checks are importable from here too, as before the split into
 # modules; __all__ lists what it always listed.
-from .knobs import (  # noqa: F401
-    ADVANTAGE_ESTIMATORS,
-    DTYPES,
-    GROUP_ESTIMATORS,
-    RESUME_RULES,
-    ROLLOUT_CORRECTIONS,
-    ROLLOUT_ENGINES,
-    Check,
-    Knob,
-    boolean,
-    device_name,
-    group,
-    integer,
-    knob,
-    module_names,
-    number,
-    one_of,
-)
+from .knobs import *  # noqa: F401, F403
+from .knobs import RESUME_RULES, Check, Knob, group, knob
 from .ppo_config import PPOConfig, config_knobs
 from .resume import ResumeChange, resume_conflicts
 from .rules import NEEDS, InertSettings, Needs, inert_settings

@@ -13,6 +13,25 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+__all__ = [
+    "DTYPES",
+    "ROLLOUT_ENGINES",
+    "ADVANTAGE_ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "ROLLOUT_CORRECTIONS",
+    "RESUME_RULES",
+    "Check",
+    "integer",
+    "number",
+    "boolean",
+    "one_of",
+    "device_name",
+    "module_names",
+    "Knob",
+    "group",
+    "knob",
+]
+
 #: ``PPOConfig.dtype`` values: ``auto`` is bfloat16 where the device computes it natively, else
 #: float32 (:func:`pyppo.precision.resolve_dtype`).
 DTYPES = ("auto", "float32", "bfloat16")

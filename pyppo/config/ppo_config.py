@@ -290,10 +290,10 @@ class PPOConfig:
             raise ValueError(
                 f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens ({self.max_new_tokens})"
             )
-        broken = inert_settings(self)
+        broken = inert_settings(self, _field_defaults())
         if broken:
             raise InertSettings(broken)
-        for warning in inert_settings(self, warn=True):
+        for warning in inert_settings(self, _field_defaults(), warn=True):
             warnings.warn(InertSettings([warning]).describe(), UserWarning, stacklevel=3)
         if self.advantage_estimator in GROUP_ESTIMATORS and self.kl_coef > 0 and self.kl_loss_coef == 0:
             # Every token of a response gets its summed reward minus its group's mean: of the KL
@@ -339,7 +339,7 @@ class PPOConfig:
         while True:
             inert = [
                 key
-                for _, pairs in inert_settings(types.SimpleNamespace(**settings))
+                for _, pairs in inert_settings(types.SimpleNamespace(**settings), defaults)
                 for key, _ in pairs
                 if key not in changes
             ]
@@ -390,13 +390,13 @@ class PPOConfig:
             ValueError: a size that does not divide, naming it.
         """
         n = world_size
-        for broken in inert_settings(self, n, warn=True):
+        for broken in inert_settings(self, _field_defaults(), n, warn=True):
             said = self.__dict__.setdefault("_warned", set())
             message = InertSettings([broken]).describe()
             if message not in said:
                 said.add(message)
                 warnings.warn(message, UserWarning, stacklevel=2)
-        broken = inert_settings(self, n)
+        broken = inert_settings(self, _field_defaults(), n)
         if broken:
             raise InertSettings(broken)
         if n == 1:

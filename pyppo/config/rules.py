@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -186,18 +186,17 @@ class InertSettings(ValueError):
 
 
 def inert_settings(
-    c: Any, world_size: Optional[int] = None, *, warn: bool = False
+    c: Any, defaults: Mapping[str, Any], world_size: Optional[int] = None, *, warn: bool = False
 ) -> List[Tuple[str, List[Tuple[str, Any]]]]:
     """The knobs of ``c`` (a config, or any object with its fields) set away from their defaults
     where their rule of :data:`NEEDS` does not hold, as :attr:`InertSettings.groups` (empty: none).
 
     Args:
+        defaults: each knob's default (``PPOConfig``'s field defaults).
         world_size: check the rules that turn on the number of processes (only those).
         warn: check the rules that warn (only those), not the ones that refuse.
     """
-    from .ppo_config import _field_defaults  # imported here: ppo_config imports this module
-
-    defaults, groups = _field_defaults(), []
+    groups = []
     for rule in NEEDS:
         if rule.warn != warn or rule.world != (world_size is not None) or rule.holds(c, world_size):
             continue

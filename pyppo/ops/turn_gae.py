@@ -7,6 +7,32 @@ import torch
 __all__ = ["turn_gae", "turn_start_mask"]
 
 
+def turn_start_mask(turn_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: True at the first position of each turn of :func:`turn_gae` (an agent
+    position whose id differs from the previous agent position's, or the row's first agent
+    position), where its ``V_k`` is read and where a value loss on its returns trains.
+
+    Raises:
+        ValueError: ``turn_ids`` not a 2-D integer tensor.
+    """
+    if not isinstance(turn_ids, torch.Tensor) or turn_ids.dim() != 2:
+        shape = tuple(turn_ids.shape) if isinstance(turn_ids, torch.Tensor) else type(turn_ids).__name__
+        raise ValueError(f"turn_start_mask: turn_ids must be a 2-D [B, T] tensor, got {shape}")
+    if turn_ids.is_floating_point() or turn_ids.is_complex() or turn_ids.dtype == torch.bool:
+        raise ValueError(f"turn_start_mask: turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
+    ids = turn_ids.long()
+    agent = ids >= 0
+    B, T = ids.shape
+    if B == 0 or T == 0:
+        return agent
+    pos = torch.arange(T, device=ids.device).expand(B, T)
+    # The last agent position before t (-1: none): a running max of the agent positions, shifted.
+    last_at = torch.where(agent, pos, torch.full_like(pos, -1)).cummax(dim=1).values
+    prev = torch.cat([torch.full_like(last_at[:, :1], -1), last_at[:, :-1]], dim=1)
+    prev_id = ids.gather(1, prev.clamp(min=0))
+    return agent & ((prev < 0) | (prev_id != ids))
+
+
 def turn_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -59,29 +85,3 @@ def turn_gae(
         RuntimeError: inputs on different devices.
     """
     return torch.ops.pyppo.turn_gae.default(rewards, values, turn_ids, float(gamma), float(lam), last_values)
-
-
-def turn_start_mask(turn_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` bool: True at the first position of each turn of :func:`turn_gae` (an agent
-    position whose id differs from the previous agent position's, or the row's first agent
-    position), where its ``V_k`` is read and where a value loss on its returns trains.
-
-    Raises:
-        ValueError: ``turn_ids`` not a 2-D integer tensor.
-    """
-    if not isinstance(turn_ids, torch.Tensor) or turn_ids.dim() != 2:
-        shape = tuple(turn_ids.shape) if isinstance(turn_ids, torch.Tensor) else type(turn_ids).__name__
-        raise ValueError(f"turn_start_mask: turn_ids must be a 2-D [B, T] tensor, got {shape}")
-    if turn_ids.is_floating_point() or turn_ids.is_complex() or turn_ids.dtype == torch.bool:
-        raise ValueError(f"turn_start_mask: turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
-    ids = turn_ids.long()
-    agent = ids >= 0
-    B, T = ids.shape
-    if B == 0 or T == 0:
-        return agent
-    pos = torch.arange(T, device=ids.device).expand(B, T)
-    # The last agent position before t (-1: none): a running max of the agent positions, shifted.
-    last_at = torch.where(agent, pos, torch.full_like(pos, -1)).cummax(dim=1).values
-    prev = torch.cat([torch.full_like(last_at[:, :1], -1), last_at[:, :-1]], dim=1)
-    prev_id = ids.gather(1, prev.clamp(min=0))
-    return agent & ((prev < 0) | (prev_id != ids))

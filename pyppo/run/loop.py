@@ -1,8 +1,9 @@
 """The run loop: steps until ``config.steps``, with logs, the progress bar, held-out evaluation,
 checkpoint and export cadences, and the signal hooks that stop a run without losing work.
 
-The loop drives a :class:`pyppo.run.trainer.PPOTrainer` (``step``, ``state_dict``,
-``save_checkpoint``, ...), which sits above it; the loop names its type for checkers only.
+The loop drives the algorithm of :class:`pyppo.trainer.PPOTrainer` (``step``, ``state_dict``)
+and calls this package's checkpoint, evaluation and export on it; :class:`pyppo.run.trainer.PPOTrainer`
+sits above the loop and calls it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import distributed
-from . import checkpoint
+from . import checkpoint, evaluate, export
 from .config_file import record_python_run
 from .nonfinite import NonFiniteRolloutError, NonFiniteUpdateError, check_weights_finite
 from .quiet import quiet_libraries
@@ -21,7 +22,7 @@ from .rundir import RunDir
 from .stopping import GracefulStop, StepAbandoned
 
 if TYPE_CHECKING:
-    from .trainer import PPOTrainer
+    from ..trainer import PPOTrainer
 
 __all__ = ["train"]
 
@@ -33,12 +34,12 @@ def train(
 
     Appends one JSON object per step to ``metrics.jsonl`` and, with ``log_samples``, one per
     sample (``step``, ``prompt``, ``response``, raw ``score``) to ``samples.jsonl``; with
-    ``eval_every``, evaluates on the eval prompts (``trainer.evaluate_prompts``), adds ``eval/*``
+    ``eval_every``, evaluates on the eval prompts (:func:`~pyppo.run.evaluate.evaluate_prompts`), adds ``eval/*``
     to that step's row and appends the samples to ``eval_samples.jsonl``. Every ``save_every``
     steps and after the last step it writes ``checkpoint/`` and the policy as a Hugging Face
     directory, ``policy/``. Rows logged after the checkpoint being resumed (a run killed before
     it checkpointed them) and a torn last line are dropped first, with a warning. To resume,
-    call ``trainer.load_checkpoint`` first. With several processes every rank calls this; rank 0
+    call :func:`~pyppo.run.checkpoint.load_trainer` first. With several processes every rank calls this; rank 0
     writes.
 
     ``stop`` (installed :class:`~pyppo.run.stopping.GracefulStop` handlers): after a SIGINT or
@@ -63,6 +64,8 @@ def train(
             NaN/inf (it is not written, so that it cannot replace a good one); the step is not
             checkpointed, and the message names the last good checkpoint (the last one whose
             weights are finite and did not give the non-finite rollout), or says that none is.
+            When the step's updates were all skipped (none reached the weights), the last finished
+            step is checkpointed first, as after any other error, and named.
         Exception: whatever a step raised, after the checkpoint above.
     """
     from tqdm.auto import tqdm
@@ -100,29 +103,23 @@ def train(
                 stopped = True
                 break
             except NonFiniteUpdateError as exc:
+                # Skipped updates left the weights as they were (a huge score, say): keep the last
+                # finished step as for any error. Not after a non-finite rollout: those weights gave it.
+                if not isinstance(exc, NonFiniteRolloutError) and not updates.applied and _together(exc, trainer):
+                    saved_step = _keep_finished_step(trainer, run, start_state, saving, saved_step)
                 raise _naming_last_good(exc, run, saved_step == trainer.step_count) from exc
             except Exception as exc:
                 if not updates.applied and _together(exc, trainer):
                     # Nothing of the step reached the weights: keep the last finished step, as a
                     # second signal would.
-                    _restore_step_start(trainer, start_state)
-                    if saved_step != trainer.step_count:
-                        try:
-                            with saving():
-                                trainer.save_checkpoint(run.checkpoint)
-                        except Exception as save_error:  # the step's own error is the one to report
-                            warnings.warn(
-                                f"the checkpoint of step {trainer.step_count} could not be written: {save_error}",
-                                RuntimeWarning,
-                                stacklevel=2,
-                            )
+                    saved_step = _keep_finished_step(trainer, run, start_state, saving, saved_step)
                 raise
             last_step = trainer.step_count == c.steps
             eval_rows: List[dict] = []
             eval_error: Optional[Exception] = None
             if trainer.eval_prompts and (last_step or (c.eval_every and trainer.step_count % c.eval_every == 0)):
                 try:
-                    eval_metrics, eval_rows = trainer.evaluate_prompts()
+                    eval_metrics, eval_rows = evaluate.evaluate_prompts(trainer)
                     result.metrics.update(eval_metrics)
                 except Exception as exc:
                     if not _together(exc, trainer):
@@ -139,9 +136,9 @@ def train(
                 except NonFiniteUpdateError as exc:
                     raise _naming_last_good(exc, run, False) from exc
                 with saving():
-                    trainer.save_checkpoint(run.checkpoint)
+                    checkpoint.save_trainer(trainer, run.checkpoint)
                     if due:
-                        trainer.export_policy(run.policy)
+                        export.export_trainer_policy(trainer, run.policy)
                 saved_step = trainer.step_count
             if eval_error is not None:
                 raise eval_error
@@ -151,8 +148,33 @@ def train(
             except NonFiniteUpdateError as exc:
                 raise _naming_last_good(exc, run, False) from exc
             with stop.save():  # the last finished step, so that --resume loses nothing
-                trainer.save_checkpoint(run.checkpoint)
+                checkpoint.save_trainer(trainer, run.checkpoint)
     return history
+
+
+def _keep_finished_step(
+    trainer: PPOTrainer, run: RunDir, start_state: dict, saving, saved_step: Optional[int]
+) -> Optional[int]:
+    """Put back the state of the last finished step (``start_state``) after a step that failed
+    before any optimizer step, and checkpoint it unless ``saved_step`` (the step the newest
+    checkpoint holds) is it. Returns the step the newest checkpoint holds now. A checkpoint that
+    cannot be written (or whose weights are NaN/inf) is a warning: the step's error is the one
+    to report."""
+    _restore_step_start(trainer, start_state)
+    if saved_step == trainer.step_count:
+        return saved_step
+    try:
+        check_weights_finite(trainer, f"step {trainer.step_count}")
+        with saving():
+            checkpoint.save_trainer(trainer, run.checkpoint)
+    except Exception as save_error:
+        warnings.warn(
+            f"the checkpoint of step {trainer.step_count} could not be written: {save_error}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return saved_step
+    return trainer.step_count
 
 
 def _together(exc: BaseException, trainer: PPOTrainer) -> bool:

@@ -64,10 +64,10 @@ def case(shape, dtype, *, eager_name: str = "python turn loop", targets: tuple[T
     return Case(
         op="turn_gae",
         label="turn_gae (agent turns)",
-        eager_name=eager_name,
         shape=tuple(shape),
         dtype=dtype,
         make_inputs=turn_inputs,
+        eager_name=eager_name,
         pyppo=_pyppo,
         eager=EAGER[eager_name],
         floor=sum_each("rewards", "values", "turn_ids"),
