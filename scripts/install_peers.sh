@@ -8,6 +8,7 @@
 #   verl.trainer.ppo.core_algos, verl.utils.torch_functional   (veRL 0.9.1)
 #   openrlhf.models.utils, openrlhf.models.actor               (OpenRLHF 0.11.2; flash_attn stubbed in tests)
 #   trl.trainer.utils                                          (TRL 1.16.0)
+#   verl.trainer.ppo.ray_trainer                               (veRL's compute_advantage)
 # and torch stays the release installed before (the constraint file forbids replacing it).
 # Note: the veRL and OpenRLHF wheels install their test suites as a top-level `tests` package.
 #
@@ -35,6 +36,9 @@ DS_BUILD_OPS=0 $PY -m pip install --quiet --no-deps --no-build-isolation "deepsp
 $PY -m pip install --quiet -c "$constraints" \
     "ray==2.55.0" "tensordict==0.10.0" omegaconf codetiming orjson pylatexenc pandas datasets \
     hjson msgpack py-cpuinfo pydantic psutil einops ninja
+# torchdata: veRL's trainer module (verl.trainer.ppo.ray_trainer, whose compute_advantage the
+# critic estimators' adapter replaces) imports its data loader; --no-deps keeps torch as it is.
+$PY -m pip install --quiet --no-deps "torchdata==0.11.0"
 $PY - <<'PY'
 import importlib.metadata as md
 print("peers installed: " + ", ".join(f"{p} {md.version(p)}" for p in ("verl", "openrlhf", "trl")))

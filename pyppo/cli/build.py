@@ -134,6 +134,7 @@ def build_trainer(
     prompts: Optional[str] = None,
     eval_prompts: Optional[str] = None,
     env: Optional[str] = None,
+    value_model: Optional[str] = None,
     before_loading: Optional[Callable[[], None]] = None,
 ) -> PPOTrainer:
     """Load everything a run needs and build its trainer.
@@ -149,10 +150,14 @@ def build_trainer(
         eval_prompts: held-out prompts in the same forms, for ``eval_every``; ``None`` = none, or
             with ``env`` and ``eval_every``, the environment's ``default_eval_prompts``.
         env: multi-turn episodes with this environment (``pyppo train --env``); ``None`` = none.
+        value_model: an earlier run's directory (or its ``checkpoint/``) whose trained value model
+            this one starts from (:meth:`~pyppo.run.trainer.PPOTrainer.load_value_model`);
+            ``None`` = the value model starts from ``model`` with a new head.
         before_loading: called after the cheap checks, before the model loads (e.g. to say so).
 
     Raises:
-        as :func:`check_sources` and :func:`pyppo.models.load_model_and_tokenizer`.
+        as :func:`check_sources`, :func:`pyppo.models.load_model_and_tokenizer` and, with
+        ``value_model``, :func:`pyppo.run.checkpoint.load_trained_value_model`.
     """
     reward_fn, prompt_list, eval_list = check_sources(
         model, reward, prompts, config.device, eval_prompts, env, env_eval=bool(config.eval_every)
@@ -162,7 +167,7 @@ def build_trainer(
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).
     policy, tokenizer = models.load_model_and_tokenizer(model)
     # An exported adapter names `model` as its base.
-    return PPOTrainer(
+    trainer = PPOTrainer(
         config,
         policy,
         None,
@@ -174,3 +179,6 @@ def build_trainer(
         base_model_source=model,
         environment=env,
     )
+    if value_model is not None:
+        trainer.load_value_model(value_model)
+    return trainer

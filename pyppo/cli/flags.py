@@ -116,9 +116,11 @@ def make_config(settings: dict, flags: dict | None = None):
         raise CLIError(f"invalid configuration: {exc}") from None
 
 
-def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = False, eval_prompts: bool = True) -> None:
+def add_source_flags(
+    p: argparse.ArgumentParser, *, required_defaults: bool = False, eval_prompts: bool = True, value_model: bool = False
+) -> None:
     """``--model``, ``--reward``, ``--prompts`` (what to train; shared with ``pyppo profile``) and,
-    with ``eval_prompts``, ``--eval-prompts``."""
+    with ``eval_prompts``, ``--eval-prompts``; with ``value_model``, ``--value-model``."""
     from pyppo.models import DEFAULT_MODEL
 
     src = p.add_argument_group("what to train")
@@ -161,4 +163,12 @@ def add_source_flags(p: argparse.ArgumentParser, *, required_defaults: bool = Fa
             help="held-out prompts (same format, or 'arithmetic-eval': arithmetic problems that "
             "'arithmetic' holds out), evaluated every --eval-every steps and after the last "
             "(default with --env and --eval-every: the environment's held-out prompts)",
+        )
+    if value_model:
+        src.add_argument(
+            "--value-model",
+            metavar="DIR",
+            help="start the value model from an earlier run's (gae, gae_turn): its run directory or checkpoint/, "
+            "from the same --model and LoRA settings; the policy and the optimizers start fresh "
+            "(default: the value model starts from --model with a new head)",
         )

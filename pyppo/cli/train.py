@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
-RUN_KEYS = ("model", "reward", "prompts", "eval_prompts", "env")
+RUN_KEYS = ("model", "reward", "prompts", "eval_prompts", "env", "value_model")
 
 #: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
 #: default (SmolLM2-135M, sentiment reward) shows its mean score rising within 15 minutes on a
@@ -159,6 +159,7 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         "prompts": None,
         "eval_prompts": None,
         "env": None,
+        "value_model": None,
         **TRAIN_DEFAULTS,
     }
     resume_dir, resumed, saved_state, from_file = None, {}, None, {}
@@ -185,6 +186,11 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
                 raise CLIError(
                     f"{source} {value!r} differs from the resumed run's {key} {resumed[key]!r}; "
                     "start a new run (--output) to change it"
+                )
+            if value is not None and key == "value_model" and resume_dir is not None and key not in resumed:
+                raise CLIError(
+                    f"{source} {value!r}: a value model is warm-started when a run starts; the resumed run's "
+                    "comes from its checkpoint (start a new run with --output to warm-start one)"
                 )
         if getattr(args, key) is not None:
             merged[key] = getattr(args, key)
@@ -240,6 +246,11 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         ppo_config.check_world_size(world)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    if run["value_model"] is not None and not ppo_config.uses_critic:
+        raise CLIError(
+            f"--value-model {run['value_model']!r}: advantage_estimator {ppo_config.advantage_estimator!r} "
+            "trains no value model; a warm start needs gae or gae_turn"
+        )
     if ppo_config.eval_every and not run["eval_prompts"] and not _env_has_eval_prompts(run["env"]):
         raise CLIError(
             f"--eval-every {ppo_config.eval_every} needs --eval-prompts FILE.jsonl (held-out prompts), "
@@ -279,6 +290,8 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
             )
         except ValueError as exc:
             raise CLIError(str(exc)) from None
+    if run["value_model"] is not None and resume_step is None:  # a checkpoint holds the resumed one
+        run["value_model"] = _resolved_value_model(run["value_model"])
     from ..trainer.assemble import check_episode_knobs
 
     try:  # after the resume's checks, which name every changed setting in one line
@@ -357,6 +370,24 @@ def _resolved_env(spec: Any) -> str:
         if Path(file).expanduser().is_file():
             return f"{Path(file).expanduser().resolve()}:{name}"
     return spec
+
+
+def _resolved_value_model(spec: Any) -> str:
+    """``--value-model``'s directory, absolute, once it is known to hold a complete checkpoint (in
+    it or in its ``checkpoint/``); what the checkpoint's weights are is checked when they load."""
+    from ..run.checkpoint import find_in_run
+
+    if not isinstance(spec, str) or not spec:
+        raise CLIError(f"--value-model must be a run directory or its checkpoint/, got {spec!r}")
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise CLIError(f"--value-model {spec!r}: no such directory")
+    if find_in_run(path) is None:
+        raise CLIError(
+            f"--value-model {spec!r}: no complete checkpoint in it or in its checkpoint/ "
+            "(a pyppo run directory, or its checkpoint/)"
+        )
+    return str(path.resolve())
 
 
 def _env_reward(spec: str) -> str:
@@ -472,7 +503,9 @@ def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
         say(f"pyppo: loading {run['model']} ...")
 
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
-    trainer = build_trainer(config, **run, before_loading=before_loading)
+    # A resumed run's value model comes from its checkpoint, not from a warm start.
+    sources = {**run, "value_model": None} if done is not None else run
+    trainer = build_trainer(config, **sources, before_loading=before_loading)
     # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
     if done is not None:
         trainer.load_checkpoint(RunDir(resume_dir).checkpoint)
@@ -492,7 +525,8 @@ def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
             if created and output.is_dir() and not any(output.iterdir()):
                 output.rmdir()
         if isinstance(exc, NonFiniteUpdateError) and not os.environ.get("PYPPO_DEBUG"):
-            say(f"{PROG}: error: {exc}")
+            if main_rank:
+                say(f"{PROG}: error: {exc}{_resumable_after(exc, run_dir, trainer.step_count, trainer.world.size)}")
             return 1
         hint = _kept_after(exc, run_dir, config.steps, trainer.world.size) if main_rank else None
         if hint is None:
@@ -549,8 +583,19 @@ def _kept_after(exc: BaseException, run_dir: RunDir, steps: int, world_size: int
     return f"its checkpoint is at step {kept} of {steps}; continue with: {resume_command(run_dir.path, world_size)}"
 
 
+def _resumable_after(exc: BaseException, run_dir: RunDir, step: int, world_size: int) -> str:
+    """``"; continue with: <command>"`` when the run's checkpoint (named by ``exc``'s message) holds
+    ``step``, the last finished one, and a resume from it is worth trying: not after a
+    non-finite rollout, whose weights those are; ``""`` otherwise."""
+    from ..run.nonfinite import NonFiniteRolloutError
+
+    if isinstance(exc, NonFiniteRolloutError) or run_dir.checkpoint_step() != step:
+        return ""
+    return f"; once its cause is fixed, continue with: {resume_command(run_dir.path, world_size)}"
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    add_source_flags(p)
+    add_source_flags(p, value_model=True)
     io = p.add_argument_group("files")
     io.add_argument("--config", metavar="FILE.toml", help="settings file (flat keys, as the flags; flags override it)")
     io.add_argument("--output", metavar="DIR", help="run directory (default: runs/<timestamp>, or the --resume dir)")

@@ -12,6 +12,14 @@ Version policy: the adapters reproduce one release of each peer. Any other relea
 :class:`PeerVersionWarning` naming both versions and is not patched unless ``force=True``; with
 ``force``, a function whose signature differs from the one the adapter was written for is still
 skipped, with a warning that names it. Nothing is ever replaced silently.
+
+Besides replacing, a peer can list :class:`Registration` s: functions pyppo adds to a registry of
+the peer under a new key (veRL's ``ADV_ESTIMATOR_REGISTRY["pyppo_gae"]``). :func:`patch` adds one
+only where the key is free (a key held by another function is left alone, with a warning), and
+:func:`unpatch` removes exactly the entries it added. A peer's ``optional_targets`` are targets
+whose defining module may fail to import where the rest of the peer imports (veRL's trainer module
+needs packages its math does not): such a target is then skipped and named in
+:attr:`Patch.skipped`, without a warning, since nothing in that process can call it.
 """
 
 from __future__ import annotations
@@ -30,13 +38,16 @@ __all__ = [
     "PeerVersionWarning",
     "Target",
     "targets",
+    "Registration",
     "Peer",
     "Replacement",
+    "Added",
     "Patch",
     "patch",
     "unpatch",
     "patched",
     "active",
+    "original",
 ]
 
 
@@ -61,6 +72,20 @@ def targets(module: str, *adapters: Callable[..., Any]) -> tuple[Target, ...]:
 
 
 @dataclass(frozen=True)
+class Registration:
+    """One entry pyppo adds to a peer's registry: ``module.<registry>[key] = fn``."""
+
+    module: str  # the module holding the registry, e.g. "verl.trainer.ppo.core_algos"
+    registry: str  # the registry dict's attribute there, e.g. "ADV_ESTIMATOR_REGISTRY"
+    key: Any
+    fn: Callable[..., Any]
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.registry}[{self.key!r}]"
+
+
+@dataclass(frozen=True)
 class Peer:
     """A peer package: how to find it, which releases the adapters reproduce, what to replace."""
 
@@ -70,11 +95,22 @@ class Peer:
     versions: tuple[str, ...]  # releases the adapters were written against
     targets: tuple[Target, ...]
     import_help: str = ""  # appended to the error when a defining module fails to import
+    registrations: tuple[Registration, ...] = ()  # entries added to the peer's registries
+    # Patched like ``targets`` where their module imports; skipped (Patch.skipped) where it does not.
+    optional_targets: tuple[Target, ...] = ()
 
     @classmethod
-    def named(cls, name: str, versions: tuple[str, ...], targets: tuple[Target, ...], import_help: str = "") -> Peer:
+    def named(
+        cls,
+        name: str,
+        versions: tuple[str, ...],
+        targets: tuple[Target, ...],
+        import_help: str = "",
+        registrations: tuple[Registration, ...] = (),
+        optional_targets: tuple[Target, ...] = (),
+    ) -> Peer:
         """The peer ``name`` whose pip distribution and import package are both called ``name``."""
-        return cls(name, name, name, versions, targets, import_help)
+        return cls(name, name, name, versions, targets, import_help, registrations, optional_targets)
 
 
 @dataclass(frozen=True)
@@ -105,27 +141,41 @@ def _put(container: Any, key: Any, is_attribute: bool, value: Any) -> None:
         container[key] = value
 
 
+@dataclass(frozen=True)
+class Added:
+    """One registry entry that :func:`patch` added: ``registry[key]`` was free and now holds ``fn``."""
+
+    where: str  # "verl.trainer.ppo.core_algos.ADV_ESTIMATOR_REGISTRY['pyppo_gae']"
+    fn: Callable[..., Any]
+    registry: dict = field(repr=False, compare=False)
+    key: Any = field(repr=False, compare=False)
+
+
 @dataclass
 class Patch:
-    """What one :func:`patch` call replaced. ``originals`` maps each replaced reference's
-    dotted name to the peer function it held; ``version`` is the peer's installed release."""
+    """What one :func:`patch` call did. ``originals`` maps each replaced reference's dotted name
+    to the peer function it held; ``added`` lists the registry entries it added; ``skipped``
+    names the optional targets left alone, and why; ``version`` is the peer's installed release."""
 
     peer: str
     version: str
     replacements: list[Replacement] = field(default_factory=list)
+    added: list[Added] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def originals(self) -> dict[str, Callable[..., Any]]:
         return {r.where: r.original for r in self.replacements}
 
     def __len__(self) -> int:
-        return len(self.replacements)
+        return len(self.replacements) + len(self.added)
 
     def __bool__(self) -> bool:
-        return bool(self.replacements)
+        return len(self) > 0
 
     def __repr__(self) -> str:
-        return f"Patch({self.peer} {self.version}: {len(self.replacements)} references replaced)"
+        added = f", {len(self.added)} registry entries added" if self.added else ""
+        return f"Patch({self.peer} {self.version}: {len(self.replacements)} references replaced{added})"
 
 
 _ACTIVE: dict[str, Patch] = {}
@@ -134,6 +184,19 @@ _ACTIVE: dict[str, Patch] = {}
 def active(peer: Peer) -> Patch | None:
     """The patch currently applied to ``peer``, or None."""
     return _ACTIVE.get(peer.name)
+
+
+def original(peer: Peer, module: str, name: str) -> Callable[..., Any]:
+    """The peer's own ``module.name``: the function the active patch replaced there, or (not
+    patched, or that target skipped) the module's current attribute. An adapter that handles
+    some calls itself hands the others to this. Raises ImportError if ``module`` does not import."""
+    current = _ACTIVE.get(peer.name)
+    if current is not None:
+        where = f"{module}.{name}"
+        for r in current.replacements:
+            if r.where == where:
+                return r.original
+    return getattr(importlib.import_module(module), name)
 
 
 def installed_version(peer: Peer) -> str:
@@ -199,10 +262,11 @@ def _find_references(modules: list[Any], original: Callable[..., Any]) -> Iterat
 def patch(peer: Peer, *, force: bool = False) -> Patch:
     """Replace ``peer``'s functions with pyppo's adapters; see the module docstring.
 
-    Returns the :class:`Patch` (what was replaced). Calling it again while patched returns the
-    active patch unchanged. Raises ImportError when the peer or one of its defining modules
-    cannot be imported; warns (:class:`PeerVersionWarning`) for an unsupported release or a
-    changed signature.
+    Returns the :class:`Patch` (what was replaced and added). Calling it again while patched
+    returns the active patch unchanged. Raises ImportError when the peer or one of its defining
+    modules cannot be imported (an optional target's module is skipped instead, see
+    :attr:`Patch.skipped`); warns (:class:`PeerVersionWarning`) for an unsupported release, a
+    changed signature, or a registration whose key is taken.
     """
     current = _ACTIVE.get(peer.name)
     if current is not None:
@@ -228,19 +292,34 @@ def patch(peer: Peer, *, force: bool = False) -> Patch:
         )
 
     defining: dict[str, Any] = {}
-    for target in peer.targets:
-        if target.module not in defining:
-            try:
-                defining[target.module] = importlib.import_module(target.module)
-            except ImportError as e:
-                raise ImportError(
-                    f"pyppo.integrations.{peer.name}.patch: cannot import {target.module} ({e})."
-                    + (f" {peer.import_help}" if peer.import_help else "")
-                ) from e
+    failed: dict[str, str] = {}  # optional modules that did not import: the error
+    # Required modules first, so that a failing one raises before an optional one is tried.
+    required = [t.module for t in peer.targets] + [r.module for r in peer.registrations]
+    for module, optional in [(m, False) for m in required] + [(t.module, True) for t in peer.optional_targets]:
+        if module in defining:
+            continue
+        try:
+            with warnings.catch_warnings():
+                if optional:  # a peer's trainer module announces at import the engines it lacks: not ours to show
+                    warnings.simplefilter("ignore")
+                defining[module] = importlib.import_module(module)
+        except ImportError as e:
+            if optional:
+                failed[module] = str(e)
+                continue
+            raise ImportError(
+                f"pyppo.integrations.{peer.name}.patch: cannot import {module} ({e})."
+                + (f" {peer.import_help}" if peer.import_help else "")
+            ) from e
 
     modules = _package_modules(peer.package)
     skipped: list[str] = []
-    for target in peer.targets:
+    for target in peer.targets + peer.optional_targets:
+        if target.module not in defining:
+            result.skipped.append(
+                f"{target.module}.{target.name} (cannot import {target.module}: {failed[target.module]})"
+            )
+            continue
         original = getattr(defining[target.module], target.name, None)
         where = f"{target.module}.{target.name}"
         if original is None:
@@ -260,21 +339,50 @@ def patch(peer: Peer, *, force: bool = False) -> Patch:
             PeerVersionWarning,
             stacklevel=3,
         )
+    _register(peer, defining, result)
     if result:
         _ACTIVE[peer.name] = result
     return result
 
 
+def _register(peer: Peer, defining: dict[str, Any], result: Patch) -> None:
+    """Add ``peer``'s registrations whose key is free; warn about the others."""
+    refused: list[str] = []
+    for reg in peer.registrations:
+        registry = getattr(defining[reg.module], reg.registry, None)
+        if not isinstance(registry, dict):
+            refused.append(f"{reg.where} (no such registry)")
+            continue
+        held = registry.get(reg.key, reg.fn)
+        if held is not reg.fn:
+            # Overwriting would silently change what the key means to whoever registered it.
+            refused.append(f"{reg.where} (held by {held!r})")
+        elif reg.key not in registry:
+            registry[reg.key] = reg.fn
+            result.added.append(Added(reg.where, reg.fn, registry, reg.key))
+    if refused:
+        warnings.warn(
+            f"pyppo.integrations.{peer.name}: not registered: " + "; ".join(refused), PeerVersionWarning, stacklevel=4
+        )
+
+
 def unpatch(peer: Peer) -> Patch | None:
-    """Put back what :func:`patch` replaced; returns that patch (None if none was active).
+    """Put back what :func:`patch` replaced and remove the registry entries it added; returns
+    that patch (None if none was active).
 
     A reference that something else re-assigned since is left as it is (with a warning):
-    restoring it would undo someone else's change.
+    restoring it would undo someone else's change. The same holds for a registry entry that
+    :func:`patch` added: it is removed only while it still holds pyppo's function.
     """
     current = _ACTIVE.pop(peer.name, None)
     if current is None:
         return None
     moved = []
+    for a in reversed(current.added):
+        if a.registry.get(a.key) is a.fn:
+            del a.registry[a.key]
+        else:
+            moved.append(a.where)
     for r in reversed(current.replacements):
         if r.current() is r.adapter:
             r.put(r.original)

@@ -40,6 +40,8 @@ __all__ = [
     "save_trainer",
     "load_trainer",
     "load_trained_policy",
+    "load_trained_value_model",
+    "find_in_run",
 ]
 
 CHECKPOINT_FILES = ("policy.pt", "value_model.pt", "optimizers.pt", "trainer_state.pt")
@@ -301,6 +303,13 @@ def load_trainer(trainer: PPOTrainer, directory: str | os.PathLike) -> Path:
             f"{trainer.config.advantage_estimator!r}) {run}: resume with the checkpoint's estimator"
         )
     resume_conflicts(st.get("config"), trainer.config, where=f"checkpoint {str(d)!r}")
+    # Checked before anything is restored: the sampler's own check comes after the weights.
+    saved_prompts, prompts = int(st["sampler"]["n"]), len(trainer.sampler.prompts)
+    if saved_prompts != prompts:
+        raise ValueError(
+            f"checkpoint {str(d)!r} was written by a run of {saved_prompts} prompts, this run has {prompts}; "
+            "resume with the checkpoint's prompts"
+        )
     for name, part in parts.items():
         if part is not None:
             restore_training_state(
@@ -340,4 +349,61 @@ def load_trained_policy(trainer: PPOTrainer, directory: str | os.PathLike) -> Pa
         raise ValueError(f"checkpoint file {str(d / 'policy.pt')!r} cannot be read: {exc}") from exc
     policy = trainer.checkpoint_parts()["policy"]
     restore_training_state(policy.module, None, weights, None, prefix=policy.prefix, what="policy")
+    return d
+
+
+def find_in_run(directory: str | os.PathLike) -> Optional[Path]:
+    """The complete checkpoint of ``directory``: a run directory (its ``checkpoint/``) or a
+    checkpoint directory itself, as :func:`find` picks it; ``None`` if neither holds one."""
+    d = Path(directory).expanduser()
+    return find(d / "checkpoint") or find(d)
+
+
+def load_trained_value_model(trainer: PPOTrainer, directory: str | os.PathLike) -> Path:
+    """Start ``trainer``'s value model from an earlier run's: put the trained value weights of the
+    checkpoint in ``directory`` (a run directory or its ``checkpoint/``) into it, and nothing else
+    (the policy, the optimizers, the step and the RNGs stay this run's). This is the warm start of
+    a critic trained before (``pyppo train --value-model DIR``; docs/trainer.md, "Value warm-up").
+    The checkpoint holds the trained weights only (every weight, or with ``value_lora`` the
+    adapters and the head), so the earlier run must have built its value model the same way:
+    from the same ``--model``, with the same ``lora_*`` / ``value_lora`` settings. Any number of
+    processes may read a checkpoint of any other. Every rank calls it, before the first step.
+
+    Returns:
+        the checkpoint directory read.
+
+    Raises:
+        ValueError: this run trains no value model (a critic-free estimator); it has taken a step
+            already; the checkpoint has no value model (its run was critic-free), cannot be read,
+            or its weights are not this value model's trained ones (other ``lora_*`` /
+            ``value_lora`` settings, another model's shapes).
+        FileNotFoundError: no complete checkpoint in ``directory``.
+    """
+    value = trainer.checkpoint_parts()["value"]
+    if value is None:
+        raise ValueError(
+            f"value_model {str(directory)!r}: this run trains no value model (advantage_estimator = "
+            f"{trainer.config.advantage_estimator!r}); a warm start needs gae or gae_turn"
+        )
+    if trainer.step_count:
+        raise ValueError(
+            f"value_model {str(directory)!r}: the run has taken {trainer.step_count} step(s); a value model "
+            "is warm-started before the first step"
+        )
+    d = find_in_run(directory)
+    if d is None:
+        raise FileNotFoundError(
+            f"value_model {str(directory)!r}: no complete checkpoint in it or in its checkpoint/ "
+            "(a pyppo run directory, or its checkpoint/)"
+        )
+    try:
+        weights = torch.load(d / PART_FILES["value"], map_location=trainer.device, weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"checkpoint file {str(d / PART_FILES['value'])!r} cannot be read: {exc}") from exc
+    if not weights:
+        raise ValueError(
+            f"value_model {str(directory)!r}: checkpoint {str(d)!r} has no value model (its run used a "
+            "critic-free estimator)"
+        )
+    restore_training_state(value.module, None, weights, None, prefix=value.prefix, what="value model")
     return d

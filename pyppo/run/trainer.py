@@ -20,7 +20,8 @@ class PPOTrainer(ppo.PPOTrainer):
     """PPO for a causal LM policy, and the run around its steps. Built with the arguments of
     :class:`pyppo.trainer.PPOTrainer` (the algorithm: :meth:`step`, its state and its models),
     whose docstring describes them; this class adds :meth:`train`, :meth:`evaluate_prompts`,
-    :meth:`save_checkpoint`, :meth:`load_checkpoint` and :meth:`export_policy`."""
+    :meth:`save_checkpoint`, :meth:`load_checkpoint`, :meth:`load_value_model` and
+    :meth:`export_policy`."""
 
     def train(
         self, output_dir: str | os.PathLike, *, progress: bool = True, stop: Optional[GracefulStop] = None
@@ -40,6 +41,11 @@ class PPOTrainer(ppo.PPOTrainer):
     def load_checkpoint(self, directory: str | os.PathLike) -> Path:
         """Restore a checkpoint of :meth:`save_checkpoint`: see :func:`pyppo.run.checkpoint.load_trainer`."""
         return checkpoint.load_trainer(self, directory)
+
+    def load_value_model(self, directory: str | os.PathLike) -> Path:
+        """Start the value model from an earlier run's checkpoint (a warm start, before the first
+        step): see :func:`pyppo.run.checkpoint.load_trained_value_model`."""
+        return checkpoint.load_trained_value_model(self, directory)
 
     def export_policy(self, directory: str | os.PathLike) -> Optional[Path]:
         """Write the policy as a Hugging Face model directory: see :func:`pyppo.run.export.export_trainer_policy`."""

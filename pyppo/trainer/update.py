@@ -145,7 +145,10 @@ class MinibatchUpdate:
         if self.critic is not None:
             terms["value_loss"], vf_stats, values = self.critic.loss_backward(mu, normalizer[1])
         losses.add(terms)
-        record_token_stats(token_stats, {**pg_stats, **vf_stats}, int(mu.loss_mask.sum()))
+        record_token_stats(token_stats, pg_stats, int(mu.loss_mask.sum()))
+        # The value statistics are over the value loss's own positions (each turn's first token
+        # under gae_turn), so they are weighted by those.
+        record_token_stats(token_stats, vf_stats, int(mu.critic_mask.sum()))
         return MicroStepResult(logprobs, mu.old_logprobs, values, mu.returns, mu.loss_mask, mu.critic_mask)
 
     def clip_grad_norm(self, model: nn.Module) -> float:

@@ -164,6 +164,7 @@ def test_flags_override_config_file(tmp_path):
         "prompts": None,
         "eval_prompts": None,
         "env": None,
+        "value_model": None,
     }
     assert plan.output == tmp_path / "o" and plan.resume_dir is None and plan.changes == ()
 

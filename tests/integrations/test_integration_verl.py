@@ -1420,16 +1420,24 @@ def test_deprecated_signature_is_read_through_the_wrapper(peer):
 
 def test_module_imported_while_patched_is_restored(peer):
     late = "verl.trainer.distillation.losses"  # binds agg_loss and kl_penalty by name
-    if late in sys.modules:
-        pytest.skip(f"{late} is already imported")
-    with pv.patched():
-        mod = importlib.import_module(late)
-        assert mod.kl_penalty is pv.kl_penalty and mod.agg_loss is pv.agg_loss
-        x = torch.randn(2, 3)
-        with pyppo_ops_called() as ops:
-            mod.kl_penalty(x, x * 0.5, "k3")
-        assert "pyppo::kl_penalty" in ops
-    assert mod.kl_penalty is peer.kl_penalty and mod.agg_loss is peer.agg_loss
+    # patch() imports veRL's trainer, which imports this module: take it out, so that it is
+    # imported afresh while patched, and put the first copy back afterwards.
+    package, _, leaf = late.rpartition(".")
+    earlier = sys.modules.pop(late, None)
+    try:
+        with pv.patched():
+            mod = importlib.import_module(late)
+            assert mod is not earlier
+            assert mod.kl_penalty is pv.kl_penalty and mod.agg_loss is pv.agg_loss
+            x = torch.randn(2, 3)
+            with pyppo_ops_called() as ops:
+                mod.kl_penalty(x, x * 0.5, "k3")
+            assert "pyppo::kl_penalty" in ops
+        assert mod.kl_penalty is peer.kl_penalty and mod.agg_loss is peer.agg_loss
+    finally:
+        if earlier is not None:
+            sys.modules[late] = earlier
+            setattr(sys.modules[package], leaf, earlier)
 
 
 @pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0, 0)])

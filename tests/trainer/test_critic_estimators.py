@@ -107,3 +107,28 @@ def test_critic_warmup_steps_train_the_value_model_only_then_the_policy_from_its
     assert tr.critic.optimizer.param_groups[0]["lr"] == pytest.approx(tr.config.effective_value_lr)
     # A checkpoint holds the policy's own count, so that a resumed run goes on from it.
     assert tr.state_dict()["policy_steps"] == 4
+
+
+def test_value_statistics_are_weighted_by_the_value_loss_positions(monkeypatch):
+    # Under gae_turn the value loss trains at each turn's first token only: vf_clipfrac is the
+    # fraction of those positions, not of the policy's tokens.
+    import pyppo.trainer.critic as critic
+
+    config = small_config(
+        advantage_estimator="gae_turn", cliprange_value=1e-4, mini_batch_size=4, micro_batch_size=1, ppo_epochs=2
+    )
+    tr = make_trainer(config, eos_bias=1.5)  # responses of several lengths
+    real, calls = critic.ppo_value_loss, []
+
+    def spy(values, old, returns, mask, **kw):
+        loss, stats = real(values, old, returns, mask, **kw)
+        calls.append((float(stats["vf_clipfrac"]), int(mask.sum()), int((returns != 0).sum())))
+        return loss, stats
+
+    monkeypatch.setattr(critic, "ppo_value_loss", spy)
+    m = tr.step().metrics
+    assert m["skipped_updates"] == 0 and all(n == 1 for _, n, _ in calls)  # one turn start a row
+    by_starts = sum(f * n for f, n, _ in calls) / sum(n for _, n, _ in calls)
+    by_tokens = sum(f * t for f, _, t in calls) / sum(t for _, _, t in calls)
+    assert 0 < by_starts < 1 and abs(by_starts - by_tokens) > 1e-3  # the two weightings differ here
+    assert m["vf_clipfrac"] == pytest.approx(by_starts, rel=1e-6)

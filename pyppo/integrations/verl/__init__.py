@@ -17,11 +17,22 @@ Covered, each with veRL's exact signature, return types, output dtypes and maski
   (``["cispo"]``), :func:`compute_value_loss`;
 * ``verl.utils.torch_functional``: :func:`masked_mean`, :func:`masked_var`,
   :func:`masked_whiten`, :func:`logprobs_from_logits`, :func:`entropy_from_logits`,
-  :func:`entropy_from_logits_with_chunking`.
+  :func:`entropy_from_logits_with_chunking`;
+* ``verl.trainer.ppo.ray_trainer``: :func:`compute_advantage`, which computes what veRL does and
+  also hands the critic's values to pyppo's critic estimators (an optional target: where that
+  module does not import, e.g. without ``torchdata``, it is skipped and named in
+  ``Patch.skipped``).
+
+Added, under new names of ``ADV_ESTIMATOR_REGISTRY`` (:mod:`.estimators`, estimators veRL lacks):
+:func:`compute_decoupled_gae_advantage_return` (:data:`PYPPO_GAE`, ``"pyppo_gae"``: VC-PPO's
+decoupled λ and VAPO's length-adaptive λ) and :func:`compute_turn_gae_advantage_return`
+(:data:`PYPPO_GAE_TURN`, ``"pyppo_gae_turn"``: GAE over agent turns). veRL's own
+``compute_advantage`` passes such estimators no values; the replacement above does.
 
 Usage: ``import pyppo.integrations.verl as pv; pv.patch()`` (or ``with pv.patched(): ...``), or
 call the functions here directly; this package does not import veRL. It is split as veRL splits
-those functions: :mod:`.core_algos` and :mod:`.torch_functional` (the shared argument checks and
+those functions: :mod:`.core_algos`, :mod:`.torch_functional` and :mod:`.estimators` (the
+estimators veRL lacks, and ``compute_advantage``; the shared argument checks and
 dtype bookkeeping in ``_checks``); every adapter is exported here and documented under this
 package's name (its ``__module__``), which is where :data:`PEER` and pickling find it.
 
@@ -38,7 +49,7 @@ from contextlib import AbstractContextManager
 
 from .. import _patching
 from .._patching import Patch
-from . import core_algos, torch_functional
+from . import core_algos, estimators, torch_functional
 from .core_algos import (
     agg_loss,
     compute_gae_advantage_return,
@@ -55,6 +66,13 @@ from .core_algos import (
     compute_value_loss,
     kl_penalty,
     kl_penalty_forward,
+)
+from .estimators import (
+    PYPPO_GAE,
+    PYPPO_GAE_TURN,
+    compute_advantage,
+    compute_decoupled_gae_advantage_return,
+    compute_turn_gae_advantage_return,
 )
 from .torch_functional import (
     entropy_from_logits,
@@ -87,6 +105,11 @@ __all__ = [
     "logprobs_from_logits",
     "entropy_from_logits",
     "entropy_from_logits_with_chunking",
+    "compute_advantage",
+    "compute_decoupled_gae_advantage_return",
+    "compute_turn_gae_advantage_return",
+    "PYPPO_GAE",
+    "PYPPO_GAE_TURN",
     "PEER",
     "patch",
     "unpatch",
@@ -118,7 +141,7 @@ _TF_ADAPTERS = (
     entropy_from_logits,
     entropy_from_logits_with_chunking,
 )
-for _adapter in _CORE_ADAPTERS + _TF_ADAPTERS:
+for _adapter in _CORE_ADAPTERS + _TF_ADAPTERS + (compute_advantage, *estimators._ESTIMATORS.values()):
     # The public name of each adapter is this package's, wherever it is defined.
     _adapter.__module__ = __name__
 del _adapter
@@ -129,6 +152,12 @@ PEER = _patching.Peer.named(
     targets=_patching.targets(core_algos.PEER_MODULE, *_CORE_ADAPTERS)
     + _patching.targets(torch_functional.PEER_MODULE, *_TF_ADAPTERS),
     import_help="veRL's modules import ray, tensordict and omegaconf; install veRL's dependencies.",
+    registrations=tuple(
+        _patching.Registration(core_algos.PEER_MODULE, estimators.REGISTRY, key, fn)
+        for key, fn in estimators._ESTIMATORS.items()
+    ),
+    # veRL's trainer module also needs torchdata (its data loader), which veRL's math does not.
+    optional_targets=_patching.targets(estimators.TRAINER_MODULE, compute_advantage),
 )
 
 
@@ -136,12 +165,14 @@ def patch(*, force: bool = False) -> Patch:
     """Replace veRL's functions listed in :data:`PEER` with this package's adapters, everywhere
     veRL's package refers to them (defining modules, modules that imported them by name,
     ``ADV_ESTIMATOR_REGISTRY["gae"]``, ``["grpo"]``, ``["rloo"]``, ... ,
-    ``POLICY_LOSS_REGISTRY["vanilla"]``, ``["gspo"]``, ``["cispo"]``).
+    ``POLICY_LOSS_REGISTRY["vanilla"]``, ``["gspo"]``, ``["cispo"]``), and register
+    ``ADV_ESTIMATOR_REGISTRY["pyppo_gae"]`` and ``["pyppo_gae_turn"]``.
 
-    Returns the :class:`~pyppo.integrations.Patch` (what was replaced; the active one if already
-    patched). A veRL release other than 0.9.1 is warned about (``PeerVersionWarning``) and left
-    unpatched unless ``force=True``. Raises ImportError when veRL is not installed or its modules
-    fail to import.
+    Returns the :class:`~pyppo.integrations.Patch` (what was replaced and added; the active one if
+    already patched). A veRL release other than 0.9.1 is warned about (``PeerVersionWarning``) and
+    left unpatched unless ``force=True``. Raises ImportError when veRL is not installed or its
+    modules fail to import; ``verl.trainer.ppo.ray_trainer`` failing to import only skips
+    ``compute_advantage`` (listed in ``Patch.skipped``).
     """
     return _patching.patch(PEER, force=force)
 
