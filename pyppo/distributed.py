@@ -216,25 +216,41 @@ def all_sum(values: List[float], world: World) -> List[float]:
     return t.tolist()
 
 
+#: Step metrics that count what each rank saw of its own share: summed over the ranks. Counts
+#: that every rank takes of the same global event (``skipped_updates``, ``filter_groups_tries``:
+#: decided on reduced values) are the same on every rank and, averaged, stay that count.
+SUMMED_METRICS = frozenset({"filter_groups_dropped", "filter_groups_filled", "truncated_masked"})
+
+
 def _reduction(key: str) -> str:
-    if key.endswith("_max") or key.startswith("time_") or key == "step_seconds":
+    if key in SUMMED_METRICS:
+        return "sum"
+    name = key.removeprefix("first_")
+    if name.endswith("_max") or name.startswith("max_") or key.startswith("time_") or key == "step_seconds":
         return "max"  # the slowest rank sets the pace
-    if key.endswith("_min"):
+    if name.endswith("_min"):
         return "min"
     return "mean"
 
 
 def reduce_metrics(metrics: Mapping[str, float], world: World) -> Dict[str, float]:
-    """A step's metrics over all ranks: maxima (``*_max``, times) as maxima, ``*_min`` as minima,
-    everything else the mean of the ranks' values (each rank holds the same number of sequences,
-    so a per-sequence mean of ranks' means is the global mean). ``nan`` stays ``nan``."""
+    """A step's metrics over all ranks: the counts of :data:`SUMMED_METRICS` summed, maxima
+    (``*_max``, ``max_*``, times) as maxima, ``*_min`` as minima, everything else the mean of the
+    ranks' values (each rank holds the same number of sequences, so a per-sequence mean of ranks'
+    means is the global mean; a mean over tokens or calls is made global where it is computed).
+    ``nan`` stays ``nan``; an ``int`` stays an ``int``."""
     if not world.active:
         return dict(metrics)
     import torch.distributed as dist
 
     keys = sorted(metrics)
     out: Dict[str, float] = {}
-    for how, op in (("mean", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+    for how, op in (
+        ("mean", dist.ReduceOp.SUM),
+        ("sum", dist.ReduceOp.SUM),
+        ("max", dist.ReduceOp.MAX),
+        ("min", dist.ReduceOp.MIN),
+    ):
         group = [k for k in keys if _reduction(k) == how]
         if not group:
             continue

@@ -13,6 +13,7 @@ afternoon can be gloomy or cheerful, and PPO learns which one scores. The ``arit
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -168,7 +169,10 @@ def _checked_records(source: str | os.PathLike, flag: str) -> Iterator[Tuple[str
     if not path.is_file():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     empty = True
+    # json.loads keeps the last of a repeated key: the lines are read again to refuse one.
+    lines = path.read_bytes().split(b"\n")
     for where, obj in read_objects(path, expected='a JSON object {"prompt": "..."}'):
+        _check_unique_keys(lines[int(where.rpartition(":")[2]) - 1], where)
         if "prompt" not in obj:
             raise ValueError(f'{where}: missing key "prompt" (keys: {sorted(obj)})')
         prompt = obj["prompt"]
@@ -178,6 +182,35 @@ def _checked_records(source: str | os.PathLike, flag: str) -> Iterator[Tuple[str
         yield where, obj
     if empty:
         raise ValueError(f'{flag} {str(path)!r}: the file holds no prompt (one {{"prompt": ...}} per line)')
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_pairs(pairs: list) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _check_unique_keys(line: bytes, where: str) -> None:
+    """Refuse a JSON object ``line`` (already parsed once, so valid) that repeats a key, at any
+    depth: JSON parsers keep one of the values, silently.
+
+    Raises:
+        ValueError: naming ``where`` (``path:line``) and the key.
+    """
+    try:
+        json.loads(line.decode("utf-8-sig"), object_pairs_hook=_unique_pairs)
+    except _RepeatedKey as exc:
+        raise ValueError(
+            f"{where}: key {exc.args[0]!r} appears more than once in the object; each key must appear "
+            "once (JSON keeps only one of the values)"
+        ) from None
 
 
 def _names(fields) -> str:

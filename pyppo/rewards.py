@@ -5,7 +5,10 @@ A reward is any callable ``reward_fn(prompts: list[str], responses: list[str]) -
 take the prompts' other fields (the keys of a prompts ``.jsonl`` line besides ``"prompt"``): a
 parameter named like a field, ``reward_fn(prompts, responses, answer)``, receives that field's
 values, one per prompt; ``**kwargs`` receives every field (:func:`score_responses`,
-:func:`check_reward_fields`). :func:`load_reward` turns a CLI spec into one:
+:func:`check_reward_fields`). A reward with a parameter named ``completions`` is called TRL's way,
+with keywords: ``reward_fn(prompts=..., completions=..., **fields)`` (``prompts`` only when it
+takes it), so ``def f(completions, **kwargs)`` works as written for TRL. :func:`load_reward` turns
+a CLI spec into one:
 
 * ``"sentiment"`` (the default): VADER compound sentiment of the response, in ``[-1, 1]``;
 * ``"math"``: 1.0 when the response's final answer equals the prompt's ``answer`` field, else 0.0
@@ -26,11 +29,13 @@ import importlib
 import importlib.util
 import inspect
 import json
+import linecache
 import math
 import numbers
 import os
 import sys
 import threading
+import traceback
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence
@@ -176,15 +181,19 @@ def _clip_text(text: str, n: int = 80) -> str:
 
 
 class _FieldParams(NamedTuple):
-    """The prompt fields a reward takes, read from its signature."""
+    """The prompt fields a reward takes, and how it is called, read from its signature."""
 
     named: frozenset  # parameters after (prompts, responses) that can be passed by keyword
     required: frozenset  # those of them without a default
     any: bool  # a **kwargs parameter: every field
     positional: frozenset  # the names of its (prompts, responses) parameters: never passed as fields
+    trl: bool = False  # TRL's convention: called with keywords, prompts= (if it takes it) and completions=
+    takes_pair: bool = True  # it can be called as (prompts, responses): two positional parameters or *args
 
 
 _NO_FIELDS = _FieldParams(frozenset(), frozenset(), False, frozenset())
+#: The parameters of a reward in TRL's convention that are not prompt fields.
+_TRL_ARGS = frozenset({"prompts", "completions"})
 # Per function, so the signature is read once, not at every step; weak, so that a dropped reward
 # (and the model it holds) is freed. A bound method is keyed by its function: every instance
 # takes the same fields.
@@ -196,17 +205,22 @@ def _read_field_params(fn: Callable) -> _FieldParams:
         params = inspect.signature(fn).parameters.values()  # follows __wrapped__ (load_reward's wrapper)
     except (TypeError, ValueError):  # a builtin without a signature: (prompts, responses) only
         return _NO_FIELDS
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    trl = any(p.name == "completions" and p.kind in by_keyword for p in params)
     named, required, positional, any_field = set(), set(), [], False
     for p in params:
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and len(positional) < 2:
+        if trl and p.name in _TRL_ARGS:
+            positional.append(p.name)
+        elif not trl and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and len(positional) < 2:
             positional.append(p.name)
         elif p.kind == p.VAR_KEYWORD:
             any_field = True
-        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        elif p.kind in by_keyword:
             named.add(p.name)
             if p.default is p.empty:
                 required.add(p.name)
-    return _FieldParams(frozenset(named), frozenset(required), any_field, frozenset(positional))
+    takes_pair = trl or len(positional) == 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    return _FieldParams(frozenset(named), frozenset(required), any_field, frozenset(positional), trl, takes_pair)
 
 
 def _field_params(fn: Callable) -> _FieldParams:
@@ -247,9 +261,19 @@ def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *, so
 
     Raises:
         RewardError (a ValueError): a required field is missing; the message names the reward,
-            the field and the fields the prompts have.
+            the field and the fields the prompts have. Or the reward cannot be called either way
+            (fewer than two positional parameters and none named ``completions``), naming its
+            signature and the two conventions.
     """
     params = _field_params(reward_fn)
+    if not params.takes_pair:
+        name = reward_name(reward_fn)
+        raise RewardError(
+            f"reward {name!r} takes {_signature_text(reward_fn)}; a reward is called as reward(prompts, "
+            "responses, **fields), or, TRL's way, as reward(prompts=..., completions=..., **fields) when it has "
+            "a parameter named completions (docs/rewards.md)",
+            reward=name,
+        )
     names = set(field_names)
     missing = sorted(params.required - names)
     if missing:
@@ -261,6 +285,39 @@ def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *, so
             reward=name,
         )
     return sorted(names - params.positional if params.any else names & params.named)
+
+
+def _signature_text(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _call_reward(reward_fn: RewardFn, prompts: list, responses: list, fields: Dict[str, list]):
+    """``reward_fn(prompts, responses, **fields)``, or in TRL's convention (a parameter named
+    ``completions``) ``reward_fn(prompts=prompts, completions=responses, **fields)``, ``prompts``
+    only when it takes it."""
+    params = _field_params(reward_fn)
+    if not params.trl:
+        return reward_fn(prompts, responses, **fields)
+    given = {"prompts": prompts} if params.any or "prompts" in params.positional else {}
+    return reward_fn(**given, completions=responses, **fields)
+
+
+def _pair_signature(fn: Callable) -> Optional[inspect.Signature]:
+    """A TRL-convention ``fn``'s signature as its :func:`_checked` wrapper takes it: ``(prompts,
+    responses, *, <its fields>)``; ``None`` for any other ``fn`` (the wrapper has its signature)."""
+    if not _field_params(fn).trl:
+        return None
+    P = inspect.Parameter
+    kept = [
+        p.replace(kind=P.KEYWORD_ONLY) if p.kind == P.POSITIONAL_OR_KEYWORD else p
+        for p in inspect.signature(fn).parameters.values()
+        if p.name not in _TRL_ARGS and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY, P.VAR_KEYWORD)
+    ]
+    pair = [P("prompts", P.POSITIONAL_OR_KEYWORD), P("responses", P.POSITIONAL_OR_KEYWORD)]
+    return inspect.signature(fn).replace(parameters=pair + kept)
 
 
 def score_responses(
@@ -275,7 +332,9 @@ def score_responses(
 
     The reward is called as ``reward_fn(prompts, responses, **{name: column})`` with the columns
     of ``fields`` that it takes (:func:`check_reward_fields`): a parameter of that name, or
-    ``**kwargs``; a reward that takes only ``(prompts, responses)`` is called with those.
+    ``**kwargs``; a reward that takes only ``(prompts, responses)`` is called with those. One with
+    a parameter named ``completions`` is called TRL's way: ``reward_fn(prompts=prompts,
+    completions=responses, **{name: column})``, ``prompts`` only when it names it or has ``**kwargs``.
 
     Args:
         prompts: ``B`` prompt strings.
@@ -299,7 +358,7 @@ def score_responses(
             )
     try:
         passed = {field: list(fields[field]) for field in check_reward_fields(reward_fn, fields)}
-        return validate_scores(reward_fn(list(prompts), list(responses), **passed), len(responses), name)
+        return validate_scores(_call_reward(reward_fn, list(prompts), list(responses), passed), len(responses), name)
     except RewardError as exc:
         # Also catches a load_reward wrapper's error: add the pair at fault, don't wrap twice.
         detail = where
@@ -316,8 +375,9 @@ def score_responses(
 
 def _checked(fn: Callable, name: str) -> RewardFn:
     """Wrap ``fn`` so that every call validates its output (see :func:`validate_scores`). The
-    wrapper passes prompt fields through; its signature (``__wrapped__``) is ``fn``'s, so
-    :func:`score_responses` gives it the fields ``fn`` takes."""
+    wrapper is called as ``(prompts, responses, **fields)`` and calls ``fn`` in its convention
+    (TRL's keywords or not); its signature is ``fn``'s (``__wrapped__``; for TRL's convention
+    :func:`_pair_signature`), so :func:`score_responses` gives it the fields ``fn`` takes."""
 
     @functools.wraps(fn)
     def reward(prompts: list[str], responses: list[str], **fields) -> list[float]:
@@ -325,9 +385,12 @@ def _checked(fn: Callable, name: str) -> RewardFn:
             raise RewardError(
                 f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses", reward=name
             )
-        return validate_scores(fn(list(prompts), list(responses), **fields), len(responses), name)
+        return validate_scores(_call_reward(fn, list(prompts), list(responses), fields), len(responses), name)
 
     reward.reward_name = name
+    pair = _pair_signature(fn)
+    if pair is not None:  # the wrapper is called as (prompts, responses), whatever fn's convention
+        reward.__signature__ = pair
     return reward
 
 
@@ -453,7 +516,10 @@ def _load_function(spec: str) -> Callable:
             raise FileNotFoundError(f"reward {spec!r}: file {module_name!r} does not exist")
         mod_spec = importlib.util.spec_from_file_location(f"pyppo_user_reward_{file.stem}", file)
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise _import_failed(spec, exc) from exc
     else:
         # A console script does not put the working directory on sys.path, but a user who writes
         # `--reward myreward:score` means the myreward.py they are looking at.
@@ -465,7 +531,9 @@ def _load_function(spec: str) -> Callable:
         except ModuleNotFoundError as exc:
             if exc.name and module_name.startswith(exc.name):
                 raise ModuleNotFoundError(f"reward {spec!r}: cannot import module {module_name!r}") from exc
-            raise  # the module exists but one of *its* imports is missing: show that instead
+            raise _import_failed(spec, exc) from exc  # the module exists but one of *its* imports is missing
+        except Exception as exc:
+            raise _import_failed(spec, exc) from exc
     obj = module
     for part in attr.split("."):
         try:
@@ -478,6 +546,30 @@ def _load_function(spec: str) -> Callable:
             f"reward {spec!r}: {attr!r} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}, not a function"
         )
     return obj
+
+
+def _import_failed(spec: str, exc: Exception) -> ImportError:
+    """The error for a reward module whose own code raised ``exc`` while it was imported: it
+    names the module's file and line (the first module-level frame of the traceback, i.e. the
+    statement of the reward's file that failed, also when the fault is in what it imports) and
+    the error. An ``ImportError`` (``ModuleNotFoundError`` for a missing module, keeping its
+    ``name``), so the CLI says it in one line."""
+    where = None
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        where = (exc.filename, exc.lineno)  # the file that cannot be compiled has no frame
+    else:
+        for frame, line in traceback.walk_tb(exc.__traceback__):
+            if frame.f_code.co_name == "<module>" and not frame.f_code.co_filename.startswith("<"):
+                where = (frame.f_code.co_filename, line)
+                break
+    at = ""
+    if where is not None:
+        statement = linecache.getline(where[0], where[1]).strip()
+        at = f" at {where[0]}, line {where[1]}" + (f" ({statement})" if statement else "")
+    message = f"reward {spec!r}: importing it failed{at}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, ModuleNotFoundError):
+        return ModuleNotFoundError(message, name=exc.name)
+    return ImportError(message)
 
 
 #: The rewards ``--reward`` knows by name (matched before any directory of that name).

@@ -130,6 +130,74 @@ def test_the_kl_controller_is_fed_the_global_kl_of_ranks_whose_kls_differ(tmp_pa
     assert min(abs(x - expected) for x in local) > 1e-4 * expected
 
 
+def test_two_ranks_sum_their_counts_and_weigh_their_means(tmp_path):
+    # This file is the worker (its __main__ below): each rank reports what it had and what the
+    # reductions made of it; every count must be the sum of the ranks', not their mean.
+    out = tmp_path / "ranks.pt"
+    torchrun(2, str(Path(__file__).resolve()), "rank-metrics", str(out))
+    ranks = torch.load(out, weights_only=False)
+    (a, b), reduced = ranks["local"], ranks["reduced"]
+    # One step: all 4 groups (2 a rank) scored alike (dropped or filled) and every response truncated.
+    for key in ("filter_groups_dropped", "filter_groups_filled", "truncated_masked"):
+        assert a[key] > 0 and reduced[key] == a[key] + b[key], key
+    assert isinstance(reduced["truncated_masked"], int) and reduced["truncated_masked"] == 8
+    assert reduced["filter_groups_tries"] == a["filter_groups_tries"] == b["filter_groups_tries"] == 2
+    assert reduced["skipped_updates"] == 0
+    # Rank 0 holds (1 call, 1 error; 1 token, its own) and rank 1 (3 calls, no error; 3 env tokens).
+    assert ranks["episodes"]["tool_error_fraction"] == pytest.approx(1 / 4)  # the ranks' mean: 1/2
+    assert ranks["episodes"]["env_token_fraction"] == pytest.approx(3 / 4)
+    # The update's token means: 1.0 over 1 token on rank 0, 0.0 over 3 tokens on rank 1.
+    assert ranks["token_stats"] == {"clipfrac": pytest.approx(1 / 4), "ratio_max": 3.0}
+    assert ranks["synthetic"] == {"first_max_abs_logratio": 2.0, "first_ratio_min": 0.5, "score_mean": 1.5}
+
+
+def _rank_metrics_worker(out_path: str) -> None:
+    from types import SimpleNamespace
+
+    from pyppo import distributed
+    from pyppo.trainer.sampling import _episode_metrics
+    from pyppo.trainer.step_stats import RunningStats
+    from support.trainer_fixture import small_config
+
+    step_metrics = []
+    real = distributed.reduce_metrics
+
+    def recording(metrics, world):
+        reduced = real(metrics, world)
+        if "step" in metrics:  # the step's, not a minibatch's losses
+            step_metrics.append((dict(metrics), reduced))
+        return reduced
+
+    distributed.reduce_metrics = recording
+    config = small_config(steps=1, mini_batch_size=4, samples_per_prompt=2, advantage_estimator="grpo", device="cpu")
+    config = config.with_changes(filter_groups=True, filter_groups_max_tries=2, mask_truncated=True, max_new_tokens=4)
+    trainer = make_trainer(config, eos_bias=-30.0, reward=lambda p, r: [1.0] * len(r))  # never EOS, all equal
+    trainer.step()
+    world, r = trainer.world, trainer.world.rank
+    [(local, reduced)] = step_metrics
+    calls = 1 if r == 0 else 3
+    episode = SimpleNamespace(turns=1, tool_calls=calls, tool_errors=1 - r, truncated=False, episode_return=0.0)
+    ids = torch.tensor([[0, 0, 0]]) if r == 0 else torch.tensor([[-1, -1, -1]])
+    mask = torch.tensor([[True, False, False]]) if r == 0 else torch.ones(1, 3, dtype=torch.bool)
+    batch = SimpleNamespace(episodes=[episode], turn_ids=ids, response_mask=mask)
+    stats = RunningStats()
+    stats.add({"clipfrac": 1.0 - r}, weight=1 + 2 * r)
+    stats.add_max("ratio_max", 1.0 + 2 * r)
+    synthetic = {"first_max_abs_logratio": 2.0 * r, "first_ratio_min": 0.5 + r, "score_mean": 1.0 + r}
+    result = {
+        "local": distributed.gather_objects(local, world),
+        "reduced": reduced,
+        "episodes": _episode_metrics(batch, world),
+        "token_stats": stats.means(world),
+        "synthetic": distributed.reduce_metrics(synthetic, world),
+    }
+    if r == 0:
+        torch.save(result, out_path)
+    distributed.barrier(world)
+    del trainer
+    distributed.leave(world)
+
+
 def test_world_size_must_divide_the_batch():
     from pyppo.config import PPOConfig
 
@@ -295,3 +363,11 @@ def test_two_process_fsdp_lora_train_exports_and_resumes(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(model)
     changed = [n for n, p in exported.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
     assert changed and all("proj" in n for n in changed)  # the merged adapters moved the adapted layers only
+
+
+if __name__ == "__main__":  # a worker of the tests above, under torchrun
+    import faulthandler
+
+    faulthandler.dump_traceback_later(150, exit=True)  # a rank stuck in a collective fails the test
+    if sys.argv[1] == "rank-metrics":
+        _rank_metrics_worker(*sys.argv[2:])

@@ -35,6 +35,11 @@ from pyppo.rewards import RewardError, check_reward_fields, load_reward, score_r
         ("pick 1,23", "23"),  # not a thousands group
         ("half: 3/4", "3/4"),
         ("minus \u22125", "-5"),  # the Unicode minus sign
+        ("so 5e3 apples", "5e3"),  # one number with its exponent, not 5 and 3
+        ("x=-2.5E-1", "-2.5E-1"),
+        ("\\boxed{}", None),  # an empty box is no answer ...
+        ("12, so \\boxed{ }", None),  # ... also after a number
+        ("\\boxed{\\frac34}", "\\frac34"),
         ("no digits here", None),
         ("", None),
     ],
@@ -59,13 +64,29 @@ def test_extract_answer(response, expected):
         ("$12$", Fraction(12)),
         ("19.", Fraction(19)),
         ("0.1", Fraction(1, 10)),  # exact, not the float nearest 0.1
+        ("\\frac34", Fraction(3, 4)),  # LaTeX's one-token arguments
+        ("\\frac3{4}", Fraction(3, 4)),
+        ("\\tfrac{3}4", Fraction(3, 4)),
+        ("- \\frac12", Fraction(-1, 2)),
+        ("$\\frac{12}{16}$", Fraction(3, 4)),
+        ("5e3", Fraction(5000)),  # exact
+        ("2.5E-3", Fraction(1, 400)),
+        ("-.5e1", Fraction(-5)),
+        ("1e1000", Fraction(10**1000)),
     ],
 )
 def test_parse_number(text, value):
     assert parse_number(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "x = 5", "5 apples", "1/0", "1,23", "1.2.3", "3/", "--3", "1e3", "nan", "inf"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        *("", "x = 5", "5 apples", "1/0", "1,23", "1.2.3", "3/", "--3", "nan", "inf"),
+        *("\\frac345", "2\\frac12", "\\frac{1}{2}3"),  # 3/4 then 5; a mixed number; 1/2 then 3
+        *("5e", "e3", "1,234e3", "1e1001", "1e-1001"),  # an exponent beyond 1000: a 1000-digit value
+    ],
+)
 def test_parse_number_refuses(text):
     assert parse_number(text) is None
 
@@ -90,6 +111,14 @@ def test_parse_number_refuses(text):
         ("paris", "Paris", False),
         ("x = 5", "5", False),  # the box's content is the answer as a whole
         (None, "5", False),  # nothing extracted
+        ("\\frac34", "0.75", True),
+        ("5e3", 5000, True),
+        ("5000", "5e3", True),
+        ("", "", False),  # an empty answer matches nothing ...
+        (" ", " ", False),
+        ("None", None, False),  # ... nor does a missing one (JSON null)
+        ("nan", float("nan"), False),
+        ("inf", float("inf"), False),
     ],
 )
 def test_answers_match(predicted, answer, match):
@@ -110,6 +139,9 @@ def test_math_reward_scores():
     ]
     assert math_reward(prompts, responses, ["12"] * 8) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert math_reward(prompts[:2], responses[:2], [12, 12.0]) == [1.0, 1.0]  # numbers from JSON
+    # An empty box never matches an empty or missing answer; \frac34 and 5e3 are numbers.
+    edge = ["\\boxed{}", "\\boxed{ }", "\\boxed{None}", "\\boxed{\\frac34}", "about 5e3 of them", "5e3"]
+    assert math_reward(["q"] * 6, edge, ["", " ", None, "0.75", 5000, "3"]) == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="1 answers for 2 responses"):
         math_reward(prompts[:2], responses[:2], ["12"])
 

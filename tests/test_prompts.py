@@ -57,6 +57,8 @@ def test_load_prompts(tmp_path):
         ('{"prompt": 3}', r':2: "prompt" must be a non-empty string, got 3'),
         ('{"prompt": " ", "id": 1}', r':2: "prompt" must be a non-empty string'),
         ('{"prompt": ["x"]}', r':2: "prompt" must be a non-empty string, got \[\'x\'\]'),
+        ('{"prompt": "a", "prompt": "b"}', r":2: key 'prompt' appears more than once in the object"),
+        ('{"prompt": "a", "meta": {"k": 1, "k": 2}}', r":2: key 'k' appears more than once"),
     ],
 )
 @pytest.mark.parametrize("loader", [load_prompts, load_prompt_records])
@@ -65,6 +67,17 @@ def test_bad_lines_name_the_line(tmp_path, line, pattern, loader):
     path.write_text('{"prompt": "fine"}\n' + line + "\n")
     with pytest.raises(ValueError, match=pattern):
         loader(path)
+
+
+def test_a_repeated_key_is_named_with_its_line_after_a_byte_order_mark_and_blank_lines(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_bytes('\ufeff{"prompt": "a", "answer": 1}\n\n{"prompt": "b", "answer": 1, "answer": 2}\n'.encode())
+    with pytest.raises(ValueError) as info:
+        load_prompt_records(path)
+    assert str(info.value) == (
+        f"{path}:3: key 'answer' appears more than once in the object; each key must appear once "
+        "(JSON keeps only one of the values)"
+    )
 
 
 @pytest.mark.parametrize("loader", [load_prompts, load_prompt_records])

@@ -207,6 +207,16 @@ def takes_optional(p, r, *, level=None, hint="none"):  # any names for the first
     return [-1.0] * len(r) if level is None else [float(x) for x in level]
 
 
+def trl_kwargs(completions, **kwargs):  # TRL's convention: keywords, prompts= among them
+    assert sorted(kwargs) == ["answer", "level", "prompts"] and kwargs["prompts"] == ["p", "q"]
+    return [float(len(c)) for c in completions]
+
+
+def trl_named(completions, answer, prompts=None, hint=0):
+    assert prompts == ["p", "q"]
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
 class Scorer:
     def __init__(self, bonus):
         self.bonus = bonus
@@ -229,6 +239,8 @@ class Scorer:
         (takes_optional, [1.0, 2.0], ["level"]),
         (Scorer(0.5), [1.5, 0.5], ["answer"]),
         (Scorer(3.0).method, [3.0, 6.0], ["answer", "level"]),
+        (trl_kwargs, [1.0, 1.0], ["answer", "level"]),
+        (trl_named, [1.0, 0.0], ["answer"]),
     ],
 )
 def test_rewards_receive_the_fields_they_take(fn, expected, passed, wrap):
@@ -303,3 +315,59 @@ def test_the_signature_is_read_once_per_function(monkeypatch):
         score_responses(scorer.method, ["p", "q"], ["5", "7"], where="s", fields=FIELDS)  # a new bound method each time
     score_responses(Fresh(2.0).method, ["p", "q"], ["5", "7"], where="s", fields=FIELDS)  # another instance
     assert reads == [fresh, Fresh.method.__get__(scorer)]  # one read each
+
+
+def trl_kwargs_any(completions, **kwargs):
+    return [1.0 + len(c) for c in completions]
+
+
+def test_a_trl_reward_trains_and_one_that_fits_no_convention_is_refused_before_the_model_loads(tmp_path, capsys):
+    from pyppo import cli
+    from support.tiny_models import save_tiny_causal_lm
+    from support.trainer_fixture import make_trainer, small_config
+
+    result = make_trainer(small_config(steps=1, ppo_epochs=1), reward=trl_kwargs_any).step()
+    assert math.isfinite(result.metrics["score_mean"]) and result.metrics["score_mean"] > 0
+
+    _write_module(tmp_path, "one_arg", "def score(responses):\n    return [0.0] * len(responses)\n")
+    model = save_tiny_causal_lm(tmp_path / "model")
+    argv = [
+        "train",
+        "--model",
+        str(model),
+        "--reward",
+        f"{tmp_path / 'one_arg.py'}:score",
+        "--output",
+        str(tmp_path / "run"),
+    ]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"pyppo: error: reward '{tmp_path / 'one_arg.py'}:score' takes (responses); a reward is called as "
+        "reward(prompts, responses, **fields), or, TRL's way, as reward(prompts=..., completions=..., **fields) "
+        "when it has a parameter named completions (docs/rewards.md)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "source, line, statement, error",
+    [
+        ("import os\nimport not_a_pkg\n", 2, "import not_a_pkg", "ModuleNotFoundError: No module named 'not_a_pkg'"),
+        ("x = 1\ny = 1 / 0\n", 2, "y = 1 / 0", "ZeroDivisionError: division by zero"),
+        ("def r(p, q:\n    pass\n", 1, "def r(p, q:", "SyntaxError: '(' was never closed"),
+    ],
+    ids=["missing-import", "raises", "syntax"],
+)
+def test_a_reward_module_whose_own_code_fails_names_its_file_and_line(
+    source, line, statement, error, tmp_path, monkeypatch
+):
+    path = tmp_path / "broken_reward.py"
+    path.write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec in (f"{path}:r", "broken_reward:r"):
+        with pytest.raises(ImportError) as info:  # ImportError: the CLI says it in one line
+            load_reward(spec)
+        assert str(info.value).startswith(
+            f"reward {spec!r}: importing it failed at {path}, line {line} ({statement}): {error}"
+        ), str(info.value)
+    assert isinstance(info.value, ModuleNotFoundError) == error.startswith("ModuleNotFoundError")

@@ -7,7 +7,9 @@ trainer's arguments."""
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -15,7 +17,14 @@ from torch import nn
 
 from .. import distributed
 from ..config import PPOConfig
-from ..models import ValueModel, add_lora, make_reference, share_frozen_weights
+from ..models import (
+    ValueModel,
+    add_lora,
+    load_model_and_tokenizer,
+    make_reference,
+    resolve_model_source,
+    share_frozen_weights,
+)
 from ..models.export import check_exportable
 from ..prompts import prompt_columns, prompt_fields
 from ..rewards import EPISODE_FIELDS, SequenceClassifierReward, check_reward_fields
@@ -32,6 +41,7 @@ __all__ = [
     "check_trainable",
     "disable_dropout",
     "enable_gradient_checkpointing",
+    "load_policy",
     "make_adamw",
     "prepare_models",
     "prepare_tokenizer",
@@ -62,27 +72,50 @@ def check_episode_knobs(config: PPOConfig, agent: bool) -> None:
 
 def check_arguments(
     config: PPOConfig,
+    policy: Union[nn.Module, str, os.PathLike],
     ref_policy: Optional[nn.Module],
+    value_model: Optional[nn.Module],
     tokenizer: Any,
     reward_fn: RewardFn,
     eval_prompts: Optional[Sequence[Any]],
     *,
     agent: bool = False,
 ) -> None:
-    """The checks of :class:`~pyppo.trainer.PPOTrainer`'s arguments that need no model; ``agent``:
-    an environment or tools were given (the reward may then be ``None``: the environment pays).
+    """The checks of :class:`~pyppo.trainer.PPOTrainer`'s arguments that load no model (a model
+    source given as ``policy`` is checked to exist); ``agent``: an environment or tools were given
+    (the reward may then be ``None``: the environment pays).
 
     Raises:
+        TypeError: ``policy``, ``ref_policy`` or ``value_model`` of another type, naming it and
+            what to pass.
         ValueError: naming the bad argument.
+        FileNotFoundError, ModuleNotFoundError: as :func:`pyppo.models.resolve_model_source`,
+            for a model source ``policy``.
     """
     if not isinstance(config, PPOConfig):
         raise ValueError(f"config must be a PPOConfig, got {type(config).__name__}")
+    source = isinstance(policy, (str, os.PathLike))
+    if source:
+        resolve_model_source(policy)
+    elif not isinstance(policy, nn.Module):
+        raise TypeError(
+            "policy must be a transformers causal LM (an nn.Module) or a model source (a local Hugging Face "
+            f"model directory, a .gguf file or an embedded model's name), got {type(policy).__name__}"
+        )
+    for name, model, default in (
+        ("ref_policy", ref_policy, "a frozen copy of the policy"),
+        ("value_model", value_model, "built from the policy"),
+    ):
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"{name} must be an nn.Module, or None ({default}), got {type(model).__name__}")
     if not callable(reward_fn) and not (agent and reward_fn is None):
         raise ValueError(
             "reward_fn must be callable (prompts, responses) -> scores"
             + (" or None (the environment pays alone)" if agent else "")
         )
-    if getattr(tokenizer, "eos_token_id", None) is None:
+    if tokenizer is None and not source:
+        raise ValueError("tokenizer is None: pass the policy's tokenizer (only a model source policy loads its own)")
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is None:
         raise ValueError("tokenizer must have an eos_token_id")
     check_episode_knobs(config, agent)
     if config.lora_rank and ref_policy is not None:
@@ -95,6 +128,24 @@ def check_arguments(
         isinstance(p, str) or (isinstance(p, Mapping) and isinstance(p.get("prompt"), str)) for p in eval_prompts
     ):
         raise ValueError("eval_prompts must be a list of strings, or of records {'prompt': str, ...}")
+
+
+def load_policy(policy: Any, tokenizer: Any, base_model_source: Optional[str]) -> tuple:
+    """``(policy, tokenizer, base_model_source)``, with a model source ``policy`` (a ``str`` or
+    path) loaded on the CPU as ``pyppo train --model`` loads it
+    (:func:`pyppo.models.load_model_and_tokenizer`): the tokenizer is its own unless one is given,
+    and ``base_model_source`` (the run's recorded model) is the source, absolute when a path,
+    unless one is given. A module ``policy`` is returned with the others unchanged.
+
+    Raises:
+        FileNotFoundError, ModuleNotFoundError, ValueError: as ``load_model_and_tokenizer``.
+    """
+    if not isinstance(policy, (str, os.PathLike)):
+        return policy, tokenizer, base_model_source
+    path = Path(policy).expanduser()
+    source = str(path.resolve()) if path.exists() else os.fspath(policy)
+    model, loaded = load_model_and_tokenizer(source)
+    return model, loaded if tokenizer is None else tokenizer, base_model_source or source
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:

@@ -67,12 +67,15 @@ class SkipPolicy:
         self.total = 0
 
     def allows(self, values: Mapping[str, float], where: str) -> bool:
-        """Whether an update with these ``values`` (losses, gradient norms) may be applied.
+        """Whether an update with these ``values`` (losses, gradient norms, the same on every rank:
+        reduced over the ranks) may be applied.
 
         A non-finite value skips it with a ``RuntimeWarning`` naming ``where`` and the values.
 
         Raises:
-            NonFiniteUpdateError: the ``max_consecutive``-th skip in a row.
+            NonFiniteUpdateError: the ``max_consecutive``-th skip in a row, raised by every rank
+                at once (:func:`~pyppo.distributed.mark_on_every_rank`), so that the ranks can
+                checkpoint the last finished step together.
         """
         bad = {k: v for k, v in values.items() if not math.isfinite(v)}
         if not bad:
@@ -88,9 +91,11 @@ class SkipPolicy:
             stacklevel=3,
         )
         if self.consecutive >= self.max_consecutive:
-            raise NonFiniteUpdateError(
-                f"training stopped at {where}: {self.consecutive} updates in a row had a non-finite loss or "
-                f"gradient (max_consecutive_skips={self.max_consecutive}; last: {what})"
+            raise distributed.mark_on_every_rank(
+                NonFiniteUpdateError(
+                    f"training stopped at {where}: {self.consecutive} updates in a row had a non-finite loss or "
+                    f"gradient (max_consecutive_skips={self.max_consecutive}; last: {what})"
+                )
             )
         return False
 

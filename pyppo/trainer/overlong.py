@@ -4,9 +4,12 @@ eq. 13; ``docs/trainer.md``, "DAPO's rollout rules")."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Optional
+
 import torch
 
-__all__ = ["overlong_penalty", "mask_truncated"]
+__all__ = ["AllTruncatedWarning", "overlong_penalty", "mask_truncated"]
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens, buffer: int, factor: float = 1.0) -> torch.Tensor:
@@ -58,3 +61,39 @@ def mask_truncated(loss_mask: torch.Tensor, advantages: torch.Tensor, has_eos: t
     loss_mask[truncated] = False
     advantages[truncated] = 0.0
     return int(truncated.sum())
+
+
+class AllTruncatedWarning:
+    """The ``UserWarning`` for a step whose every response ``mask_truncated`` took out of the loss
+    (none ended with EOS), which therefore trained nothing: said at the first such step, and again
+    only when it recurs after a step that trained.
+
+    Args:
+        max_new_tokens: the sampler's cap, named in the warning.
+        episodes: multi-turn episodes, which ``max_episode_tokens`` and ``max_turns`` also cut.
+        say: whether this process warns (rank 0 under ``torchrun``: the counts are global).
+    """
+
+    def __init__(self, max_new_tokens: int, *, episodes: bool = False, say: bool = True):
+        self.max_new_tokens, self.episodes, self.say = max_new_tokens, episodes, say
+        self.armed = True
+
+    def __call__(self, masked: Optional[int], total: int, where: str) -> None:
+        """``masked``: the step's ``truncated_masked`` over every rank (``None`` without
+        ``mask_truncated``); ``total``: the step's responses; ``where`` names the step."""
+        if masked is None or not self.say:
+            return
+        if masked < total:
+            self.armed = True
+            return
+        if not self.armed:
+            return
+        self.armed = False
+        cut = "max_episode_tokens, max_turns or max_new_tokens" if self.episodes else "max_new_tokens"
+        warnings.warn(
+            f"{where}: all {total} responses were cut without EOS (max_new_tokens = {self.max_new_tokens}) "
+            f"and mask_truncated took them out of the loss: the step trained nothing; raise {cut}, or turn "
+            "mask_truncated off (said again only after a step that trains)",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -51,6 +52,7 @@ from .critic import Critic
 from .guards import NonFiniteUpdateError, SkipPolicy
 from .kl_controllers import make_kl_controller
 from .logprob_head import PolicyObjective
+from .overlong import AllTruncatedWarning
 from .results import METRIC_KEYS, MicroStepResult, StepResult
 from .rollout_correction import correct_for_sampler
 from .rollout_forwards import first_policy_forward, rollout_forwards
@@ -72,13 +74,17 @@ class PPOTrainer(MinibatchUpdate):
     Args:
         config: a :class:`~pyppo.config.PPOConfig`; ``config.device`` says where the models run
             (they are moved there).
-        policy: a ``transformers`` causal LM (trained in place).
+        policy: a ``transformers`` causal LM (trained in place), or a model source (``str`` or
+            path: a local Hugging Face model directory, a ``.gguf`` file or an embedded model's
+            name), loaded as ``pyppo train --model`` loads it (``policy`` then holds the model;
+            it is the run's recorded model unless ``base_model_source`` is given).
         ref_policy: frozen reference; ``None`` = a frozen deep copy of ``policy`` taken now.
         value_model: ``forward(input_ids, attention_mask, position_ids) -> [B, L]`` float32;
             ``None`` = ``ValueModel.from_causal_lm(policy)`` (seeded by ``config.seed``); must be
             ``None`` for a critic-free estimator, which builds none.
         tokenizer: the policy's tokenizer; needs an EOS token. Its ``padding_side`` is set to
-            ``"left"``; a missing pad token is taken to be EOS.
+            ``"left"``; a missing pad token is taken to be EOS. ``None`` with a model source
+            ``policy``: the one loaded with it.
         reward_fn: ``(prompts, responses) -> scores``, one finite float per pair; a reward with
             more parameters gets the prompts' fields of those names (``docs/rewards.md``). With an
             environment it scores each episode's whole transcript, added to what the environment
@@ -115,12 +121,14 @@ class PPOTrainer(MinibatchUpdate):
     Raises:
         ValueError: a bad argument (naming it), ``config.device`` names a missing device, or a
             batch size does not divide by the number of processes.
+        TypeError: a model argument that is not a module (nor, for ``policy``, a model source).
+        FileNotFoundError, ModuleNotFoundError: a model source ``policy`` that cannot be loaded.
     """
 
     def __init__(
         self,
         config: PPOConfig,
-        policy: nn.Module,
+        policy: nn.Module | str | os.PathLike,
         ref_policy: Optional[nn.Module],
         value_model: Optional[nn.Module],
         tokenizer: Any,
@@ -133,7 +141,10 @@ class PPOTrainer(MinibatchUpdate):
         tools: Optional[Sequence[Callable]] = None,
     ):
         agent = environment is not None or bool(tools)
-        assemble.check_arguments(config, ref_policy, tokenizer, reward_fn, eval_prompts, agent=agent)
+        assemble.check_arguments(
+            config, policy, ref_policy, value_model, tokenizer, reward_fn, eval_prompts, agent=agent
+        )
+        policy, tokenizer, base_model_source = assemble.load_policy(policy, tokenizer, base_model_source)
         self.world = distributed.join(config.device)
         config.check_world_size(self.world.size)
         # `auto` is resolved once, here, and the config keeps the answer: its checkpoint and the
@@ -165,6 +176,7 @@ class PPOTrainer(MinibatchUpdate):
         if agent:  # multi-turn episodes, sampled turn by turn with that engine
             self.engine = make_agent_engine(c, self.engine, environment, tools, m, tokenizer, self.world)
         self.engine_sync = EngineSync()
+        self.all_truncated = AllTruncatedWarning(c.max_new_tokens, episodes=agent, say=self.world.is_main)
 
         self.policy_optimizer = assemble.make_adamw(self.policy, c.lr, c)
         self.objective = PolicyObjective.from_config(c)
@@ -239,7 +251,9 @@ class PPOTrainer(MinibatchUpdate):
         # 8: the metrics
         metrics = {"step": self.step_count, "kl_mean": kl_mean, "kl_coef": kl_coef, **rollout_stats, **sampled}
         metrics.update(mismatch, **update_metrics, **timer.metrics())
-        return StepResult(distributed.reduce_metrics(metrics, self.world), batch)
+        metrics = distributed.reduce_metrics(metrics, self.world)
+        self.all_truncated(metrics.get("truncated_masked"), c.batch_size, where)
+        return StepResult(metrics, batch)
 
     def _where(self) -> str:
         return f"step {self.step_count + 1}"
@@ -298,8 +312,9 @@ class PPOTrainer(MinibatchUpdate):
         policy forward.
 
         Returns:
-            token-weighted means of the loss statistics and minibatch means of the losses and
-            gradient norms, over the applied updates (``nan`` when all were skipped);
+            token-weighted means of the loss statistics (over every rank's tokens) and minibatch
+            means of the losses and gradient norms, over the applied updates (``nan`` when all
+            were skipped);
             ``explained_variance`` over every token the update saw; ``skipped_updates``; and
             ``first_*``: the ratio statistics of the first minibatch, before any optimizer step.
         """
@@ -327,7 +342,7 @@ class PPOTrainer(MinibatchUpdate):
                 value_loss=math.nan,
                 explained_variance=distributed.explained_variance(values, returns, mask, self.world),
             )
-        out.update(stats.means(), skipped_updates=self.skips.total - skipped_before)
+        out.update(stats.means(self.world), skipped_updates=self.skips.total - skipped_before)
         return {**out, **{f"first_{k}": v for k, v in first.items()}}
 
     # ------------------------------------------------------------------------------ state

@@ -156,8 +156,10 @@ def sample_scored_batch(
     Without ``filter_groups``: one draw of ``batch_size / samples_per_prompt`` prompts (this rank's
     share, :meth:`~pyppo.prompts.PromptSampler.sample_groups`), sampled and scored. With it: draws
     repeat until this rank holds ``batch_size / world_size`` responses in groups with varied
-    scores, or ``filter_groups_max_tries`` draws were made; then the batch is the varied groups in
-    the order sampled, filled up, if short, with groups whose scores were all equal. Every rank
+    raw scores (the reward's, plus what an environment paid: before ``score_clip`` and the
+    penalties, as veRL's DAPO filters on accuracy), or ``filter_groups_max_tries`` draws were
+    made; then the batch is the varied groups in the order sampled, filled up, if short, with
+    groups whose raw scores were all equal. The advantages still use the shaped scores. Every rank
     draws as long as any rank is short (sampling may be a collective: FSDP gathers the weights).
     Groups are never split, across draws or ranks.
 
@@ -183,8 +185,10 @@ def sample_scored_batch(
                 batch, reward_fn, c, world, device, where=where, fields=fields, episode_tokens=episode_tokens(engine)
             )
         if not c.filter_groups:
-            return batch, _episode_metrics(batch)
-        rows = varied_groups(batch.scores, n).repeat_interleave(n).cpu()
+            return batch, _episode_metrics(batch, world)
+        # The reward's own scores, not the shaped ones: the overlong and missing-EOS penalties
+        # differ with the length, and would keep a group of equally wrong answers.
+        rows = varied_groups(batch.raw_scores, n).repeat_interleave(n).cpu()
         kept.append(batch.select(torch.nonzero(rows).flatten()))
         equal.append(batch.select(torch.nonzero(~rows).flatten()))
         n_kept += int(rows.sum())
@@ -199,11 +203,22 @@ def sample_scored_batch(
         "filter_groups_tries": float(tries),
         "filter_groups_dropped": float(dropped - filled),
         "filter_groups_filled": float(filled),
-        **_episode_metrics(batch),
+        **_episode_metrics(batch, world),
     }
 
 
-def _episode_metrics(batch: RolloutBuffer) -> Dict[str, float]:
+def _episode_metrics(batch: RolloutBuffer, world: distributed.World) -> Dict[str, float]:
+    """:func:`~pyppo.agents.episodes.episode_metrics` of ``batch``'s episodes (``{}`` without),
+    its two fractions over every rank's tool calls and tokens (a collective): the ranks' means
+    would weigh a rank of one call like a rank of a hundred. The per-episode means are averaged
+    over the ranks with the step's other metrics."""
     if batch.episodes is None:
         return {}
-    return episode_metrics(batch.episodes, batch.turn_ids, batch.response_mask)
+    m = episode_metrics(batch.episodes, batch.turn_ids, batch.response_mask)
+    n = len(batch.episodes)
+    calls, tokens = m["tool_calls_mean"] * n, m["episode_tokens_mean"] * n
+    parts = [m["tool_error_fraction"] * calls, calls, m["env_token_fraction"] * tokens, tokens]
+    errors, calls, env_tokens, tokens = distributed.all_sum(parts, world)
+    m["tool_error_fraction"] = errors / calls if calls else 0.0
+    m["env_token_fraction"] = env_tokens / tokens if tokens else 0.0
+    return m

@@ -15,6 +15,7 @@ from typing import Dict, Iterator, Mapping, Optional
 
 import torch
 
+from .. import distributed
 from ..ops import masked_mean
 from ..ops.losses import LOG_RATIO_CLAMP
 
@@ -68,8 +69,15 @@ class RunningStats:
         """The weighted sum of ``key`` (``nan`` when nothing was added)."""
         return self._sums[key] if self._weights.get(key) else math.nan
 
-    def means(self) -> Dict[str, float]:
-        """Every key's weighted mean (``nan`` for a zero total weight), and every maximum."""
+    def means(self, world: Optional[distributed.World] = None) -> Dict[str, float]:
+        """Every key's weighted mean (``nan`` for a zero total weight), and every maximum. With an
+        active ``world``, over what every rank added (a collective: each rank's sums, weights and
+        maxima are gathered), so that a token-weighted mean weighs each rank by its tokens."""
+        if world is not None and world.active:
+            total = RunningStats()
+            for rank_stats in distributed.gather_objects(self, world):
+                total.merge(rank_stats)
+            return total.means()
         out = {k: (s / self._weights[k] if self._weights[k] else math.nan) for k, s in self._sums.items()}
         out.update(self._maxima)
         return out

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from pyppo import cli
 from support.run_fixture import ckpt_step, prompts_file, tiny_dir  # noqa: F401 (fixtures)
@@ -84,8 +85,6 @@ def test_lora_on_a_tied_head_is_refused_before_training_and_the_adapter_form_exp
 def test_a_failed_final_export_keeps_the_checkpoint_and_pyppo_export_writes_policy(
     tiny_dir, prompts_file, tmp_path, capsys, monkeypatch
 ):
-    from transformers import AutoModelForCausalLM
-
     import pyppo.run.export as export
 
     def disk_full(*args, **kwargs):
@@ -112,6 +111,79 @@ def test_a_failed_final_export_keeps_the_checkpoint_and_pyppo_export_writes_poli
     assert trained and all(torch.equal(exported[name], weight) for name, weight in trained.items())
 
 
-def test_export_of_a_directory_without_a_checkpoint_is_one_line(tmp_path, capsys):
+def test_export_of_a_directory_that_is_not_a_run_says_so(tmp_path, capsys):
     assert cli.main(["export", str(tmp_path)]) == 2
-    assert _errors(capsys) == [f"pyppo: error: {str(tmp_path)!r}: it has no checkpoint/ to export"]
+    assert _errors(capsys) == [
+        f"pyppo: error: {str(tmp_path)!r} is not a pyppo run directory (no config.toml or checkpoint/ in it); "
+        "pass the directory, which pyppo train or PPOTrainer.train wrote"
+    ]
+    (tmp_path / "config.toml").write_text("steps = 1\n")
+    assert cli.main(["export", str(tmp_path)]) == 2
+    assert _errors(capsys) == [f"pyppo: error: {str(tmp_path)!r}: the run has no complete checkpoint/ to export yet"]
+
+
+def test_export_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["export", "--help"])
+    shown = capsys.readouterr().out
+    assert "--model NAME|DIR|FILE.gguf" in shown and "no model named in its config.toml" in shown
+    assert "``" not in shown and ":func:" not in shown
+
+
+def test_a_python_run_on_a_model_built_in_memory_exports_onto_the_given_model(tmp_path, capsys):
+    """Its config.toml names no model and no reward: export asks for --model alone, and writes
+    policy/ from the checkpoint onto it, in either LoRA form, config.toml staying a Python run's."""
+    from pyppo import PPOTrainer
+    from pyppo.config import PPOConfig
+    from pyppo.run.config_file import written_from_python
+    from support.tiny_models import save_tiny_causal_lm, tiny_causal_lm
+
+    config = PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4, lora_rank=2)
+    scores = lambda prompts, responses: [float(len(r)) for r in responses]  # noqa: E731 (no name to record)
+    trainer = PPOTrainer(config, tiny_causal_lm(seed=0), None, None, tiny_tokenizer(), scores, ["Say hi."])
+    trainer.train(tmp_path / "run", progress=False)
+    run, policy = tmp_path / "run", tmp_path / "run" / "policy"
+    capsys.readouterr()
+    assert cli.main(["export", str(run)]) == 2
+    assert _errors(capsys) == [
+        f"pyppo: error: {str(run)!r}: the run's config.toml names no model (a run started from Python with a "
+        "model built in memory); pass --model NAME|DIR|FILE.gguf: the base model it started from, which the "
+        "checkpoint's trained weights go onto (no reward is needed)"
+    ]
+
+    base = save_tiny_causal_lm(tmp_path / "base", seed=0)  # the same weights, now in a directory
+    assert cli.main(["export", str(run), "--model", str(base), "--no-merge-lora"]) == 0
+    adapter = torch.load(run / "checkpoint" / "policy.pt", weights_only=True)
+    from safetensors.torch import load_file
+
+    written = load_file(policy / "adapter_model.safetensors")
+    assert written and len(written) == len(adapter)
+    assert all(any(torch.equal(w, a) for a in adapter.values()) for w in written.values())
+    assert written_from_python(run / "config.toml") and "model =" not in (run / "config.toml").read_text()
+    assert "merge_lora = false" in (run / "config.toml").read_text()
+    assert cli.main(["export", str(run), "--model", str(base), "--merge-lora"]) == 0
+    assert (policy / "config.json").is_file() and not (policy / "adapter_config.json").exists()
+    capsys.readouterr()
+    assert cli.main(["export", str(run), "--model", str(tmp_path)]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith(f"pyppo: error: model {str(tmp_path)!r}: directory has no config.json"), line
+
+
+def test_export_needs_no_reward_prompts_or_environment(tiny_dir, tmp_path, capsys):
+    """A Python run with an environment the command line cannot load (and episode settings that
+    need one): its policy is built without it, and written."""
+    from pyppo import PPOConfig, PPOTrainer
+    from support.echo_env import Echo
+
+    class Local(Echo):  # no name the command line imports
+        pass
+
+    config = PPOConfig(steps=1, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=8, max_turns=2)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    trainer = PPOTrainer(config, policy, None, None, tiny_tokenizer(), None, ["Say hi.", "Why?"], environment=Local)
+    trainer.train(tmp_path / "run", progress=False)
+    assert 'env = "python:text environment Local"' in (tmp_path / "run" / "config.toml").read_text()
+    assert cli.main(["export", str(tmp_path / "run")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").state_dict()
+    trained = torch.load(tmp_path / "run" / "checkpoint" / "policy.pt", weights_only=True)
+    assert all(torch.equal(exported[name], weight) for name, weight in trained.items())

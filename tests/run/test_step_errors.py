@@ -91,6 +91,45 @@ def test_a_reward_failing_at_step_3_of_5_keeps_step_2_and_resume_continues_exact
     ]
 
 
+# Scores 1e30 from its N-th call on (N = $PYPPO_TEST_HUGE_FROM): finite, but the value loss squares it.
+HUGE = """\
+import os
+calls = [0]
+def huge(prompts, responses):
+    calls[0] += 1
+    if calls[0] >= int(os.environ.get("PYPPO_TEST_HUGE_FROM") or 10**9):
+        return [1e30] * len(responses)
+    return [float(r.count("e")) - 0.1 * len(r) for r in responses]
+"""
+
+
+def test_a_huge_score_that_makes_every_update_non_finite_keeps_the_last_finished_step(
+    tiny_dir, prompts_file, tmp_path, capsys, monkeypatch
+):
+    # Two minibatches a step and max_consecutive_skips = 3: step 3's updates are both skipped
+    # (the step finishes, its weights those of step 2), and step 4's first one stops the run.
+    reward = tmp_path / "huge.py"
+    reward.write_text(HUGE)
+    out = tmp_path / "run"
+    flags = ["--model", str(tiny_dir), "--prompts", str(prompts_file), "--reward", f"{reward}:huge", *FLAGS]
+    monkeypatch.setenv("PYPPO_TEST_HUGE_FROM", "3")
+    assert cli.main(["train", *flags, "--output", str(out)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pyppo: error: ")]
+    assert len(errors) == 1, errors
+    assert "training stopped at step 4, epoch 1, minibatch 1: 3 updates in a row had a non-finite" in errors[0]
+    assert errors[0].endswith(
+        f"; the last good checkpoint is {str(out / 'checkpoint')!r} (step 3); "
+        f"once its cause is fixed, continue with: pyppo train --resume {out}"
+    )
+    assert ckpt_step(out / "checkpoint") == 3
+    assert [r["step"] for r in read_rows(out / "metrics.jsonl")] == [1, 2, 3]
+
+    # The reward mended, the printed command finishes the run.
+    monkeypatch.delenv("PYPPO_TEST_HUGE_FROM")
+    assert cli.main(["train", "--resume", str(out)]) == 0
+    assert [r["step"] for r in read_rows(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+
 def test_an_error_in_the_evaluation_keeps_the_step_it_follows(tmp_path):
     held_out = ["a held-out prompt", "another held-out prompt"]
 

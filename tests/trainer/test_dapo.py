@@ -1,12 +1,14 @@
 """DAPO's rollout rules in the trainer: dynamic sampling (filter_groups), overlong shaping and
 truncated-sample masking, on a tiny random model."""
 
+import warnings
+
 import pytest
 import torch
 
 from pyppo import ops
 from pyppo.trainer.buffer import RolloutBuffer
-from pyppo.trainer.overlong import overlong_penalty
+from pyppo.trainer.overlong import AllTruncatedWarning, overlong_penalty
 from pyppo.trainer.sampling import varied_groups
 from support.trainer_fixture import count_e, make_trainer, small_config
 
@@ -68,11 +70,56 @@ def test_mask_truncated_takes_responses_without_eos_out_of_the_loss_after_their_
 
 
 def test_a_minibatch_of_truncated_responses_only_is_skipped_without_error():
-    tr = make_trainer(group_config(mask_truncated=True, max_new_tokens=4), eos_bias=-30.0)  # never EOS
+    tr = make_trainer(group_config(mask_truncated=True, max_new_tokens=4, steps=2), eos_bias=-30.0)  # never EOS
     before = [p.detach().clone() for p in tr.policy.parameters()]
-    m = tr.step().metrics
+    with pytest.warns(UserWarning) as said:
+        m = tr.step().metrics
     assert m["truncated_masked"] == 8 and tr.optimizer_steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, tr.policy.parameters()))
+    # One line says so, naming the knobs that help; the next such step says nothing new.
+    lines = [str(w.message) for w in said if "mask_truncated" in str(w.message)]
+    assert lines == [
+        "step 1: all 8 responses were cut without EOS (max_new_tokens = 4) and mask_truncated took them out "
+        "of the loss: the step trained nothing; raise max_new_tokens, or turn mask_truncated off (said again "
+        "only after a step that trains)"
+    ]
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        assert tr.step().metrics["truncated_masked"] == 8
+    assert not [w for w in again if "mask_truncated" in str(w.message)]
+
+
+def _truncation_warnings(config, eos_bias):
+    tr = make_trainer(config, eos_bias=eos_bias)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        m = tr.step().metrics
+    return m, [w for w in said if "mask_truncated" in str(w.message)]
+
+
+def test_no_truncation_warning_by_default_nor_while_some_responses_train():
+    # The default (mask_truncated off): every response cut, as the default preset's 16 tokens are.
+    m, said = _truncation_warnings(group_config(max_new_tokens=4), eos_bias=-30.0)
+    assert "truncated_masked" not in m and not said
+    m, said = _truncation_warnings(group_config(mask_truncated=True, max_new_tokens=6), eos_bias=1.0)
+    assert 0 < m["truncated_masked"] < 8 and not said
+
+
+def test_the_truncation_warning_is_said_again_only_after_a_step_that_trained():
+    warn = AllTruncatedWarning(16)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step, masked in enumerate([8, 8, 3, 8, None, 8], start=1):
+            warn(masked, 8, f"step {step}")
+    assert [str(w.message).split(":")[0] for w in said] == ["step 1", "step 4"]
+    assert all(w.category is UserWarning for w in said)
+    episodes = AllTruncatedWarning(16, episodes=True)
+    with pytest.warns(UserWarning, match="raise max_episode_tokens, max_turns or max_new_tokens, or turn"):
+        episodes(4, 4, "step 1")
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        AllTruncatedWarning(16, say=False)(8, 8, "step 1")  # another rank than 0
+    assert not quiet
 
 
 # ------------------------------------------------------------------ dynamic sampling
@@ -108,6 +155,47 @@ def test_filter_groups_fills_the_batch_with_equal_groups_when_the_tries_run_out(
     assert len(res.batch) == 8
     assert m["filter_groups_tries"] == 2 and m["filter_groups_filled"] == 2 and m["filter_groups_dropped"] == 2
     assert (res.batch.advantages == 0).all()
+
+
+def _wrong_or_varied(prompts, responses):
+    """0 for every response to a prompt ending in an even number (all wrong), the sample's own
+    score for the others."""
+    varied = count_e(prompts, responses)
+    return [0.0 if int(p.split()[-1]) % 2 == 0 else s for p, s in zip(prompts, varied)]
+
+
+def test_filter_groups_drops_all_wrong_groups_whose_length_penalties_differ(monkeypatch):
+    # DAPO as the README combines it: the overlong penalty makes a group of equally wrong answers
+    # differ by length; the filter must still see them as equal (the reward's own scores).
+    from pyppo.trainer import sampling
+
+    scored = []
+
+    def recording(batch, *args, **kwargs):
+        raw, scores = real(batch, *args, **kwargs)
+        scored.append((list(batch.prompts), raw.clone(), scores.clone()))
+        return raw, scores
+
+    real = sampling.score_batch
+    monkeypatch.setattr(sampling, "score_batch", recording)
+    config = group_config(
+        filter_groups=True, filter_groups_max_tries=8, overlong_buffer=4, mask_truncated=True, max_new_tokens=8
+    )
+    tr = make_trainer(config, eos_bias=1.0, reward=_wrong_or_varied)
+    res = tr.step()
+    b, m = res.batch, res.metrics
+    wrong = shaped_apart = 0
+    for prompts, raw, scores in scored:
+        for g in range(0, len(prompts), 4):
+            if int(prompts[g].split()[-1]) % 2 == 0:
+                assert (raw[g : g + 4] == 0).all()
+                wrong += 1
+                shaped_apart += int(bool((scores[g : g + 4] != scores[g]).any()))
+    assert shaped_apart >= 1  # the case at hand: all wrong, apart by the length penalty only
+    assert m["filter_groups_dropped"] == wrong and m["filter_groups_filled"] == 0
+    assert len(b) == 8 and all(int(p.split()[-1]) % 2 == 1 for p in b.prompts)  # the mixed groups, kept
+    assert varied_groups(b.raw_scores, 4).all()
+    assert not torch.equal(b.scores, b.raw_scores)  # the training still uses the shaped scores
 
 
 def test_without_filter_groups_one_draw_and_no_filter_metrics():
