@@ -186,11 +186,13 @@ def active(peer: Peer) -> Patch | None:
     return _ACTIVE.get(peer.name)
 
 
-def original(peer: Peer, module: str, name: str) -> Callable[..., Any]:
+def original(peer: Peer | str, module: str, name: str) -> Callable[..., Any]:
     """The peer's own ``module.name``: the function the active patch replaced there, or (not
     patched, or that target skipped) the module's current attribute. An adapter that handles
-    some calls itself hands the others to this. Raises ImportError if ``module`` does not import."""
-    current = _ACTIVE.get(peer.name)
+    some calls itself hands the others to this. ``peer``: the :class:`Peer` or its name (an
+    adapter module cannot import the package that defines the peer from it). Raises ImportError
+    if ``module`` does not import."""
+    current = _ACTIVE.get(peer if isinstance(peer, str) else peer.name)
     if current is not None:
         where = f"{module}.{name}"
         for r in current.replacements:

@@ -297,9 +297,7 @@ _ESTIMATORS = {PYPPO_GAE: compute_decoupled_gae_advantage_return, PYPPO_GAE_TURN
 
 
 def _verl_compute_advantage() -> Any:
-    from . import PEER  # the package defines PEER after importing this module
-
-    fn = _patching.original(PEER, TRAINER_MODULE, "compute_advantage")
+    fn = _patching.original("verl", TRAINER_MODULE, "compute_advantage")
     if fn is compute_advantage:
         raise RuntimeError(
             f"{TRAINER_MODULE}.compute_advantage is pyppo's adapter, but no active patch holds veRL's own; "
