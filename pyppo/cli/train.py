@@ -179,7 +179,7 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         from_file = _check_keys(_read_toml(path, "--config"), str(path))
         merged.update(from_file)
     for key in RUN_KEYS:
-        for source, value in ((f"{args.config}: {key} =", from_file.get(key)), (f"--{key}", getattr(args, key))):
+        for source, value in ((f"{args.config}: {key} =", from_file.get(key)), (flag_name(key), getattr(args, key))):
             # A resumed run continues the same model, reward and prompts: switching them mid-run
             # would make its checkpoint and its config.toml describe different experiments.
             if value is not None and key in resumed and not _same_source(value, resumed[key]):
@@ -380,6 +380,8 @@ def _resolved_value_model(spec: Any) -> str:
     if not isinstance(spec, str) or not spec:
         raise CLIError(f"--value-model must be a run directory or its checkpoint/, got {spec!r}")
     path = Path(spec).expanduser()
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"--value-model {spec!r} is a file; pass the earlier run's directory or its checkpoint/")
     if not path.is_dir():
         raise CLIError(f"--value-model {spec!r}: no such directory")
     if find_in_run(path) is None:
@@ -494,6 +496,9 @@ def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
     elif restart:
         say(f"{PROG}: {str(output)!r} holds a run stopped before its first checkpoint: starting it over in place")
 
+    # A resumed run's value model comes from its checkpoint, not from a warm start.
+    sources = {**run, "value_model": None} if done is not None else run
+
     def before_loading():  # once the sources are checked: a refused input stays a one-line error
         if config.dtype == "auto":
             from ..distributed import resolve_device
@@ -501,10 +506,10 @@ def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
 
             say("{}: dtype auto -> {} ({})".format(PROG, *resolve_dtype("auto", resolve_device(config.device))))
         say(f"pyppo: loading {run['model']} ...")
+        if sources["value_model"] is not None:
+            say(f"pyppo: the value model starts from {sources['value_model']}'s (a warm start)")
 
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
-    # A resumed run's value model comes from its checkpoint, not from a warm start.
-    sources = {**run, "value_model": None} if done is not None else run
     trainer = build_trainer(config, **sources, before_loading=before_loading)
     # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
     if done is not None:

@@ -295,6 +295,13 @@ class PPOConfig:
             raise InertSettings(broken)
         for warning in inert_settings(self, _field_defaults(), warn=True):
             warnings.warn(InertSettings([warning]).describe(), UserWarning, stacklevel=3)
+        if self.critic_warmup_steps >= self.steps:
+            warnings.warn(
+                f"critic_warmup_steps = {self.critic_warmup_steps} >= steps = {self.steps}: every step of the run "
+                "trains the value model only, and the policy is never trained",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.advantage_estimator in GROUP_ESTIMATORS and self.kl_coef > 0 and self.kl_loss_coef == 0:
             # Every token of a response gets its summed reward minus its group's mean: of the KL
             # only its spread between a prompt's responses is left, not a per-token pull.

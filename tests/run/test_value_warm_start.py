@@ -127,6 +127,9 @@ def test_the_command_line_refuses_a_bad_value_model_before_loading(
     (tmp_path / "empty").mkdir()
     assert cli.main(["train", "--value-model", str(tmp_path / "empty"), "--output", str(tmp_path / "new")]) == 2
     assert "no complete checkpoint in it or in its checkpoint/" in _one_error(capsys)
+    a_file = run / "checkpoint" / "trainer_state.pt"
+    assert cli.main(["train", "--value-model", str(a_file), "--output", str(tmp_path / "new")]) == 2
+    assert "is a file; pass the earlier run's directory or its checkpoint/" in _one_error(capsys)
     assert not (tmp_path / "new").exists()
 
 
@@ -145,9 +148,9 @@ def test_a_resume_takes_its_value_model_from_its_checkpoint(earlier_run, tmp_pat
         torch.save({}, resumed / "checkpoint" / name)
     torch.save({"step": 1, "world_size": 1, "config": config.to_dict()}, resumed / "checkpoint" / "trainer_state.pt")
     assert cli.main(["train", "--resume", str(resumed), "--value-model", str(run)]) == 2
-    assert "a value model is warm-started when a run starts; the resumed run's comes from its checkpoint" in (
-        _one_error(capsys)
-    )
+    line = _one_error(capsys)
+    assert line.startswith(f"pyppo: error: --value-model {str(run)!r}: a value model is warm-started when a run")
+    assert "the resumed run's comes from its checkpoint" in line
     # Recorded by the run that started from it, it is not read again: the directory may be gone.
     write_config(
         resumed / "config.toml",
@@ -157,3 +160,15 @@ def test_a_resume_takes_its_value_model_from_its_checkpoint(earlier_run, tmp_pat
     args = cli.build_parser().parse_args(["train", "--resume", str(resumed), "--steps", "40"])
     plan = cli.resolve_train_config(args)
     assert plan.resume_step == 1 and plan.run["value_model"] == str(tmp_path / "gone")
+    # The same directory again names the run's own source; another one is refused by its flag.
+    same = ["train", "--resume", str(resumed), "--steps", "40", "--value-model", str(tmp_path / "gone")]
+    assert cli.resolve_train_config(cli.build_parser().parse_args(same)).resume_step == 1
+    assert cli.main(["train", "--resume", str(resumed), "--value-model", str(run)]) == 2
+    assert _one_error(capsys).startswith(f"pyppo: error: --value-model {str(run)!r} differs from the resumed run's")
+
+
+def test_a_warm_up_as_long_as_the_run_is_said():
+    from support.trainer_fixture import small_config as config
+
+    with pytest.warns(UserWarning, match=r"critic_warmup_steps = 2 >= steps = 2: .* the policy is never trained"):
+        config(steps=2, critic_warmup_steps=2)
