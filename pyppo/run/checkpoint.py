@@ -405,5 +405,8 @@ def load_trained_value_model(trainer: PPOTrainer, directory: str | os.PathLike) 
             f"value_model {str(directory)!r}: checkpoint {str(d)!r} has no value model (its run used a "
             "critic-free estimator)"
         )
-    restore_training_state(value.module, None, weights, None, prefix=value.prefix, what="value model")
+    try:
+        restore_training_state(value.module, None, weights, None, prefix=value.prefix, what="value model")
+    except ValueError as exc:  # say which warm start it was
+        raise ValueError(f"value_model {str(directory)!r}: {exc}") from None
     return d
