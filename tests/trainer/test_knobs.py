@@ -295,11 +295,14 @@ def check_seed(tmp_path, monkeypatch):
 
 
 def check_save_every(tmp_path, monkeypatch):
+    import pyppo.run.checkpoint
+
+    saved = []
+    # The run loop checkpoints through pyppo.run.checkpoint.save_trainer.
+    monkeypatch.setattr(pyppo.run.checkpoint, "save_trainer", lambda trainer, d: saved.append(trainer.step_count))
     for every, expected in ((1, [1, 2, 3]), (2, [2, 3]), (0, [3])):
-        tr = make_trainer(small_config(steps=3, save_every=every))
-        saved = []
-        tr.save_checkpoint = lambda d, tr=tr: saved.append(tr.step_count)
-        tr.train(tmp_path / f"e{every}", progress=False)
+        saved.clear()
+        make_trainer(small_config(steps=3, save_every=every)).train(tmp_path / f"e{every}", progress=False)
         assert saved == expected, every
 
 
