@@ -76,7 +76,8 @@ def test_a_warm_start_is_refused_where_it_would_be_wrong(earlier_run, tmp_path):
     assert all(torch.equal(before[n], p) for n, p in stepped.critic.model.named_parameters())
     # Another value model's trained weights (LoRA adapters against a full fine-tune) are named.
     lora = make_trainer(small_config(lora_rank=4, value_lora=True))
-    with pytest.raises(ValueError, match=r"^value_model .*: the checkpoint's value model weights do not match .* lora_rank / value_lora"):
+    mismatch = r"^value_model .*: the checkpoint's value model weights do not match .* lora_rank / value_lora"
+    with pytest.raises(ValueError, match=mismatch):
         lora.load_value_model(run)
 
 
