@@ -112,21 +112,12 @@ def compute_gae_advantage_return(
     m = _bool_mask(fn, "response_mask", response_mask, token_level_rewards)
     with torch.no_grad():
         adv, _ = _gae(rewards, vals, m, gamma=float(gamma), lam=float(lam))
-        B, T = adv.shape
-        # Each position takes the advantage of the first valid position at or after it (T: none,
-        # advantage 0): veRL's carry through masked positions, without a loop over T.
-        pos = torch.arange(T, device=adv.device)
-        nxt = torch.where(m, pos, T).flip(-1).cummin(-1).values.flip(-1)
-        carried = torch.cat([adv, adv.new_zeros(B, 1)], dim=1).gather(1, nxt)
+        carried = _next_valid(adv, m)
         returns = (carried + vals.detach().to(acc)).to(out_dtype)
         try:
             mean, var = _mean_var(fn, adv, m, response_mask.dtype, True)
         except ValueError:
-            n = int(m.sum())
-            raise ValueError(
-                f"{fn}: response_mask selects {n} position(s) in the whole batch; whitening the "
-                "advantages needs at least 2 (veRL raises ValueError here too)"
-            ) from None
+            raise _too_few_to_whiten(fn, m) from None
         whitened = (carried - mean) * torch.rsqrt(var + 1e-8)
     return whitened.to(out_dtype), returns
 
@@ -226,13 +217,27 @@ def _whiten_valid(fn: str, x: torch.Tensor, m: torch.Tensor, mask_dtype: torch.d
             return torch.where(m, _whiten_everywhere(fn, x, m, mask_dtype), 0.0)
         return _masked_whiten(x, m)
     except ValueError:
-        n = int(m.sum())
-        if n >= 2:
+        if int(m.sum()) >= 2:
             raise
-        raise ValueError(
-            f"{fn}: response_mask selects {n} position(s) in the whole batch; whitening the "
-            "advantages needs at least 2 (veRL raises ValueError here too)"
-        ) from None
+        raise _too_few_to_whiten(fn, m) from None
+
+
+def _next_valid(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``x`` at the first valid position at or after each position (0 past a row's last one):
+    veRL's GAE carries its running values through masked positions this way, here without a
+    loop over ``T``."""
+    B, T = x.shape
+    pos = torch.arange(T, device=x.device)
+    nxt = torch.where(m, pos, T).flip(-1).cummin(-1).values.flip(-1)
+    return torch.cat([x, x.new_zeros(B, 1)], dim=1).gather(1, nxt)
+
+
+def _too_few_to_whiten(fn: str, m: torch.Tensor) -> ValueError:
+    """The error for advantages whitened over fewer than 2 valid positions, naming the mask."""
+    return ValueError(
+        f"{fn}: response_mask selects {int(m.sum())} position(s) in the whole batch; whitening the "
+        "advantages needs at least 2 (veRL raises ValueError here too)"
+    )
 
 
 _GROUP_ARGS = """Args:

@@ -32,6 +32,7 @@ from pyppo.ops import turn_gae as _turn_gae
 
 from .. import _patching
 from ._checks import _acc, _bool_mask, _float_tensor, _promote, _real_tensor, _tensor
+from .core_algos import _next_valid, _too_few_to_whiten
 from .torch_functional import _whiten_everywhere
 
 PYPPO_GAE = "pyppo_gae"
@@ -95,28 +96,15 @@ def _inputs(
     return token_level_rewards.to(acc), values.detach().to(acc), m, out_dtype, gamma, lam
 
 
-def _next_valid(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``x`` at the first valid position at or after each position (0 past a row's last one):
-    veRL's GAE carries its running values through masked positions this way."""
-    B, T = x.shape
-    pos = torch.arange(T, device=x.device)
-    nxt = torch.where(m, pos, T).flip(-1).cummin(-1).values.flip(-1)
-    return torch.cat([x, x.new_zeros(B, 1)], dim=1).gather(1, nxt)
-
-
 def _whiten(fn: str, x: torch.Tensor, m: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:
     """veRL's ``masked_whiten(x, response_mask)``, turning the statistics' error on too few valid
     positions into one that says what the caller passed."""
     try:
         return _whiten_everywhere(fn, x, m, mask_dtype)
     except ValueError:
-        n = int(m.sum())
-        if n >= 2:
+        if int(m.sum()) >= 2:
             raise
-        raise ValueError(
-            f"{fn}: response_mask selects {n} position(s) in the whole batch; whitening the advantages "
-            "needs at least 2 (veRL's GAE raises ValueError here too)"
-        ) from None
+        raise _too_few_to_whiten(fn, m) from None
 
 
 # ----------------------------------------------------------------------------------------------
