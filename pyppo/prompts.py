@@ -1,8 +1,11 @@
-"""Prompt sets (the built-in ones and ``.jsonl`` files) and the seeded order they are sampled in.
+"""Prompt sets (the built-in ones, files, ``reasoning-gym:`` specs) and the seeded order they are
+sampled in.
 
-A prompt set is a list of records, ``{"prompt": str, <other fields>}``: a ``.jsonl`` file's lines,
-or a built-in set (:data:`BUILTIN_PROMPT_SETS`). The fields besides ``"prompt"`` (an ``"answer"``,
-say) reach the reward as columns (:func:`pyppo.rewards.score_responses`).
+A prompt set is a list of records, ``{"prompt": str | [messages], <other fields>}``: a file's
+records (JSON Lines, JSON, Parquet, CSV, a saved ``datasets`` dataset: :mod:`pyppo.data`), a
+built-in set (:data:`BUILTIN_PROMPT_SETS`) or a reasoning-gym task's problems
+(:mod:`pyppo.tasks.reasoning_gym`). The fields besides ``"prompt"`` (an ``"answer"``, say) reach
+the reward as columns (:func:`pyppo.rewards.score_responses`).
 
 The default prompts (:data:`DEFAULT_PROMPTS`) are short and open-ended, inviting an opinion or a
 description, so that the default sentiment reward has room to move: a response about a rainy
@@ -13,14 +16,14 @@ afternoon can be gloomy or cheerful, and PPO learns which one scores. The ``arit
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .jsonl import read_objects
+from .data import check_prompt, checked_rows, is_prompt, read_rows, same_fields
+from .tasks.reasoning_gym import canonical_task_spec, is_task_spec, task_records
 
 __all__ = [
     "ARITHMETIC_EVAL_SIZE",
@@ -32,6 +35,7 @@ __all__ = [
     "load_prompts",
     "prompt_columns",
     "prompt_fields",
+    "resolve_prompt_source",
 ]
 
 DEFAULT_PROMPTS: list[str] = [
@@ -159,104 +163,81 @@ BUILTIN_PROMPT_SETS: Dict[str, Callable[[], List[dict]]] = {
 
 
 def _checked_records(source: str | os.PathLike, flag: str) -> Iterator[Tuple[str, dict]]:
-    """``(where, record)`` for each prompt of a built-in set or ``.jsonl`` file, its ``"prompt"``
-    checked; ``where`` names the line (``path:line``) for messages."""
+    """``(where, record)`` for each prompt of a built-in set, a ``reasoning-gym:`` spec or a file,
+    its ``"prompt"`` checked (:func:`pyppo.data.checked_rows`); ``where`` names the record
+    (``path:line``, ``path: row 3``) for messages."""
     if isinstance(source, str) and source in BUILTIN_PROMPT_SETS:
         for i, record in enumerate(BUILTIN_PROMPT_SETS[source]()):
             yield f"{flag} {source!r}, prompt {i}", record
         return
+    if is_task_spec(source):
+        rows = ((f"{flag} {source!r}, prompt {i}", r) for i, r in enumerate(task_records(source, flag)))
+        yield from checked_rows(rows)
+        return
     path = Path(source).expanduser()
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     empty = True
-    # json.loads keeps the last of a repeated key: the lines are read again to refuse one.
-    lines = path.read_bytes().split(b"\n")
-    for where, obj in read_objects(path, expected='a JSON object {"prompt": "..."}'):
-        _check_unique_keys(lines[int(where.rpartition(":")[2]) - 1], where)
-        if "prompt" not in obj:
-            raise ValueError(f'{where}: missing key "prompt" (keys: {sorted(obj)})')
-        prompt = obj["prompt"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f'{where}: "prompt" must be a non-empty string, got {prompt!r}')
+    for where, record in checked_rows(read_rows(path)):
         empty = False
-        yield where, obj
+        yield where, record
     if empty:
-        raise ValueError(f'{flag} {str(path)!r}: the file holds no prompt (one {{"prompt": ...}} per line)')
+        raise ValueError(f'{flag} {str(path)!r}: the file holds no prompt (one {{"prompt": ...}} per record)')
 
 
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _unique_pairs(pairs: list) -> dict:
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise _RepeatedKey(key)
-        seen.add(key)
-    return dict(pairs)
-
-
-def _check_unique_keys(line: bytes, where: str) -> None:
-    """Refuse a JSON object ``line`` (already parsed once, so valid) that repeats a key, at any
-    depth: JSON parsers keep one of the values, silently.
+def resolve_prompt_source(source: str, *, flag: str = "--prompts") -> str:
+    """``source`` as a run records it, so that ``--resume`` reads the same prompts from any
+    directory: a built-in set's name as it is, a ``reasoning-gym:`` spec with every option
+    explicit (:func:`pyppo.tasks.reasoning_gym.canonical_task_spec`), a file or directory as its
+    absolute path.
 
     Raises:
-        ValueError: naming ``where`` (``path:line``) and the key.
+        FileNotFoundError: no such set, spec, file or directory (naming ``flag``).
+        ValueError, ModuleNotFoundError: a bad ``reasoning-gym:`` spec, or reasoning-gym missing.
     """
-    try:
-        json.loads(line.decode("utf-8-sig"), object_pairs_hook=_unique_pairs)
-    except _RepeatedKey as exc:
-        raise ValueError(
-            f"{where}: key {exc.args[0]!r} appears more than once in the object; each key must appear "
-            "once (JSON keeps only one of the values)"
-        ) from None
-
-
-def _names(fields) -> str:
-    return ", ".join(repr(f) for f in sorted(fields)) or "none"
+    if source in BUILTIN_PROMPT_SETS:
+        return source
+    if is_task_spec(source):
+        return canonical_task_spec(source, flag)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{flag} {source!r}: no such file or directory")
+    return str(path.resolve())
 
 
 def load_prompt_records(source: str | os.PathLike, *, flag: str = "--prompts") -> list[dict]:
-    """Read a prompt set: a JSON Lines file of ``{"prompt": "...", <other fields>}`` objects, or the
-    name of a built-in set (:data:`BUILTIN_PROMPT_SETS`: ``"arithmetic"``, ``"arithmetic-eval"``).
+    """Read a prompt set: a file (JSON Lines, JSON, Parquet, CSV: :data:`pyppo.data.SUFFIXES`), a
+    directory written by ``datasets``' ``save_to_disk``, the name of a built-in set
+    (:data:`BUILTIN_PROMPT_SETS`: ``"arithmetic"``, ``"arithmetic-eval"``), or a
+    ``reasoning-gym:TASK?...`` spec (:func:`pyppo.tasks.reasoning_gym.task_records`).
 
-    The fields besides ``"prompt"`` are kept as JSON gave them; a reward receives each as a column
-    (:func:`pyppo.rewards.score_responses`), so every line must have the same ones. Blank lines
-    are skipped.
+    Each record's ``"prompt"`` is a non-empty string or a list of chat messages
+    (:mod:`pyppo.data.messages`). The other fields are kept as the file gave them (veRL's
+    ``reward_model.ground_truth`` also as ``ground_truth`` and ``answer``:
+    :mod:`pyppo.data.verl`); a reward receives each as a column
+    (:func:`pyppo.rewards.score_responses`), so every record must have the same ones.
 
     Args:
-        source: the ``.jsonl`` file, or a built-in set's name (matched before any file).
+        source: the file or directory, a built-in set's name or a spec (matched before any file).
         flag: the option that named it (``--prompts``, ``--eval-prompts``), for the messages.
 
     Returns:
-        One dict per prompt, in file order, ``"prompt"`` a non-empty string.
+        One dict per prompt, in the source's order.
 
     Raises:
-        FileNotFoundError: ``source`` is neither a built-in set nor an existing file.
-        ValueError: a line is not a JSON object with a non-empty string ``"prompt"``, or its fields
-            besides ``"prompt"`` differ from the first line's (the message gives ``path:line`` and
-            both lines' fields), or the file holds no prompt.
+        FileNotFoundError: ``source`` is neither a built-in set, a spec nor an existing path.
+        ValueError: one line naming the file, the record and the column: an unreadable file or
+            unknown suffix, a record without a good ``"prompt"``, fields besides ``"prompt"``
+            that differ from the first record's (both records and their fields named), or no
+            prompt at all.
+        ModuleNotFoundError: a ``reasoning-gym:`` spec without reasoning-gym installed.
     """
-    records: list[dict] = []
-    first_where, first_fields = "", frozenset()
-    for where, record in _checked_records(source, flag):
-        fields = frozenset(record) - {"prompt"}
-        if not records:
-            first_where, first_fields = where, fields
-        elif fields != first_fields:
-            raise ValueError(
-                f'{where}: its fields besides "prompt" are {_names(fields)}, but {first_where}\'s are '
-                f"{_names(first_fields)}; every line needs the same fields (a reward receives each "
-                "as a column)"
-            )
-        records.append(record)
-    return records
+    return same_fields(_checked_records(source, flag))
 
 
-def load_prompts(path: str | os.PathLike, *, flag: str = "--prompts") -> list[str]:
-    """The prompt strings of a ``.jsonl`` file (or built-in set), as :func:`load_prompt_records`
-    reads them; other keys on a line are ignored, and need not be the same on every line.
+def load_prompts(path: str | os.PathLike, *, flag: str = "--prompts") -> list:
+    """The prompts (strings or message lists) of a prompt set, as :func:`load_prompt_records`
+    reads them; other fields are ignored, and need not be the same in every record.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load_prompt_records`, but for differing fields.
@@ -264,31 +245,34 @@ def load_prompts(path: str | os.PathLike, *, flag: str = "--prompts") -> list[st
     return [record["prompt"] for _, record in _checked_records(path, flag)]
 
 
-def prompt_fields(prompts: Sequence[Union[str, Mapping[str, Any]]]) -> list[str]:
-    """The sorted field names besides ``"prompt"`` of a prompt list's first record (none for strings)."""
+def prompt_fields(prompts: Sequence[Any]) -> list[str]:
+    """The sorted field names besides ``"prompt"`` of a prompt list's first record (none for
+    prompts given bare: strings or message lists)."""
     first = prompts[0] if len(prompts) else None
     return sorted(set(first) - {"prompt"}) if isinstance(first, Mapping) else []
 
 
-def prompt_columns(prompts: Sequence[Union[str, Mapping[str, Any]]]) -> Tuple[List[str], Optional[Dict[str, list]]]:
-    """Split prompts (strings, or records as :func:`load_prompt_records` gives them) into the prompt
-    strings and one column per field, as :func:`pyppo.rewards.score_responses` takes them.
+def prompt_columns(prompts: Sequence[Any]) -> Tuple[List[Any], Optional[Dict[str, list]]]:
+    """Split prompts (strings, message lists, or records as :func:`load_prompt_records` gives
+    them) into the prompts themselves and one column per field, as
+    :func:`pyppo.rewards.score_responses` takes them.
 
     Returns:
-        ``(texts, fields)``: ``fields`` maps each field name of the first record to the values of
-        every prompt in order; ``None`` when the prompts are strings or have no other field.
+        ``(prompts, fields)``: each prompt a string or a list of messages; ``fields`` maps each
+        field name of the first record to the values of every prompt in order; ``None`` when the
+        prompts are given bare or have no other field.
 
     Raises:
         ValueError: a record lacks a field the first one has.
     """
-    texts = [p if isinstance(p, str) else p["prompt"] for p in prompts]
+    texts = [p["prompt"] if isinstance(p, Mapping) else p for p in prompts]
     names = prompt_fields(prompts)
     if not names:
         return texts, None
     columns: Dict[str, list] = {name: [] for name in names}
     for i, p in enumerate(prompts):
         for name in names:
-            if isinstance(p, str) or name not in p:
+            if not isinstance(p, Mapping) or name not in p:
                 raise ValueError(f"prompts[{i}] has no field {name!r}, which prompts[0] has")
             columns[name].append(p[name])
     return texts, columns
@@ -298,20 +282,27 @@ class PromptSampler:
     """Prompts in a seeded random order, epoch after epoch (each epoch a fresh permutation).
 
     Epoch ``e``'s order is ``numpy.random.default_rng([seed, e]).permutation(N)``, a pure function
-    of ``(seed, e)``, so the state is just ``(epoch, position)``. The prompts are strings or records
-    (mappings with a string ``"prompt"``, as :func:`load_prompt_records` gives them);
-    :meth:`sample` returns them as given.
+    of ``(seed, e)``, so the state is just ``(epoch, position)``. The prompts are strings, lists of
+    chat messages, or records (mappings whose ``"prompt"`` is either, as
+    :func:`load_prompt_records` gives them); :meth:`sample` returns them as given.
 
     Raises:
-        ValueError: an empty prompt list, or a prompt that is neither a string nor such a record.
+        ValueError: an empty prompt list, or a prompt that is none of those (a message list is
+            checked in full: :func:`pyppo.data.check_prompt`).
     """
 
     def __init__(self, prompts: Sequence[Union[str, Mapping[str, Any]]], seed: int):
         if len(prompts) == 0:
             raise ValueError("prompts must not be empty")
         for i, p in enumerate(prompts):
-            if not (isinstance(p, str) or isinstance(p, Mapping) and isinstance(p.get("prompt"), str)):
-                raise ValueError(f'prompts[{i}] must be a str or a mapping with a str "prompt", got {type(p).__name__}')
+            prompt = p.get("prompt") if isinstance(p, Mapping) else p
+            if not is_prompt(prompt):
+                raise ValueError(
+                    f'prompts[{i}] must be a str, a list of chat messages, or a mapping with such a "prompt", '
+                    f"got {type(p).__name__}"
+                )
+            if not isinstance(prompt, str):
+                check_prompt(prompt, f"prompts[{i}]")
         self.prompts = list(prompts)
         self.seed = int(seed)
         self.epoch = 0

@@ -7,12 +7,17 @@ parameter named like a field, ``reward_fn(prompts, responses, answer)``, receive
 values, one per prompt; ``**kwargs`` receives every field (:func:`score_responses`,
 :func:`check_reward_fields`). A reward with a parameter named ``completions`` is called TRL's way,
 with keywords: ``reward_fn(prompts=..., completions=..., **fields)`` (``prompts`` only when it
-takes it), so ``def f(completions, **kwargs)`` works as written for TRL. :func:`load_reward` turns
-a CLI spec into one:
+takes it), so ``def f(completions, **kwargs)`` works as written for TRL. A function with a
+parameter named ``solution_str`` is veRL's ``compute_score(data_source, solution_str,
+ground_truth, extra_info=None)``, called once per response (:mod:`pyppo.verl_reward`). A reward may
+return ``None`` for a response it does not apply to (TRL's convention); several rewards with
+weights are :class:`pyppo.reward_sum.RewardSum`. :func:`load_reward` turns a CLI spec into one:
 
 * ``"sentiment"`` (the default): VADER compound sentiment of the response, in ``[-1, 1]``;
 * ``"math"``: 1.0 when the response's final answer equals the prompt's ``answer`` field, else 0.0
   (:mod:`pyppo.math_reward`);
+* ``"reasoning-gym"``: a reasoning-gym task's own ``score_answer`` of the response's
+  ``<answer>`` (:mod:`pyppo.tasks.reasoning_gym`);
 * ``"module:function"`` or ``"path/to/file.py:function"``: a Python function;
 * a local directory holding a ``transformers`` sequence-classification model: its logit for the
   positive class (or its single logit, for a one-label reward model) of ``prompt + response``.
@@ -42,18 +47,22 @@ from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, 
 
 import torch
 
+from .data.messages import classifier_text
 from .math_reward import math_reward
+from .tasks.reasoning_gym import reasoning_gym_reward
 
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
     "RewardFn",
+    "RewardOutput",
     "SequenceClassifierReward",
     "check_reward_fields",
     "load_reward",
     "math_reward",
     "reward_name",
     "score_responses",
+    "score_reward",
     "sentiment_reward",
     "validate_scores",
 ]
@@ -114,17 +123,23 @@ def sentiment_reward(prompts: list[str], responses: list[str]) -> list[float]:
     return [float(analyzer.polarity_scores(r)["compound"]) for r in responses]
 
 
-def validate_scores(scores, n: int, name: str) -> list[float]:
-    """Check that ``scores`` holds exactly ``n`` finite real numbers and return them as floats.
+def validate_scores(scores, n: int, name: str) -> List[Optional[float]]:
+    """Check that ``scores`` holds exactly ``n`` finite real numbers or ``None`` and return them
+    as floats (and ``None``).
+
+    ``None`` is TRL's "this reward does not apply to this response" (a math reward on a prompt
+    without an answer): :mod:`pyppo.reward_sum` leaves it out of the weighted sum of the rewards.
+    NaN is not a way to say it: a NaN or infinite score is a bug in the reward, refused here.
 
     Args:
-        scores: what a reward returned: list/tuple of numbers, 1-D numpy array or 1-D tensor.
+        scores: what a reward returned: list/tuple of numbers or ``None``, 1-D numpy array or
+            1-D tensor.
         n: the number of responses it was given.
         name: the reward's name, used in the error messages.
 
     Raises:
         RewardTypeError (a TypeError and a RewardError): ``scores`` is not a sequence, or an
-            element is not a real number.
+            element is neither a real number nor ``None``.
         RewardError (a ValueError): wrong length or shape, or an element is NaN or infinite.
     """
     if isinstance(scores, torch.Tensor):
@@ -146,14 +161,18 @@ def validate_scores(scores, n: int, name: str) -> list[float]:
         )
     if len(scores) != n:
         raise RewardError(f"reward {name!r} returned {len(scores)} scores for {n} responses", reward=name)
-    out = []
+    out: List[Optional[float]] = []
     for i, value in enumerate(scores):
+        if value is None:
+            out.append(None)
+            continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         # bool is an int subclass, but True as a score is almost certainly a bug in the reward.
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise RewardTypeError(
-                f"reward {name!r} returned a non-number at index {i}: {value!r} ({type(value).__name__})",
+                f"reward {name!r} returned a non-number at index {i}: {value!r} ({type(value).__name__}); "
+                "expected a number, or None where the reward does not apply",
                 reward=name,
                 index=i,
                 value=value,
@@ -189,11 +208,15 @@ class _FieldParams(NamedTuple):
     positional: frozenset  # the names of its (prompts, responses) parameters: never passed as fields
     trl: bool = False  # TRL's convention: called with keywords, prompts= (if it takes it) and completions=
     takes_pair: bool = True  # it can be called as (prompts, responses): two positional parameters or *args
+    verl: bool = False  # veRL's compute_score: called per response, solution_str= and the fields by keyword
 
 
 _NO_FIELDS = _FieldParams(frozenset(), frozenset(), False, frozenset())
 #: The parameters of a reward in TRL's convention that are not prompt fields.
 _TRL_ARGS = frozenset({"prompts", "completions"})
+#: The parameter that makes a function veRL's ``compute_score(data_source, solution_str,
+#: ground_truth, extra_info=None)`` (:mod:`pyppo.verl_reward`).
+_VERL_RESPONSE = "solution_str"
 # Per function, so the signature is read once, not at every step; weak, so that a dropped reward
 # (and the model it holds) is freed. A bound method is keyed by its function: every instance
 # takes the same fields.
@@ -207,20 +230,25 @@ def _read_field_params(fn: Callable) -> _FieldParams:
         return _NO_FIELDS
     by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     trl = any(p.name == "completions" and p.kind in by_keyword for p in params)
+    verl = not trl and any(p.name == _VERL_RESPONSE and p.kind in by_keyword for p in params)
     named, required, positional, any_field = set(), set(), [], False
     for p in params:
-        if trl and p.name in _TRL_ARGS:
+        if (trl and p.name in _TRL_ARGS) or (verl and p.name == _VERL_RESPONSE):
             positional.append(p.name)
-        elif not trl and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and len(positional) < 2:
+        elif not (trl or verl) and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and len(positional) < 2:
             positional.append(p.name)
         elif p.kind == p.VAR_KEYWORD:
             any_field = True
         elif p.kind in by_keyword:
             named.add(p.name)
-            if p.default is p.empty:
+            # veRL's reward managers always pass extra_info ({} when the row has none): never missing.
+            if p.default is p.empty and not (verl and p.name == "extra_info"):
                 required.add(p.name)
-    takes_pair = trl or len(positional) == 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
-    return _FieldParams(frozenset(named), frozenset(required), any_field, frozenset(positional), trl, takes_pair)
+    if verl:  # called with keywords only: a positional-only parameter without a default cannot be given
+        takes_pair = not any(p.kind == p.POSITIONAL_ONLY and p.default is p.empty for p in params)
+    else:
+        takes_pair = trl or len(positional) == 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    return _FieldParams(frozenset(named), frozenset(required), any_field, frozenset(positional), trl, takes_pair, verl)
 
 
 def _field_params(fn: Callable) -> _FieldParams:
@@ -239,7 +267,12 @@ def _field_params(fn: Callable) -> _FieldParams:
 
 def reward_takes_fields(reward_fn: RewardFn) -> bool:
     """Whether the reward takes any prompt field: a parameter after ``(prompts, responses)`` or
-    ``**kwargs`` (:func:`check_reward_fields`)."""
+    ``**kwargs`` (:func:`check_reward_fields`); for several rewards
+    (:class:`~pyppo.reward_sum.RewardSum`), whether one of them does."""
+    from .reward_sum import RewardSum  # it builds on this module
+
+    if isinstance(reward_fn, RewardSum):
+        return any(reward_takes_fields(fn) for fn in reward_fn.rewards)
     params = _field_params(reward_fn)
     return params.any or bool(params.named)
 
@@ -249,7 +282,11 @@ def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *, so
 
     A reward requires a field when it has a parameter of that name, after ``(prompts,
     responses)``, without a default; it receives the fields it names (with or without a default)
-    and, with ``**kwargs``, all of them. The signature is read once per function.
+    and, with ``**kwargs``, all of them. The signature is read once per function. veRL's
+    ``compute_score`` (a parameter named ``solution_str``) requires the fields named like its
+    other parameters without a default (``data_source``, ``ground_truth``), but never
+    ``extra_info`` (``{}`` when the prompts have none, as veRL passes it). Several rewards
+    (:class:`~pyppo.reward_sum.RewardSum`) are checked one by one; they receive the union.
 
     Args:
         reward_fn: the reward (a :func:`load_reward` result or any callable).
@@ -261,17 +298,24 @@ def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *, so
 
     Raises:
         RewardError (a ValueError): a required field is missing; the message names the reward,
-            the field and the fields the prompts have. Or the reward cannot be called either way
-            (fewer than two positional parameters and none named ``completions``), naming its
-            signature and the two conventions.
+            the field and the fields the prompts have. Or the reward cannot be called in any
+            convention (fewer than two positional parameters and none named ``completions`` or
+            ``solution_str``), naming its signature and the three conventions.
     """
+    from .reward_sum import RewardSum  # it builds on this module
+
+    if isinstance(reward_fn, RewardSum):
+        taken = [check_reward_fields(fn, field_names, source=source) for fn in reward_fn.rewards]
+        return sorted(set().union(*taken))
     params = _field_params(reward_fn)
     if not params.takes_pair:
         name = reward_name(reward_fn)
         raise RewardError(
             f"reward {name!r} takes {_signature_text(reward_fn)}; a reward is called as reward(prompts, "
-            "responses, **fields), or, TRL's way, as reward(prompts=..., completions=..., **fields) when it has "
-            "a parameter named completions (docs/rewards.md)",
+            "responses, **fields); TRL's way, as reward(prompts=..., completions=..., **fields) when it has "
+            "a parameter named completions; or veRL's, once per response, as compute_score(data_source=..., "
+            "solution_str=..., ground_truth=..., extra_info=...) when it has one named solution_str "
+            "(docs/rewards.md)",
             reward=name,
         )
     names = set(field_names)
@@ -294,47 +338,85 @@ def _signature_text(fn: Callable) -> str:
         return "(...)"
 
 
-def _call_reward(reward_fn: RewardFn, prompts: list, responses: list, fields: Dict[str, list]):
+def _call_reward(reward_fn: RewardFn, prompts: list, responses: list, fields: Dict[str, list], name: str):
     """``reward_fn(prompts, responses, **fields)``, or in TRL's convention (a parameter named
     ``completions``) ``reward_fn(prompts=prompts, completions=responses, **fields)``, ``prompts``
-    only when it takes it."""
+    only when it takes it; or, veRL's ``compute_score`` (a parameter named ``solution_str``), once
+    per response (:func:`pyppo.verl_reward.call_compute_score`: a list of its returns)."""
     params = _field_params(reward_fn)
+    if params.verl:
+        from .verl_reward import call_compute_score  # it builds on this module
+
+        return call_compute_score(reward_fn, responses, fields, name=name, extra_info=_takes(params, "extra_info"))
     if not params.trl:
         return reward_fn(prompts, responses, **fields)
     given = {"prompts": prompts} if params.any or "prompts" in params.positional else {}
     return reward_fn(**given, completions=responses, **fields)
 
 
+def _takes(params: _FieldParams, field: str) -> bool:
+    return params.any or field in params.named
+
+
+def _outputs(reward_fn: RewardFn, raw, n: int, name: str) -> "RewardOutput":
+    """``raw`` (what :func:`_call_reward` returned) checked: one score or ``None`` per response,
+    and, for veRL's ``compute_score``, the numbers of its dict returns (``extras``)."""
+    extras: Dict[str, List[Optional[float]]] = {}
+    if _field_params(reward_fn).verl:
+        from .verl_reward import split_scores  # it builds on this module
+
+        raw, extras = split_scores(raw, name)
+    return RewardOutput(validate_scores(raw, n, name), extras)
+
+
 def _pair_signature(fn: Callable) -> Optional[inspect.Signature]:
-    """A TRL-convention ``fn``'s signature as its :func:`_checked` wrapper takes it: ``(prompts,
-    responses, *, <its fields>)``; ``None`` for any other ``fn`` (the wrapper has its signature)."""
-    if not _field_params(fn).trl:
+    """A TRL- or veRL-convention ``fn``'s signature as its :func:`_checked` wrapper takes it:
+    ``(prompts, responses, *, <its fields>)``; ``None`` for any other ``fn`` (the wrapper has its
+    signature)."""
+    params = _field_params(fn)
+    if not (params.trl or params.verl):
         return None
     P = inspect.Parameter
     kept = [
         p.replace(kind=P.KEYWORD_ONLY) if p.kind == P.POSITIONAL_OR_KEYWORD else p
         for p in inspect.signature(fn).parameters.values()
-        if p.name not in _TRL_ARGS and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY, P.VAR_KEYWORD)
+        if p.name not in params.positional and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY, P.VAR_KEYWORD)
     ]
+    if params.verl:  # the wrapper's extra_info is as optional as veRL makes it
+        kept = [p.replace(default=None) if p.name == "extra_info" and p.default is p.empty else p for p in kept]
     pair = [P("prompts", P.POSITIONAL_OR_KEYWORD), P("responses", P.POSITIONAL_OR_KEYWORD)]
     return inspect.signature(fn).replace(parameters=pair + kept)
 
 
-def score_responses(
+class RewardOutput(NamedTuple):
+    """One reward's checked output for ``B`` responses (:func:`score_reward`)."""
+
+    #: ``B`` floats, ``None`` where the reward does not apply (TRL's convention).
+    scores: List[Optional[float]]
+    #: veRL's ``compute_score`` returning dicts: each other key's numbers (``B`` floats or
+    #: ``None`` where a dict lacks the key or holds no number there), by key; else empty.
+    extras: Dict[str, List[Optional[float]]]
+
+
+def score_reward(
     reward_fn: RewardFn,
     prompts: Sequence[str],
     responses: Sequence[str],
     *,
     where: str,
     fields: Optional[Dict[str, List[Any]]] = None,
-) -> list[float]:
-    """Call ``reward_fn`` and check its output: one finite float per (prompt, response).
+) -> RewardOutput:
+    """Call one reward and check its output: one finite float, or ``None`` (does not apply), per
+    (prompt, response); with veRL's ``compute_score`` also the numbers its dict returns hold.
 
     The reward is called as ``reward_fn(prompts, responses, **{name: column})`` with the columns
     of ``fields`` that it takes (:func:`check_reward_fields`): a parameter of that name, or
     ``**kwargs``; a reward that takes only ``(prompts, responses)`` is called with those. One with
     a parameter named ``completions`` is called TRL's way: ``reward_fn(prompts=prompts,
-    completions=responses, **{name: column})``, ``prompts`` only when it names it or has ``**kwargs``.
+    completions=responses, **{name: column})``, ``prompts`` only when it names it or has
+    ``**kwargs``. One with a parameter named ``solution_str`` is veRL's ``compute_score``, called
+    once per response as veRL's reward managers call it (:mod:`pyppo.verl_reward`). A
+    :func:`load_reward` result is checked here once, not twice.
 
     Args:
         prompts: ``B`` prompt strings.
@@ -347,24 +429,30 @@ def score_responses(
         RewardError: the reward raised, returned bad scores, or requires a field that ``fields``
             lacks; the message names the reward, ``where`` and, for one bad element, the prompt
             and response at fault.
-        ValueError: a column of ``fields`` is not ``B`` long.
+        ValueError: a column of ``fields`` is not ``B`` long, or ``prompts`` is not.
     """
     name = reward_name(reward_fn)
     fields = fields or {}
+    if len(prompts) != len(responses):
+        raise ValueError(f"score_reward: {len(prompts)} prompts but {len(responses)} responses ({where})")
     for field, column in fields.items():
         if len(column) != len(prompts):
             raise ValueError(
-                f"score_responses: field {field!r} has {len(column)} values for {len(prompts)} prompts ({where})"
+                f"score_reward: field {field!r} has {len(column)} values for {len(prompts)} prompts ({where})"
             )
+    # load_reward's wrapper would check the scores and drop a compute_score's extras: its function
+    # is called, and checked, here.
+    fn = getattr(reward_fn, "_unchecked", reward_fn)
     try:
         passed = {field: list(fields[field]) for field in check_reward_fields(reward_fn, fields)}
-        return validate_scores(_call_reward(reward_fn, list(prompts), list(responses), passed), len(responses), name)
+        raw = _call_reward(fn, list(prompts), list(responses), passed, name)
+        return _outputs(fn, raw, len(responses), name)
     except RewardError as exc:
         # Also catches a load_reward wrapper's error: add the pair at fault, don't wrap twice.
         detail = where
         if exc.index is not None and 0 <= exc.index < len(responses):
             i = exc.index
-            detail += f"; prompt {i}: {_clip_text(prompts[i])!r}, response: {_clip_text(responses[i])!r}"
+            detail += f"; prompt {i}: {_clip_text(str(prompts[i]))!r}, response: {_clip_text(responses[i])!r}"
         raise RewardError(f"{exc} ({detail})", reward=exc.reward, index=exc.index, value=exc.value) from exc
     except Exception as exc:
         raise RewardError(
@@ -373,21 +461,47 @@ def score_responses(
         ) from exc
 
 
+def score_responses(
+    reward_fn: RewardFn,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    *,
+    where: str,
+    fields: Optional[Dict[str, List[Any]]] = None,
+) -> List[Optional[float]]:
+    """The scores of :func:`score_reward`: one finite float per (prompt, response), or ``None``
+    where the reward does not apply. Several rewards (:class:`~pyppo.reward_sum.RewardSum`): their
+    weighted sum (:func:`pyppo.reward_sum.score_rewards`), a float for every response.
+
+    Raises:
+        as :func:`score_reward`.
+    """
+    from .reward_sum import RewardSum, score_rewards  # it builds on this module
+
+    if isinstance(reward_fn, RewardSum):
+        return list(score_rewards(reward_fn, prompts, responses, where=where, fields=fields).scores)
+    return score_reward(reward_fn, prompts, responses, where=where, fields=fields).scores
+
+
 def _checked(fn: Callable, name: str) -> RewardFn:
     """Wrap ``fn`` so that every call validates its output (see :func:`validate_scores`). The
     wrapper is called as ``(prompts, responses, **fields)`` and calls ``fn`` in its convention
-    (TRL's keywords or not); its signature is ``fn``'s (``__wrapped__``; for TRL's convention
-    :func:`_pair_signature`), so :func:`score_responses` gives it the fields ``fn`` takes."""
+    (TRL's keywords, veRL's per response, or pyppo's); its signature is ``fn``'s (``__wrapped__``;
+    for TRL's and veRL's conventions :func:`_pair_signature`), so :func:`score_responses` gives it
+    the fields ``fn`` takes. Its ``_unchecked`` is ``fn``, which :func:`score_reward` calls
+    itself (so as to keep a ``compute_score``'s extras)."""
 
     @functools.wraps(fn)
-    def reward(prompts: list[str], responses: list[str], **fields) -> list[float]:
+    def reward(prompts: list[str], responses: list[str], **fields) -> List[Optional[float]]:
         if len(prompts) != len(responses):
             raise RewardError(
                 f"reward {name!r}: got {len(prompts)} prompts but {len(responses)} responses", reward=name
             )
-        return validate_scores(_call_reward(fn, list(prompts), list(responses), fields), len(responses), name)
+        raw = _call_reward(fn, list(prompts), list(responses), fields, name)
+        return _outputs(fn, raw, len(responses), name).scores
 
     reward.reward_name = name
+    reward._unchecked = fn
     pair = _pair_signature(fn)
     if pair is not None:  # the wrapper is called as (prompts, responses), whatever fn's convention
         reward.__signature__ = pair
@@ -398,9 +512,10 @@ class SequenceClassifierReward:
     """A local ``transformers`` sequence-classification model used as a reward.
 
     Each pair is scored as the text ``prompt + response`` (truncated from the left so the response
-    is kept). The score is the single logit of a one-label reward model, else the logit of the
-    positive class: ``label`` if given, else the label whose name starts with "pos" in
-    ``config.id2label``, else class 1 of a two-class model.
+    is kept); a chat-message prompt as the conversation with the response as the assistant's turn
+    (:func:`pyppo.data.messages.classifier_text`). The score is the single logit of a one-label
+    reward model, else the logit of the positive class: ``label`` if given, else the label whose
+    name starts with "pos" in ``config.id2label``, else class 1 of a two-class model.
 
     Args:
         path: directory with ``config.json``, weights and tokenizer files.
@@ -490,7 +605,7 @@ class SequenceClassifierReward:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        texts = [p + r for p, r in zip(prompts, responses)]
+        texts = [classifier_text(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(
@@ -573,7 +688,11 @@ def _import_failed(spec: str, exc: Exception) -> ImportError:
 
 
 #: The rewards ``--reward`` knows by name (matched before any directory of that name).
-BUILTIN_REWARDS: Dict[str, RewardFn] = {"sentiment": sentiment_reward, "math": math_reward}
+BUILTIN_REWARDS: Dict[str, RewardFn] = {
+    "sentiment": sentiment_reward,
+    "math": math_reward,
+    "reasoning-gym": reasoning_gym_reward,  # pyppo.tasks.reasoning_gym: the task's own scorer
+}
 
 #: The fields a multi-turn episode gives a reward besides its prompt record's: ``transcript``,
 #: each episode's ``[{"role": "agent" | "environment", "turn": k, "text": str}, ...]``

@@ -185,7 +185,7 @@ RULE_OFF_ON = {
     "overlong_penalty": ({}, dict(overlong_buffer=4)),
     "lora_alpha": ({}, dict(lora_rank=4)),
     "rollout_correction": ({}, dict(rollout_engine="vllm")),
-    "rollout_is_cap": (dict(rollout_engine="vllm"), dict(rollout_engine="vllm", rollout_correction="token_mask")),
+    "rollout_is_cap": (dict(rollout_engine="vllm", rollout_correction="none"), dict(rollout_engine="vllm")),
     "vllm_kv_cache_gib": ({}, dict(rollout_engine="vllm")),
     "fsdp": ({}, {}),  # turns on the number of processes: 1 where it does not hold, 2 where it does
 }
@@ -330,9 +330,21 @@ def test_with_changes_resets_the_knobs_the_change_leaves_inert():
         plain.rollout_is_cap,
         plain.vllm_kv_cache_gib,
         plain.device,
-    ) == ("transformers", "none", 2.0, 1.0, "cpu")
+    ) == ("transformers", "auto", 2.0, 1.0, "cpu")
     with pytest.raises(InertSettings, match="rollout_is_cap = 1.5"):
         vllm.with_changes(rollout_engine="transformers", rollout_is_cap=1.5)
+
+
+def test_rollout_correction_auto_truncates_vllm_s_samples_only():
+    assert PPOConfig().effective_rollout_correction == "none"
+    assert PPOConfig(rollout_engine="vllm").effective_rollout_correction == "token_truncate"
+    assert PPOConfig(rollout_engine="vllm", rollout_correction="none").effective_rollout_correction == "none"
+    # The cap acts wherever auto corrects; with the transformers engine nothing is corrected.
+    assert PPOConfig(rollout_engine="vllm", rollout_is_cap=3.0).rollout_is_cap == 3.0
+    with pytest.raises(InertSettings, match="rollout_is_cap"):
+        PPOConfig(rollout_is_cap=3.0)
+    # An earlier run's config file names "none" with the transformers engine: still valid.
+    assert PPOConfig(rollout_correction="none").effective_rollout_correction == "none"
 
 
 def test_resume_conflicts_names_the_fixed_changes_and_returns_the_free_ones():

@@ -4,6 +4,7 @@ batch, up to the order of the reductions; a 2-process ``pyppo train`` resumes ex
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -149,6 +150,15 @@ def test_two_ranks_sum_their_counts_and_weigh_their_means(tmp_path):
     # The update's token means: 1.0 over 1 token on rank 0, 0.0 over 3 tokens on rank 1.
     assert ranks["token_stats"] == {"clipfrac": pytest.approx(1 / 4), "ratio_max": 3.0}
     assert ranks["synthetic"] == {"first_max_abs_logratio": 2.0, "first_ratio_min": 0.5, "score_mean": 1.5}
+    # Token means over both ranks' tokens: rank 0 has 1 token (entropy 1, ratio 2), rank 1 has 3
+    # (entropy 0, ratio 1); the mean of the ranks' means would say 1/2 and 3/2.
+    assert ranks["rollout"]["entropy_mean"] == pytest.approx(1 / 4)
+    first = ranks["first"]
+    assert first["first_ratio_mean"] == pytest.approx(5 / 4) and first["first_ratio_max"] == pytest.approx(2.0)
+    assert first["first_ratio_min"] == pytest.approx(1.0) and first["first_max_abs_logratio"] == pytest.approx(
+        math.log(2)
+    )
+    assert first["first_approx_kl"] == pytest.approx((2 - 1 - math.log(2)) / 4)
 
 
 def _rank_metrics_worker(out_path: str) -> None:
@@ -156,7 +166,7 @@ def _rank_metrics_worker(out_path: str) -> None:
 
     from pyppo import distributed
     from pyppo.trainer.sampling import _episode_metrics
-    from pyppo.trainer.step_stats import RunningStats
+    from pyppo.trainer.step_stats import RunningStats, ratio_stats, rollout_metrics
     from support.trainer_fixture import small_config
 
     step_metrics = []
@@ -191,6 +201,21 @@ def _rank_metrics_worker(out_path: str) -> None:
         "token_stats": stats.means(world),
         "synthetic": distributed.reduce_metrics(synthetic, world),
     }
+    tokens = torch.tensor([[True, False, False]]) if r == 0 else torch.ones(1, 3, dtype=torch.bool)
+    rollout = SimpleNamespace(
+        raw_scores=torch.zeros(1),
+        rewards=torch.zeros(1, 3),
+        entropy=torch.full((1, 3), 1.0 - r),
+        loss_mask=tokens,
+        response_mask=tokens,
+        has_eos=torch.ones(1, dtype=torch.bool),
+    )
+    result["rollout"] = distributed.reduce_metrics(rollout_metrics(rollout, world), world)
+    micro = SimpleNamespace(
+        logprobs=torch.full((1, 3), math.log(2.0) * (1 - r)), old_logprobs=torch.zeros(1, 3), loss_mask=tokens
+    )
+    first = {f"first_{k}": v for k, v in ratio_stats([micro], world).items()}
+    result["first"] = distributed.reduce_metrics(first, world)
     if r == 0:
         torch.save(result, out_path)
     distributed.barrier(world)

@@ -1,4 +1,5 @@
-"""pyppo.prompts: the built-in prompt sets, .jsonl loading (records with fields) and the sampler."""
+"""pyppo.prompts: the built-in prompt sets, .jsonl loading (records with fields, message prompts), the
+sources a run records, and the sampler (the other formats: tests/test_prompt_files.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pyppo.prompts import (
     load_prompts,
     prompt_columns,
     prompt_fields,
+    resolve_prompt_source,
 )
 
 #: The first held-out arithmetic problems and the hash of all of them: a change to the set changes
@@ -56,7 +58,18 @@ def test_load_prompts(tmp_path):
         ('{"prompt": ""}', r':2: "prompt" must be a non-empty string'),
         ('{"prompt": 3}', r':2: "prompt" must be a non-empty string, got 3'),
         ('{"prompt": " ", "id": 1}', r':2: "prompt" must be a non-empty string'),
-        ('{"prompt": ["x"]}', r':2: "prompt" must be a non-empty string, got \[\'x\'\]'),
+        ('{"prompt": ["x"]}', r':2: "prompt" message 0 must be a mapping \{"role": ..., "content": ...\}, got \'x\''),
+        ('{"prompt": []}', r':2: "prompt" must be a non-empty string, got \[\] \(or a list of chat messages'),
+        ('{"prompt": {"role": "user"}}', r':2: "prompt" must be a non-empty string, got \{\'role\': \'user\'\}'),
+        (
+            '{"prompt": [{"role": "bot", "content": "x"}]}',
+            r":2: \"prompt\" message 0: \"role\" must be one of 'system', 'user', 'assistant', got 'bot'",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": 3}]}',
+            r':2: "prompt" message 0 \(user\): "content" must be a str, got 3$',
+        ),
+        ('{"prompt": [{"role": "user"}]}', r':2: "prompt" message 0 \(user\): "content" must be a str, got None'),
         ('{"prompt": "a", "prompt": "b"}', r":2: key 'prompt' appears more than once in the object"),
         ('{"prompt": "a", "meta": {"k": 1, "k": 2}}', r":2: key 'k' appears more than once"),
     ],
@@ -158,9 +171,9 @@ def test_sampler_takes_records():
     sampled = PromptSampler(records, seed=3).sample(12)
     assert [r["prompt"] for r in sampled] == strings  # the same order as the strings'
     assert all(r["answer"] == r["prompt"][1:] for r in sampled)
-    with pytest.raises(ValueError, match=r"prompts\[1\] must be a str or a mapping with a str \"prompt\", got dict"):
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a str, a list of chat messages, or a mapping .*dict"):
         PromptSampler(["a", {"answer": "1"}], seed=0)
-    with pytest.raises(ValueError, match=r"prompts\[0\] must be a str .* got int"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a str, .* got int"):
         PromptSampler([3], seed=0)
 
 
@@ -217,3 +230,24 @@ def test_builtin_sets_by_name(tmp_path, monkeypatch):
     assert load_prompt_records("./arithmetic") == [{"prompt": "from the file"}]
     with pytest.raises(FileNotFoundError, match="'arithmetics' does not exist"):
         load_prompt_records("arithmetics")
+
+
+# ----------------------------------------------------------------------- sources as a run records them
+
+
+def test_resolve_prompt_source(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_lines(tmp_path / "p.jsonl", {"prompt": "a"})
+    assert resolve_prompt_source("arithmetic") == "arithmetic"  # a name stays a name
+    assert resolve_prompt_source("p.jsonl") == str((tmp_path / "p.jsonl").resolve())
+    (tmp_path / "saved").mkdir()
+    assert resolve_prompt_source("./saved", flag="--eval-prompts") == str((tmp_path / "saved").resolve())
+    with pytest.raises(FileNotFoundError, match=r"^--eval-prompts 'none\.jsonl': no such file or directory$"):
+        resolve_prompt_source("none.jsonl", flag="--eval-prompts")
+
+
+def test_a_jsonl_file_of_message_prompts(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?", "name": "u"}]
+    path = _write_lines(tmp_path / "m.jsonl", {"prompt": messages, "answer": "1"}, {"prompt": "plain", "answer": "2"})
+    assert load_prompt_records(path) == [{"prompt": messages, "answer": "1"}, {"prompt": "plain", "answer": "2"}]
+    assert load_prompts(path) == [messages, "plain"]

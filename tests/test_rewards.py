@@ -110,7 +110,7 @@ def test_builtin_names_come_before_directories(tmp_path, monkeypatch):
         ([1.0, float("nan"), 0.0], ValueError, r"'bad' returned a non-finite score at index 1: nan"),
         ([1.0, 2.0, float("inf")], ValueError, r"index 2: inf"),
         ([1.0, "high", 0.0], TypeError, r"non-number at index 1: 'high'"),
-        ([None, 1.0, 0.0], TypeError, r"index 0: None"),
+        ([{"score": 1.0}, 1.0, 0.0], TypeError, r"index 0: \{'score': 1.0\} \(dict\); expected a number, or None"),
         ([True, 1.0, 0.0], TypeError, r"index 0: True"),
         ([1.0, 2.0], ValueError, r"returned 2 scores for 3 responses"),
         (0.5, TypeError, r"returned float; expected a list of 3 floats"),
@@ -343,8 +343,10 @@ def test_a_trl_reward_trains_and_one_that_fits_no_convention_is_refused_before_t
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"pyppo: error: reward '{tmp_path / 'one_arg.py'}:score' takes (responses); a reward is called as "
-        "reward(prompts, responses, **fields), or, TRL's way, as reward(prompts=..., completions=..., **fields) "
-        "when it has a parameter named completions (docs/rewards.md)"
+        "reward(prompts, responses, **fields); TRL's way, as reward(prompts=..., completions=..., **fields) "
+        "when it has a parameter named completions; or veRL's, once per response, as compute_score("
+        "data_source=..., solution_str=..., ground_truth=..., extra_info=...) when it has one named solution_str "
+        "(docs/rewards.md)"
     )
     assert not (tmp_path / "run").exists()
 
@@ -371,3 +373,102 @@ def test_a_reward_module_whose_own_code_fails_names_its_file_and_line(
             f"reward {spec!r}: importing it failed at {path}, line {line} ({statement}): {error}"
         ), str(info.value)
     assert isinstance(info.value, ModuleNotFoundError) == error.startswith("ModuleNotFoundError")
+
+
+# ----------------------------------------------------------------------------- None and veRL's compute_score
+
+
+def test_none_means_does_not_apply_and_nan_stays_refused():
+    assert validate_scores([None, 1.0, np.float32(2)], 3, "r") == [None, 1.0, 2.0]
+    assert validate_scores(np.array([None, 0.5], dtype=object), 2, "r") == [None, 0.5]
+
+    def half(prompts, responses):
+        return [None if i % 2 else 1.0 for i in range(len(responses))]
+
+    assert score_responses(load_reward(half), ["p", "q"], ["a", "b"], where="s") == [1.0, None]
+    with pytest.raises(RewardError, match=r"non-finite score at index 1: nan"):
+        validate_scores([None, math.nan], 2, "r")
+
+
+CALLS = []
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    given = dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth)
+    CALLS.append({**given, "extra_info": dict(extra_info)})
+    extra_info["num_turns"] = None  # as veRL's reward manager writes into it
+    return {"score": float(solution_str == ground_truth), "acc": solution_str == ground_truth, "pred": solution_str}
+
+
+VERL_FIELDS = {"data_source": ["gsm8k", "gsm8k"], "ground_truth": ["5", "7"], "id": [1, 2]}
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["callable", "load_reward"])
+def test_a_verl_compute_score_is_called_per_response_with_its_columns(wrap):
+    reward_fn = load_reward(compute_score) if wrap else compute_score
+    assert check_reward_fields(reward_fn, [*VERL_FIELDS, "extra_info"]) == ["data_source", "extra_info", "ground_truth"]
+    CALLS.clear()
+    out = rewards.score_reward(reward_fn, ["p", "q"], ["5", "8"], where="step 1", fields=VERL_FIELDS)
+    assert out.scores == [1.0, 0.0] and out.extras == {"acc": [1.0, 0.0]}  # "pred" holds no number
+    # veRL's keywords; extra_info is {} for a record without one (veRL: non_tensor_batch.get("extra_info", {}))
+    assert CALLS == [
+        dict(data_source="gsm8k", solution_str="5", ground_truth="5", extra_info={}),
+        dict(data_source="gsm8k", solution_str="8", ground_truth="7", extra_info={}),
+    ]
+    records = [{"level": 1}, {"level": 2}]
+    fields = {**VERL_FIELDS, "extra_info": records}
+    assert score_responses(reward_fn, ["p", "q"], ["5", "7"], where="s", fields=fields) == [1.0, 1.0]
+    assert CALLS[-1]["extra_info"] == {"level": 2} and records[1] == {"level": 2}  # given a copy
+
+
+def test_a_verl_compute_score_needs_its_columns_and_returns_a_score():
+    with pytest.raises(
+        RewardError,
+        match=r"^reward 'compute_score' needs the prompt fields 'data_source', 'ground_truth', missing from "
+        r"--prompts 'p.jsonl', whose fields besides \"prompt\" are: 'answer'$",
+    ):
+        check_reward_fields(compute_score, ["answer"], source="--prompts 'p.jsonl'")
+
+    def no_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"acc": 1.0}
+
+    with pytest.raises(
+        RewardError,
+        match=r"^reward 'no_score' returned a dict without a 'score' key at index 0 \(its keys: 'acc'\); veRL's "
+        r"compute_score returns a number or \{'score': number, \.\.\.\} \(step 2; prompt 0: 'p', response: '5'\)$",
+    ):
+        score_responses(no_score, ["p", "q"], ["5", "7"], where="step 2", fields=VERL_FIELDS)
+
+    def flags(solution_str, **kwargs):  # only solution_str: **kwargs gets the columns, extra_info {}
+        assert kwargs["extra_info"] == {} and kwargs["ground_truth"] in ("5", "7")
+        return [True, None][int(kwargs["id"]) - 1]  # a bool is a score (veRL's default_compute_score)
+
+    assert score_responses(flags, ["p", "q"], ["5", "7"], where="s", fields=VERL_FIELDS) == [1.0, None]
+
+    def fails(data_source, solution_str, ground_truth):
+        return 1 / int(solution_str)
+
+    with pytest.raises(
+        RewardError, match=r"^reward 'fails' raised ZeroDivisionError at index 1: division by zero \(s; prompt 1: 'q'"
+    ):
+        score_responses(fails, ["p", "q"], ["5", "0"], where="s", fields=VERL_FIELDS)
+
+    def positional_only(data_source, /, solution_str, ground_truth):  # veRL passes keywords: it cannot be called
+        return 0.0
+
+    with pytest.raises(RewardError, match=r"or veRL's, once per response, as compute_score\(data_source=\.\.\."):
+        check_reward_fields(positional_only, VERL_FIELDS)
+
+
+def test_a_verl_compute_score_file_spec(tmp_path):
+    _write_module(
+        tmp_path,
+        "verl_reward_file",
+        """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 1.0 if solution_str.strip() == ground_truth else 0.0
+        """,
+    )
+    fn = load_reward(f"{tmp_path / 'verl_reward_file.py'}:compute_score")
+    assert fn(["p", "q"], ["5", "6"], data_source=["a", "b"], ground_truth=["5", "7"]) == [1.0, 0.0]
+    assert score_responses(fn, ["p", "q"], [" 7", "7"], where="s", fields=VERL_FIELDS) == [0.0, 1.0]

@@ -186,8 +186,8 @@ class AgentEngine:
         return self._rollout(rows, episodes)
 
     def _start(self, row: Mapping[str, Any], seed: int, group: int) -> _Live:
-        if "prompt" not in row or not isinstance(row["prompt"], str):
-            raise ValueError(f"a prompt record needs a 'prompt' string, got fields {sorted(row)}")
+        if "prompt" not in row or not isinstance(row["prompt"], (str, list, tuple)):
+            raise ValueError(f"a prompt record needs a 'prompt' string or message list, got fields {sorted(row)}")
         env = self.make_env()
         appended = env.reset(dict(row), seed)
         if appended is not None and not isinstance(appended, str):

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from pyppo.data.messages import check_prompt, check_renderable, is_prompt
 from pyppo.rollout.tokens import _uses_template
 
 __all__ = ["ChatRenderer", "PLAIN_SEPARATOR"]
@@ -106,29 +107,38 @@ class ChatRenderer:
     # ------------------------------------------------------------------------------------------
     # the prompt
 
-    def messages(self, prompt: str, appended: Optional[str]) -> List[Dict[str, Any]]:
+    def messages(self, prompt: Union[str, Sequence[Dict[str, Any]]], appended: Optional[str]) -> List[Dict[str, Any]]:
         """The episode's leading messages: one user message, ``prompt + appended`` (the text an
         environment's ``reset()`` returns, concatenated with no separator, as TRL's
         ``GRPOTrainer`` does, so an environment written for TRL gives the same prompt; an
         environment that wants a separator starts its text with it), preceded by a system message
-        with the tools' text where the tools go in the system prompt.
+        with the tools' text where the tools go in the system prompt. A chat-message prompt
+        (:mod:`pyppo.data.messages`) starts the conversation as it is, ``appended`` added to its
+        last user message; it needs the chat template.
 
         Args:
-            prompt: the prompt record's text.
+            prompt: the prompt record's text, or its list of chat messages.
             appended: ``reset()``'s text, or ``None``.
 
         Returns:
-            ``[{"role": "user", "content": str}]``, or ``[{"role": "system", ...}, that]``.
+            ``[{"role": "user", "content": str}]`` (or the prompt's messages), preceded by the tools'
+            system message where they go in the system prompt (or added to the prompt's own).
 
         Raises:
-            TypeError: ``prompt`` or ``appended`` is not a string.
+            TypeError: ``prompt`` is neither a string nor a list of mappings, or ``appended`` is
+                not a string.
+            ValueError: a bad message (:func:`pyppo.data.messages.check_prompt`), a message prompt
+                without the chat template, or with ``appended`` and no user message to add it to.
         """
-        if not isinstance(prompt, str) or not (appended is None or isinstance(appended, str)):
+        if not is_prompt(prompt) or not (appended is None or isinstance(appended, str)):
             raise TypeError(
-                f"prompt must be a str and appended a str or None, got {type(prompt).__name__} and "
-                f"{type(appended).__name__}"
+                f"prompt must be a str or a list of chat messages (mappings) and appended a str or None, got "
+                f"{type(prompt).__name__} and {type(appended).__name__}"
             )
-        leading = [{"role": "user", "content": prompt + (appended or "")}]
+        if isinstance(prompt, str):
+            leading = [{"role": "user", "content": prompt + (appended or "")}]
+        else:
+            leading = _conversation(prompt, appended, self.uses_template)
         if self._tools_text is not None:
             leading = _with_system_text(leading, self._tools_text)
         return leading
@@ -359,6 +369,21 @@ def _missing_contents(reply: List[Dict[str, Any]], text: str) -> List[int]:
         else:
             missing.append(i)
     return missing
+
+
+def _conversation(
+    prompt: Sequence[Dict[str, Any]], appended: Optional[str], uses_template: bool
+) -> List[Dict[str, Any]]:
+    """A message prompt's messages as an episode's start: copies, ``appended`` added to the last
+    user message's content (as to a string prompt's one user message)."""
+    leading = check_prompt(prompt, "the episode's prompt")
+    check_renderable([leading], uses_template=uses_template, what="episode prompts")
+    if appended:
+        users = [i for i, m in enumerate(leading) if m.get("role") == "user"]
+        if not users:
+            raise ValueError("the prompt's messages have no user message to add the environment's reset() text to")
+        leading[users[-1]]["content"] += appended
+    return leading
 
 
 def _with_system_text(messages: List[Dict[str, Any]], text: str) -> List[Dict[str, Any]]:

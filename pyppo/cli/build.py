@@ -3,12 +3,13 @@ by ``pyppo train`` and ``pyppo profile`` alike."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from .. import models, rewards
 from .. import prompts as prompt_sets
 from ..config import PPOConfig
 from ..distributed import local_device
+from ..reward_sum import load_rewards
 from ..run.trainer import PPOTrainer
 
 __all__ = ["check_sources", "build_trainer"]
@@ -61,15 +62,17 @@ def _check_fields(
 
 def check_sources(
     model: str,
-    reward: str,
+    reward: Union[str, Sequence[str]],
     prompts: Optional[str],
     device: str,
     eval_prompts: Optional[str] = None,
     env: Optional[str] = None,
     env_eval: bool = False,
+    reward_weights: Optional[Sequence[float]] = None,
 ):
     """The cheap checks, before anything large is loaded: the model source exists, the prompts
-    parse, the reward loads and the prompts have the fields it requires. Returns ``(reward_fn,
+    parse, the reward loads (several: their :class:`~pyppo.reward_sum.RewardSum`, weighted by
+    ``reward_weights``) and the prompts have the fields it requires. Returns ``(reward_fn,
     prompts, eval prompts or None)``, the prompts as the trainer takes them: strings, or records
     (dicts) when the set has fields besides ``"prompt"``.
 
@@ -92,13 +95,16 @@ def check_sources(
         from ..agents.registry import declared_prompts, load_environment
 
         env_class = load_environment(env)
-    if reward == "none":
+    specs = [reward] if isinstance(reward, str) else list(reward)
+    if "none" in specs and (len(specs) > 1 or reward_weights is not None):
+        raise ValueError("--reward none (the environment pays alone) takes no other reward and no --reward-weights")
+    if specs == ["none"]:
         if env_class is None:
             raise ValueError("--reward none needs --env: without an environment nothing would pay the responses")
         reward_fn = None
     else:
         try:
-            reward_fn = rewards.load_reward(reward, device=local_device(device))
+            reward_fn = load_rewards(specs, reward_weights, device=local_device(device))
         except (AttributeError, TypeError) as exc:  # "module:function" naming a missing or non-callable attribute
             raise ValueError(str(exc)) from None
         except (OSError, ValueError, ImportError) as exc:
@@ -130,7 +136,8 @@ def build_trainer(
     config: PPOConfig,
     *,
     model: str = models.DEFAULT_MODEL,
-    reward: str = "sentiment",
+    reward: Union[str, Sequence[str]] = "sentiment",
+    reward_weights: Optional[Sequence[float]] = None,
     prompts: Optional[str] = None,
     eval_prompts: Optional[str] = None,
     env: Optional[str] = None,
@@ -143,7 +150,9 @@ def build_trainer(
         config: the run's settings (``config.device`` places the models).
         model: ``"smollm2-135m-instruct"``, a local Hugging Face model directory or a ``.gguf`` file;
             also the reference (a frozen copy) and the value model's backbone (a trainable copy).
-        reward: a :func:`pyppo.rewards.load_reward` spec.
+        reward: a :func:`pyppo.rewards.load_reward` spec, or a list of them (several rewards,
+            whose weighted sum is the score: :class:`pyppo.reward_sum.RewardSum`).
+        reward_weights: one weight per reward; ``None``: 1.0 each.
         prompts: a ``.jsonl`` file of ``{"prompt": ..., <fields>}`` lines or a built-in set's name
             (:func:`pyppo.prompts.load_prompt_records`); ``None`` = the default prompts. With
             fields besides ``"prompt"`` the trainer gets the records (dicts), else the strings.
@@ -160,7 +169,14 @@ def build_trainer(
         ``value_model``, :func:`pyppo.run.checkpoint.load_trained_value_model`.
     """
     reward_fn, prompt_list, eval_list = check_sources(
-        model, reward, prompts, config.device, eval_prompts, env, env_eval=bool(config.eval_every)
+        model,
+        reward,
+        prompts,
+        config.device,
+        eval_prompts,
+        env,
+        env_eval=bool(config.eval_every),
+        reward_weights=reward_weights,
     )
     if before_loading is not None:
         before_loading()

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 from pyppo.agents.types import EnvironmentContractError
+from pyppo.rollout.vllm_support import VLLMStartError
 
 __all__ = [
     "CLIError",
@@ -32,8 +33,9 @@ class CLIError(Exception):
 # Exceptions that mean "the user asked for something that cannot be done" rather than a bug:
 # missing files (OSError), bad values (ValueError), missing packages (ImportError), an --env that
 # breaks the environment contract (EnvironmentContractError, a TypeError naming the environment;
-# other TypeErrors stay tracebacks). The command line prints them as one line and exits 2.
-USER_ERRORS = (CLIError, OSError, ValueError, ImportError, EnvironmentContractError)
+# other TypeErrors stay tracebacks), a policy vLLM cannot run (VLLMStartError). The command line
+# prints them as one line and exits 2.
+USER_ERRORS = (CLIError, OSError, ValueError, ImportError, EnvironmentContractError, VLLMStartError)
 
 
 def flag_name(name: str) -> str:
@@ -65,10 +67,16 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: dict) -> None:
     for name, knob in config_knobs():
         if knob.group not in groups:
             groups[knob.group] = parser.add_argument_group(f"PPO settings: {knob.group}")
-        shown = "none" if defaults[name] is None else defaults[name]
+        shown = defaults[name]
+        if shown is None or shown == ():
+            shown = "none"
+        elif isinstance(shown, tuple):
+            shown = " ".join(shown)
         kwargs = dict(dest=name, default=argparse.SUPPRESS, help=f"{knob.help} (default: {shown})")
         if knob.check.kind == "bool":
             groups[knob.group].add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kwargs)
+        elif knob.check.kind == "list":  # several words; none at all sets the empty list
+            groups[knob.group].add_argument(flag_name(name), nargs="*", metavar=knob.check.metavar, **kwargs)
         else:
             metavar = knob.check.metavar + ("|none" if knob.optional else "")
             groups[knob.group].add_argument(flag_name(name), type=_flag_type(knob), metavar=metavar, **kwargs)
@@ -89,9 +97,12 @@ def field_defaults(preset: dict) -> dict:
 
 
 def shown_as_flag(name: str, value) -> str:
-    """A setting as the flag that gives it: ``--lora-alpha 8.0``, ``--no-merge-lora``, ``--target-kl none``."""
+    """A setting as the flag that gives it: ``--lora-alpha 8.0``, ``--no-merge-lora``, ``--target-kl none``,
+    ``--report-to tensorboard wandb``."""
     if isinstance(value, bool):
         return flag_name(name) if value else "--no-" + name.replace("_", "-")
+    if isinstance(value, (list, tuple)):
+        return " ".join([flag_name(name), *value])
     return f"{flag_name(name)} {'none' if value is None else value}"
 
 
@@ -117,10 +128,16 @@ def make_config(settings: dict, flags: dict | None = None):
 
 
 def add_source_flags(
-    p: argparse.ArgumentParser, *, required_defaults: bool = False, eval_prompts: bool = True, value_model: bool = False
+    p: argparse.ArgumentParser,
+    *,
+    required_defaults: bool = False,
+    eval_prompts: bool = True,
+    value_model: bool = False,
+    several_rewards: bool = False,
 ) -> None:
     """``--model``, ``--reward``, ``--prompts`` (what to train; shared with ``pyppo profile``) and,
-    with ``eval_prompts``, ``--eval-prompts``; with ``value_model``, ``--value-model``."""
+    with ``eval_prompts``, ``--eval-prompts``; with ``value_model``, ``--value-model``; with
+    ``several_rewards``, ``--reward`` may be repeated (a list) and ``--reward-weights`` weighs them."""
     from pyppo.models import DEFAULT_MODEL
 
     src = p.add_argument_group("what to train")
@@ -134,12 +151,23 @@ def add_source_flags(
         "--reward",
         metavar="SPEC",
         default="sentiment" if required_defaults else None,
+        action="append" if several_rewards else "store",
         help="'sentiment' (default, VADER compound of the response), 'math' (1.0 when the response's "
         'final answer, its last \\boxed{} or number, equals the prompt\'s "answer", else 0.0), '
         "'module:function', 'file.py:function' (a function of (prompts, responses) and any prompt "
-        "fields it names), a local HF sequence-classification model dir, or 'none' with --env (the "
-        "environment pays alone)",
+        "fields it names, TRL's reward function or veRL's compute_score), a local HF sequence-classification "
+        "model dir, or 'none' with --env (the environment pays alone)"
+        + ("; repeat it for several rewards: the score is their weighted sum" if several_rewards else ""),
     )
+    if several_rewards:
+        src.add_argument(
+            "--reward-weights",
+            metavar="W",
+            nargs="+",
+            type=float,
+            help="one weight per --reward, in their order: the score is the sum of weight x reward over the "
+            "rewards that apply (not None) (default: 1.0 each)",
+        )
     src.add_argument(
         "--prompts",
         metavar="FILE.jsonl|NAME",

@@ -1,10 +1,12 @@
-"""``pyppo info``: versions and build flags of the installed pyppo, and the peers it patches."""
+"""``pyppo info``: versions and build flags of the installed pyppo, the peers it patches, and the
+prompt sources ``--prompts`` takes (the built-in sets, the file formats, reasoning-gym's tasks)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import textwrap
 
 __all__ = ["cmd_info", "collect_info"]
 
@@ -35,7 +37,23 @@ def collect_info() -> dict:
         "vllm": _vllm_distribution(),
         "allocator": _allocator(),
         "dtype_auto": _dtype_auto(),
+        "prompt_sources": _prompt_sources(),
     }
+
+
+def _prompt_sources() -> dict:
+    """What ``--prompts`` takes besides a path: the built-in sets, the file suffixes, and
+    reasoning-gym's tasks (``tasks`` ``None`` when it is not installed, with the ``error``)."""
+    from pyppo.data import SUFFIXES
+    from pyppo.prompts import BUILTIN_PROMPT_SETS
+    from pyppo.tasks import reasoning_gym
+
+    gym: dict = {"version": reasoning_gym.task_version(), "tasks": None}
+    try:
+        gym["tasks"] = reasoning_gym.task_names()
+    except ImportError as exc:
+        gym["error"] = str(exc)
+    return {"builtin": sorted(BUILTIN_PROMPT_SETS), "file_suffixes": list(SUFFIXES), "reasoning_gym": gym}
 
 
 def _allocator() -> dict:
@@ -153,7 +171,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         else:
             value = f"{st['installed']} (adapters written for {written}: patch() needs force=True)"
         rows.append((f"integration {peer}", value))
+    sources = info["prompt_sources"]
+    rows.append(
+        (
+            "prompt sets",
+            f"{', '.join(sources['builtin'])}; files {' '.join(sources['file_suffixes'])}, save_to_disk directories",
+        )
+    )
+    gym = sources["reasoning_gym"]
+    if gym["tasks"] is None:
+        rows.append(("reasoning-gym", "not installed (pip install 'pyppo[reasoning-gym]')"))
+    else:
+        usage = "--prompts reasoning-gym:TASK?size=N&seed=S"
+        rows.append(("reasoning-gym", f"{gym['version']}: {len(gym['tasks'])} tasks, {usage}"))
+        rows.append(("reasoning-gym tasks", textwrap.fill(", ".join(gym["tasks"]), 100, break_on_hyphens=False)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+        print(f"{key:<{width}}  {value}".replace("\n", "\n" + " " * (width + 2)))
     return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from ..run.rundir import OUTPUT_FILES, RunDir, check_output_dir
+from ..tasks.reasoning_gym import canonical_task_spec, is_task_spec
 from .flags import (
     PROG,
     USER_ERRORS,
@@ -41,7 +42,8 @@ __all__ = [
 ]
 
 #: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
-RUN_KEYS = ("model", "reward", "prompts", "eval_prompts", "env", "value_model")
+#: ``reward`` is one spec or a list of them, ``reward_weights`` their weights (docs/rewards.md).
+RUN_KEYS = ("model", "reward", "reward_weights", "prompts", "eval_prompts", "env", "value_model")
 
 #: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
 #: default (SmolLM2-135M, sentiment reward) shows its mean score rising within 15 minutes on a
@@ -81,10 +83,58 @@ def _same_source(a: str, b) -> bool:
     """Whether two model/reward/prompts specs name the same thing (paths compared resolved)."""
     if not isinstance(b, str):
         return False
+    if is_task_spec(a) and is_task_spec(b):  # two spellings of one reasoning-gym set
+        return canonical_task_spec(a) == canonical_task_spec(b)
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
     if pa.exists() or pb.exists():
         return pa.resolve() == pb.resolve()
     return a == b
+
+
+def _reward_specs(value) -> list:
+    """``reward`` as a list of specs (one spec is a list of one)."""
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _same_run_value(key: str, a, b) -> bool:
+    """Whether two values of the run key ``key`` name the same thing: the rewards spec by spec, in
+    order; the weights as numbers; a source as :func:`_same_source`."""
+    if key == "reward":
+        a, b = _reward_specs(a), _reward_specs(b)
+        return len(a) == len(b) and all(_same_source(x, y) for x, y in zip(a, b))
+    if key == "reward_weights":
+        return [float(w) for w in a] == [float(w) for w in b]
+    return _same_source(a, b)
+
+
+def _shown(value):
+    """A run key's value as a message shows it: one repeated flag's value (``--reward math``) as is."""
+    return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) else value
+
+
+def _recorded(resumed: dict, key: str):
+    """The resumed run's value of ``key``; its weights are 1.0 per reward when it names none."""
+    if key == "reward_weights" and key not in resumed and "reward" in resumed:
+        return [1.0] * len(_reward_specs(resumed["reward"]))
+    return resumed.get(key)
+
+
+def _check_run_value(key: str, value, where: str) -> None:
+    """A config file's ``reward`` (a spec or a non-empty list of them), ``reward_weights`` (a list
+    of numbers) or other source (a string).
+
+    Raises:
+        CLIError: naming ``where`` and the key.
+    """
+    if key == "reward" and isinstance(value, list):
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise CLIError(f"{where}: 'reward' must be a spec or a non-empty list of specs, got {value!r}")
+    elif key == "reward_weights":
+        numbers = isinstance(value, list) and all(type(w) in (int, float) for w in value)  # not a bool
+        if not numbers:
+            raise CLIError(f"{where}: 'reward_weights' must be a list of numbers, one per reward, got {value!r}")
+    elif not isinstance(value, str):
+        raise CLIError(f"{where}: {key!r} must be a string, got {value!r}")
 
 
 def _check_keys(table: dict, where: str) -> dict:
@@ -112,8 +162,8 @@ def _check_keys(table: dict, where: str) -> dict:
                 knobs[key].validate(key, value)
             except ValueError as exc:
                 raise CLIError(f"{where}: {exc}") from None
-        elif not isinstance(value, str):
-            raise CLIError(f"{where}: {key!r} must be a string, got {value!r}")
+        else:
+            _check_run_value(key, value, where)
         out[key] = value
     return out
 
@@ -150,12 +200,14 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
             prompts or a setting that a resume cannot change (all of those named in one line).
     """
     from pyppo.models import DEFAULT_MODEL
-    from pyppo.prompts import BUILTIN_PROMPT_SETS
+    from pyppo.prompts import resolve_prompt_source
     from pyppo.rewards import BUILTIN_REWARDS
+    from pyppo.tasks.reasoning_gym import check_held_out
 
     merged: dict = {
         "model": DEFAULT_MODEL,
         "reward": None,
+        "reward_weights": None,
         "prompts": None,
         "eval_prompts": None,
         "env": None,
@@ -179,12 +231,13 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         from_file = _check_keys(_read_toml(path, "--config"), str(path))
         merged.update(from_file)
     for key in RUN_KEYS:
+        recorded = _recorded(resumed, key)
         for source, value in ((f"{args.config}: {key} =", from_file.get(key)), (flag_name(key), getattr(args, key))):
-            # A resumed run continues the same model, reward and prompts: switching them mid-run
+            # A resumed run continues the same model, rewards and prompts: switching them mid-run
             # would make its checkpoint and its config.toml describe different experiments.
-            if value is not None and key in resumed and not _same_source(value, resumed[key]):
+            if value is not None and recorded is not None and not _same_run_value(key, value, recorded):
                 raise CLIError(
-                    f"{source} {value!r} differs from the resumed run's {key} {resumed[key]!r}; "
+                    f"{source} {_shown(value)!r} differs from the resumed run's {key} {_shown(recorded)!r}; "
                     "start a new run (--output) to change it"
                 )
             if value is not None and key == "value_model" and resume_dir is not None and key not in resumed:
@@ -214,13 +267,17 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
     # Paths are stored absolute in the resolved config, so `--resume` works from any directory;
-    # a built-in set's name ("arithmetic") is kept as it is.
+    # a built-in set's name ("arithmetic") is kept as it is, a reasoning-gym spec with every option.
     for key in ("prompts", "eval_prompts"):
-        if run[key] and run[key] not in BUILTIN_PROMPT_SETS:
-            path = Path(run[key]).expanduser()
-            if not path.is_file():
-                raise CLIError(f"{flag_name(key)} {run[key]!r}: no such file")
-            run[key] = str(path.resolve())
+        if run[key]:
+            try:
+                run[key] = resolve_prompt_source(run[key], flag=flag_name(key))
+            except (OSError, ValueError, ImportError) as exc:
+                raise CLIError(str(exc)) from None
+    try:
+        check_held_out(run["prompts"], run["eval_prompts"])
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     model_path = Path(run["model"]).expanduser()
     if model_path.exists():
         run["model"] = str(model_path.resolve())
@@ -228,18 +285,23 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         run["env"] = _resolved_env(run["env"])
     if run["reward"] is None:  # the environment's own reward, else the default one
         run["reward"] = _env_reward(run["env"]) if run["env"] is not None else "sentiment"
-    if not isinstance(run["reward"], str) or not run["reward"]:
-        raise CLIError(
-            f"--reward must be 'sentiment', 'math', a model directory or 'module:function', got {run['reward']!r}"
-        )
-    reward_path = Path(run["reward"]).expanduser()
-    # A built-in reward's name ("math") stays one, even beside a directory of that name.
-    if reward_path.is_dir() and run["reward"] not in BUILTIN_REWARDS:
-        run["reward"] = str(reward_path.resolve())
-    elif ".py:" in run["reward"]:  # file.py:function: the file, found from any directory later
-        file, _, function = run["reward"].rpartition(":")
-        if Path(file).expanduser().is_file():
-            run["reward"] = f"{Path(file).expanduser().resolve()}:{function}"
+    specs = [_resolved_reward(spec, BUILTIN_REWARDS) for spec in _reward_specs(run["reward"])]
+    run["reward"] = specs[0] if len(specs) == 1 else specs  # one reward is written as before
+    if run["reward_weights"] is None:
+        del run["reward_weights"]  # none given: the run's sources are what they were before weights
+    else:
+        from ..reward_sum import check_reward_weights
+
+        if getattr(args, "reward_weights", None) is not None:
+            what = "--reward-weights"
+        elif "reward_weights" in from_file:
+            what = f"{args.config}: reward_weights"
+        else:
+            what = "the resumed run's reward_weights"
+        try:
+            run["reward_weights"] = check_reward_weights(run["reward_weights"], len(specs), what=what)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     ppo_config = make_config(merged, flags)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
@@ -299,6 +361,26 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     return TrainPlan(run, ppo_config, output, resume_dir, resume_step, changes)
+
+
+def _resolved_reward(spec: Any, builtin: Any) -> str:
+    """One ``--reward`` spec, a model directory or ``file.py:function`` made absolute (found from any
+    directory on ``--resume``); a built-in reward's name (``math``) stays one, even beside a
+    directory of that name.
+
+    Raises:
+        CLIError: not a non-empty string.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise CLIError(f"--reward must be 'sentiment', 'math', a model directory or 'module:function', got {spec!r}")
+    path = Path(spec).expanduser()
+    if path.is_dir() and spec not in builtin:
+        return str(path.resolve())
+    if ".py:" in spec:
+        file, _, function = spec.rpartition(":")
+        if Path(file).expanduser().is_file():
+            return f"{Path(file).expanduser().resolve()}:{function}"
+    return spec
 
 
 def _checkpoint_state(resume_dir: Path) -> Optional[dict]:
@@ -466,6 +548,7 @@ def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
     from ..models.export import is_export
     from ..run.nonfinite import NonFiniteUpdateError
     from ..run.plotting import plot_metrics
+    from ..run.quiet import quiet_libraries
     from .build import build_trainer
 
     say = (lambda text: print(text, file=sys.stderr)) if main_rank else (lambda text: None)
@@ -500,6 +583,9 @@ def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
     sources = {**run, "value_model": None} if done is not None else run
 
     def before_loading():  # once the sources are checked: a refused input stays a one-line error
+        from ..run.trackers import check_trackers
+
+        check_trackers(config.report_to)  # a missing tracker package is said before the model loads
         if config.dtype == "auto":
             from ..distributed import resolve_device
             from ..precision import resolve_dtype
@@ -510,7 +596,8 @@ def _train(plan: TrainPlan, stop, main_rank: bool) -> int:
             say(f"pyppo: the value model starts from {sources['value_model']}'s (a warm start)")
 
     # Built before the output directory exists, so a bad model, reward or prompts file leaves nothing behind.
-    trainer = build_trainer(config, **sources, before_loading=before_loading)
+    with quiet_libraries():  # no loading bars of transformers' under pyppo's "loading" line
+        trainer = build_trainer(config, **sources, before_loading=before_loading)
     # Loaded before config.toml is written: a refused resume leaves the run's files as they were.
     if done is not None:
         trainer.load_checkpoint(RunDir(resume_dir).checkpoint)
@@ -600,7 +687,7 @@ def _resumable_after(exc: BaseException, run_dir: RunDir, step: int, world_size:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    add_source_flags(p, value_model=True)
+    add_source_flags(p, value_model=True, several_rewards=True)
     io = p.add_argument_group("files")
     io.add_argument("--config", metavar="FILE.toml", help="settings file (flat keys, as the flags; flags override it)")
     io.add_argument("--output", metavar="DIR", help="run directory (default: runs/<timestamp>, or the --resume dir)")

@@ -1,7 +1,7 @@
 """The knob machinery of :class:`~pyppo.config.PPOConfig`: the option tuples of its
 string-valued knobs, the checks a field's value must pass (:class:`Check` and the constructors
 :func:`integer`, :func:`number`, :func:`boolean`, :func:`one_of`, :func:`device_name`,
-:func:`module_names`), and :func:`knob` / :func:`group`, which declare a field and the group it is
+:func:`module_names`, :func:`names_from`), and :func:`knob` / :func:`group`, which declare a field and the group it is
 listed under, storing a :class:`Knob` in its metadata.
 """
 
@@ -19,6 +19,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "GROUP_ESTIMATORS",
     "ROLLOUT_CORRECTIONS",
+    "TRACKERS",
     "RESUME_RULES",
     "Check",
     "integer",
@@ -27,6 +28,7 @@ __all__ = [
     "one_of",
     "device_name",
     "module_names",
+    "names_from",
     "Knob",
     "group",
     "knob",
@@ -49,6 +51,9 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 #: ``PPOConfig.rollout_correction`` values (:mod:`pyppo.trainer.rollout_correction`).
 ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
+#: ``PPOConfig.report_to`` values: the experiment trackers a run can log to (:mod:`pyppo.run.trackers`).
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+
 #: ``resume=`` of :func:`knob`: a ``fixed`` setting shapes the trajectory a checkpoint continues,
 #: so a resume that changes it is refused; a ``free`` one (the run's length, its cadences, where
 #: and how the same computation runs) a resume may change.
@@ -69,7 +74,8 @@ def _is_num(v: Any) -> bool:
 @dataclass(frozen=True)
 class Check:
     """A field's check: ``ok(value)``; ``expected`` completes "<key> must be ..."; ``kind`` (``int``,
-    ``float``, ``bool``, ``str``) is the type a valid value is normalised to and a flag parses."""
+    ``float``, ``bool``, ``str``, ``list``) is the type a valid value is normalised to and a flag
+    parses (``list``: a tuple of strings, without repeats; its flag takes several words)."""
 
     kind: str
     ok: Callable[[Any], bool]
@@ -77,7 +83,8 @@ class Check:
     metavar: str = ""
 
     def normalize(self, v: Any) -> Any:
-        return {"int": int, "float": float}.get(self.kind, lambda x: x)(v)
+        # A list becomes a tuple: a dataclass default cannot be a list, and a config stays hashable.
+        return {"int": int, "float": float, "list": lambda x: tuple(dict.fromkeys(x))}.get(self.kind, lambda x: x)(v)
 
 
 def integer(lo: int, hi: Optional[int] = None) -> Check:
@@ -136,6 +143,16 @@ def module_names() -> Check:
     return Check("str", _is_module_list, "'all-linear' or comma-separated module names (e.g. 'q_proj,v_proj')", "NAMES")
 
 
+def names_from(options: Sequence[str]) -> Check:
+    """A list (or tuple) of names, each one of ``options``; empty is allowed."""
+    return Check(
+        "list",
+        lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x in options for x in v),
+        f"a list of names from {tuple(options)} (empty: none)",
+        "{" + ",".join(options) + "}",
+    )
+
+
 @dataclass(frozen=True)
 class Knob:
     """What :func:`knob` stores in a field's metadata."""
@@ -189,4 +206,6 @@ def knob(
 
 # How the docs' key table and a resume's message show a knob's value.
 def _default_text(value: Any) -> str:
+    if isinstance(value, tuple):  # a list knob, shown as TOML and a flag's words give it
+        return repr(list(value))
     return "None" if value is None else repr(value)

@@ -18,6 +18,7 @@ from .knobs import (
     GROUP_ESTIMATORS,
     ROLLOUT_CORRECTIONS,
     ROLLOUT_ENGINES,
+    TRACKERS,
     Knob,
     boolean,
     device_name,
@@ -25,6 +26,7 @@ from .knobs import (
     integer,
     knob,
     module_names,
+    names_from,
     number,
     one_of,
 )
@@ -100,10 +102,10 @@ class PPOConfig:
     vllm_gpu_memory_utilization: float = knob(0.3, number(0.0, 1.0, lo_open=True), resume="free",
         help="rollout_engine 'vllm' on CUDA: the fraction of the GPU's memory vLLM may take (weights and KV "
              "cache; the trainer's models share the device)")
-    rollout_correction: str = knob("none", one_of(ROLLOUT_CORRECTIONS), resume="fixed",
+    rollout_correction: str = knob("auto", one_of(("auto", *ROLLOUT_CORRECTIONS)), resume="fixed",
         help="importance weight exp(old_logprobs - rollout_logprobs) on each token's policy loss, for an "
              'engine that samples from other numerics than the trainer\'s (docs/trainer.md, "Sampler mismatch"); '
-             "needs an engine that returns rollout_logprobs")
+             "needs an engine that returns rollout_logprobs; auto = token_truncate with vllm, none with transformers")
     rollout_is_cap: float = knob(2.0, number(1.0), resume="fixed",
         help="rollout_correction's cap C: *_truncate clamps the weight at C, *_mask zeroes it outside [1/C, C]")
 
@@ -264,6 +266,13 @@ class PPOConfig:
              "eval prompts they are also evaluated after the last step")
     max_consecutive_skips: int = knob(3, integer(1), resume="free", always_acts=True,
         help="stop after this many updates in a row with a NaN/inf loss or gradient (each is skipped)")
+    doctor: bool = knob(True, boolean(), resume="free", always_acts=True,
+        help="after each step, one warning (once per condition) and a doctor/* metric when the step could "
+             "not have taught anything or the run is about to go wrong: equal scores, zero advantages, a KL jump, "
+             "collapsed entropy... (docs/trainer.md, \"Why isn't it learning\"); false = no checks")
+    report_to: tuple = knob((), names_from(TRACKERS), resume="free", always_acts=True,
+        help="experiment trackers that also get each step's metrics and samples, offline under the run "
+             "directory by default (docs/trainer.md, Experiment trackers)")
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -371,6 +380,16 @@ class PPOConfig:
     @property
     def effective_loss_agg_norm(self) -> float:
         return self.loss_agg_norm if self.loss_agg_norm is not None else float(self.max_new_tokens)
+
+    @property
+    def effective_rollout_correction(self) -> str:
+        """``rollout_correction`` with ``auto`` resolved: ``token_truncate`` with the vLLM engine
+        (in bf16 its sampler is far enough from the trainer to need it; in fp32 the weights stay
+        within rounding of 1: docs/performance.md), ``none`` with ``transformers``, which samples
+        with the trainer's own forward and reports no log-probs of its own."""
+        if self.rollout_correction != "auto":
+            return self.rollout_correction
+        return "token_truncate" if self.rollout_engine == "vllm" else "none"
 
     @property
     def torch_dtype(self):

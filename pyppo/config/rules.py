@@ -135,13 +135,14 @@ NEEDS: Tuple[Needs, ...] = (
         "rollout_engine = 'vllm'",
         "rollout_engine = 'vllm' (an engine that samples with numerics of its own and returns its log-probs), "
         "not {c.rollout_engine!r}",
-        lambda c, n: c.rollout_engine == "vllm",
+        # "none" says what the transformers engine does anyway (config files of earlier runs name it).
+        lambda c, n: c.rollout_engine == "vllm" or c.rollout_correction == "none",
     ),
     Needs(
         ("rollout_is_cap",),
-        "rollout_correction other than 'none'",
-        "rollout_correction other than 'none'",
-        lambda c, n: c.rollout_correction != "none",
+        "a rollout_correction that acts (not 'none'; 'auto' with rollout_engine = 'vllm')",
+        "a rollout_correction that acts (not 'none'; 'auto' acts with rollout_engine = 'vllm' only)",
+        lambda c, n: c.rollout_engine == "vllm" if c.rollout_correction == "auto" else c.rollout_correction != "none",
     ),
     Needs(
         ("vllm_kv_cache_gib", "vllm_gpu_memory_utilization"),

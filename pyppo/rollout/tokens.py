@@ -1,5 +1,8 @@
 """Prompts to token ids and sampled tokens to a response mask: what every rollout engine shares.
 
+A prompt is a string (one user turn through the chat template, or the text itself without one)
+or a list of chat messages (the conversation through the chat template: :mod:`pyppo.data.messages`).
+
 Shapes: ``B`` prompts, ``P`` prompt tokens (left-padded), ``T`` response tokens (right-padded).
 """
 
@@ -12,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..data.messages import check_renderable, is_messages, render_messages
 from .engine import Rollout
 
 __all__ = [
@@ -48,7 +52,7 @@ def prompt_token_limit(model: nn.Module, *, max_new_tokens: int, max_prompt_leng
 
 def check_prompt_lengths(
     tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[Any],
     *,
     use_chat_template: bool,
     room: Optional[int],
@@ -60,11 +64,14 @@ def check_prompt_lengths(
     """Say which prompts the model's context cannot hold (more tokens than ``room``, what
     :func:`prompt_token_limit` returns): a warning that they are cut from the left (``truncate``),
     else an error. Prompts that only ``max_prompt_length`` (asked for) cuts are not reported.
-    Indices are positions in ``prompts``.
+    Indices are positions in ``prompts`` (strings or message lists).
 
     Raises:
-        ValueError: with ``truncate`` false, a prompt longer than ``room`` (naming it).
+        ValueError: a message prompt without a chat template to render it
+            (:func:`pyppo.data.messages.check_renderable`); with ``truncate`` false, a prompt
+            longer than ``room`` (naming it).
     """
+    check_renderable(prompts, uses_template=_uses_template(tokenizer, use_chat_template), what=what)
     if not prompts or room is None or (max_prompt_length is not None and max_prompt_length <= room):
         return
     texts = _prompt_texts(tokenizer, prompts, use_chat_template)
@@ -91,24 +98,26 @@ def _uses_template(tokenizer, use_chat_template: bool) -> bool:
     return bool(use_chat_template and getattr(tokenizer, "chat_template", None))
 
 
-def _prompt_texts(tokenizer, prompts: Sequence[str], use_chat_template: bool) -> List[str]:
+def _prompt_texts(tokenizer, prompts: Sequence[Any], use_chat_template: bool) -> List[str]:
+    """Each prompt's text: through the chat template (a string as one user turn, a message list
+    as it is), or without one the string itself (a message list is then refused)."""
     if _uses_template(tokenizer, use_chat_template):
-        return [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
+        return [render_messages(tokenizer, p if is_messages(p) else [{"role": "user", "content": p}]) for p in prompts]
+    check_renderable(prompts, uses_template=False)
     return list(prompts)
 
 
 def encode_prompts(
-    tokenizer, prompts: List[str], *, use_chat_template: bool, max_prompt_length, device
+    tokenizer, prompts: List[Any], *, use_chat_template: bool, max_prompt_length, device
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Tokenise prompts, left-padded (through the chat template when the tokenizer has one).
 
     Args:
         tokenizer: a ``transformers`` tokenizer with ``padding_side == "left"``.
-        prompts: ``B`` strings.
-        use_chat_template: format each prompt as one user turn with the generation prompt.
+        prompts: ``B`` prompts: strings, or lists of chat messages.
+        use_chat_template: render each prompt with the chat template and the generation prompt:
+            a string as one user turn, a message list as the conversation it is (TRL's
+            ``apply_chat_template(messages, add_generation_prompt=True)``).
         max_prompt_length: keep at most this many tokens of each prompt, from the end (next to the
             response); ``None`` = all.
         device: where the tensors go.
@@ -117,7 +126,7 @@ def encode_prompts(
         ``(query_ids [B, P] int64, query_mask [B, P] bool)``.
 
     Raises:
-        ValueError: a prompt encodes to zero tokens.
+        ValueError: a prompt encodes to zero tokens; a message prompt without a chat template.
     """
     use_template = _uses_template(tokenizer, use_chat_template)
     texts = _prompt_texts(tokenizer, prompts, use_chat_template)
@@ -198,7 +207,7 @@ class PromptEncoder:
     use_chat_template: bool
     max_prompt_length: Optional[int]
 
-    def __call__(self, prompts: Sequence[str], device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, prompts: Sequence[Any], device) -> Tuple[torch.Tensor, torch.Tensor]:
         return encode_prompts(
             self.tokenizer,
             prompts,

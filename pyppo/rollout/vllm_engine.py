@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import shutil
 import tempfile
@@ -40,8 +41,18 @@ from torch import nn
 from ..scratch import removed_at_exit
 from .engine import Continuation, Rollout, RolloutEngine
 from .tokens import PromptEncoder, cut_rollout
+from .vllm_support import check_vllm_supports, start_failure
 
-__all__ = ["VLLMEngine", "sampling_params", "policy_weights", "policy_state_dict", "import_vllm", "LOGPROBS_MODE"]
+__all__ = [
+    "VLLMEngine",
+    "sampling_params",
+    "policy_weights",
+    "policy_state_dict",
+    "import_vllm",
+    "usage_stats_off",
+    "LOGPROBS_MODE",
+    "USAGE_STATS_SWITCHES",
+]
 
 #: vLLM's ``logprobs_mode`` whose log-probs are of ``softmax(z / temperature)`` (checked against a
 #: ``transformers`` forward at ``temperature = 0.7`` in ``tests/rollout/test_vllm_engine.py``).
@@ -207,6 +218,8 @@ class VLLMEngine(RolloutEngine):
         # vLLM logs every engine detail at INFO into the trainer's output; its warnings stay.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         LLM = import_vllm().LLM
+        # What the kernels cannot run is refused before vLLM loads its copy of the policy.
+        check_vllm_supports(_base_model(model).config, torch.device(device), dtype)
 
         self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
@@ -268,9 +281,13 @@ class VLLMEngine(RolloutEngine):
             for path in set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*"))) - dist_files:
                 with contextlib.suppress(OSError):
                     os.remove(path)
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit
+                raise
             if isinstance(e, ValueError):
-                raise _memory_error(e, self.device, kv_cache_gib, gpu_memory_utilization) from None
-            raise
+                memory = _memory_error(e, self.device, kv_cache_gib, gpu_memory_utilization)
+                if memory is not e:
+                    raise memory from None
+            raise start_failure(e, _base_model(model).config, self.device, dtype) from e
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
@@ -320,6 +337,7 @@ class VLLMEngine(RolloutEngine):
             getters = {name: weight for name, (weight, _) in weights.items()}
             self.llm.apply_model(lambda m: _direct_copy(m, getters, changed))
         else:
+            _quiet_rotary_reload()
             state = [(name, weight()) for name, (weight, _) in weights.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": state, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
@@ -442,6 +460,25 @@ def _memory_error(
     return ValueError(f"{knob} leaves vLLM too little memory for its KV cache ({said}); raise it")
 
 
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" at a reload: a rotary embedding
+    holds only its cos/sin table, computed from the config, which no checkpoint carries; vLLM
+    keeps the table and says so once per layer at every sync. Its other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and bool(record.args)
+            and str(record.args[0]).endswith("RotaryEmbedding")
+        )
+
+
+def _quiet_rotary_reload() -> None:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in logger.filters):
+        logger.addFilter(_RotaryReloadFilter())
+
+
 def _keep_process_group_at_teardown() -> None:
     """vLLM's engine shutdown ends with ``torch.distributed.destroy_process_group()``: right
     when vLLM created the default group (one process), wrong when it joined the trainer's. Its
@@ -462,8 +499,25 @@ def _keep_process_group_at_teardown() -> None:
     parallel_state.destroy_distributed_environment = destroy_distributed_environment
 
 
+#: The environment variables that switch vLLM's usage statistics off: a user who set any of them
+#: has chosen, and :func:`usage_stats_off` leaves them as they are.
+USAGE_STATS_SWITCHES = ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK")
+
+
+def usage_stats_off() -> None:
+    """Switch off the usage report vLLM sends (to ``VLLM_USAGE_STATS_SERVER``) when an engine
+    starts: ``VLLM_NO_USAGE_STATS=1`` and ``VLLM_DO_NOT_TRACK=1``, unless one of
+    :data:`USAGE_STATS_SWITCHES` is set already (``VLLM_NO_USAGE_STATS=0`` keeps the report on).
+    vLLM reads them when an engine starts; :func:`import_vllm` sets them, before any engine."""
+    if not any(name in os.environ for name in USAGE_STATS_SWITCHES):
+        os.environ["VLLM_NO_USAGE_STATS"] = "1"
+        os.environ["VLLM_DO_NOT_TRACK"] = "1"
+
+
 def import_vllm():
-    """``import vllm``, or an ``ImportError`` that says what to install."""
+    """``import vllm`` with its usage statistics off (:func:`usage_stats_off`), or an
+    ``ImportError`` that says what to install."""
+    usage_stats_off()
     try:
         import vllm
     except ImportError as e:

@@ -64,7 +64,8 @@ def record_python_run(trainer: Any, run: Any) -> None:
       ``from_pretrained`` loaded), when it is a model source pyppo loads (absolute when a path);
     * ``reward``: ``reward_fn.reward_name`` when :func:`pyppo.rewards.load_reward` made it from a
       spec, else ``"module:function"`` for a function importable from a module (not ``__main__``,
-      not a lambda or a nested function);
+      not a lambda or a nested function); several rewards (:class:`pyppo.reward_sum.RewardSum`):
+      the list of theirs, when each has one, and ``reward_weights``;
     * ``prompts``, ``eval_prompts``: the prompts the trainer was given, written as
       ``prompts.jsonl`` / ``eval_prompts.jsonl`` in ``run`` (``{"prompt": ...}`` per line, with
       the record's fields), when they are plain JSON;
@@ -78,7 +79,7 @@ def record_python_run(trainer: Any, run: Any) -> None:
     """
     if run.config.exists() and not written_from_python(run.config):
         return
-    sources = {"model": _model_spec(trainer), "reward": _reward_spec(trainer.reward_fn)}
+    sources = {"model": _model_spec(trainer), **_reward_sources(trainer.reward_fn)}
     if trainer.agent:  # the environment, when it has a name the command line takes
         sources["env"] = getattr(trainer.engine, "spec", None) or _unnamed_env(trainer.engine)
         if trainer.reward_fn is None:
@@ -117,6 +118,18 @@ def _model_spec(trainer: Any) -> Optional[str]:
         return None
     path = Path(spec).expanduser()
     return str(path.resolve()) if path.exists() else str(spec)
+
+
+def _reward_sources(fn: Any) -> dict:
+    """``reward`` (and, for several rewards, ``reward_weights``) as :func:`record_python_run` names them."""
+    from ..reward_sum import RewardSum
+
+    if not isinstance(fn, RewardSum):
+        return {"reward": _reward_spec(fn)}
+    specs = [_reward_spec(part) for part in fn.rewards]
+    if None in specs:
+        return {"reward": None}
+    return {"reward": specs, "reward_weights": list(fn.weights)}
 
 
 def _reward_spec(fn: Any) -> Optional[str]:

@@ -11,7 +11,7 @@ from .. import distributed
 from ..ops import kl_penalty
 from ..precision import autocast
 from ..prompts import prompt_columns
-from ..trainer.sampling import raw_scores
+from ..trainer.sampling import reward_scores
 from .checkpoint import capture_rng, restore_rng
 
 if TYPE_CHECKING:
@@ -74,9 +74,9 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
         batch = trainer.rollout(chunk, fields)
         where = f"evaluation after step {trainer.step_count}"
         # float64: the reward's own floats, as the rows report them
-        scores = raw_scores(
+        scores = reward_scores(
             batch, trainer.reward_fn, trainer.world, trainer.device, where=where, fields=fields, dtype=torch.float64
-        ).tolist()
+        )[0].tolist()
         logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
         for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(trainer.device)

@@ -14,8 +14,9 @@ import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import distributed
-from . import checkpoint, evaluate, export
+from . import checkpoint, evaluate, export, trackers
 from .config_file import record_python_run
+from .doctor import Doctor
 from .nonfinite import NonFiniteRolloutError, NonFiniteUpdateError, check_weights_finite
 from .quiet import quiet_libraries
 from .rundir import RunDir
@@ -35,10 +36,14 @@ def train(
     Appends one JSON object per step to ``metrics.jsonl`` and, with ``log_samples``, one per
     sample (``step``, ``prompt``, ``response``, raw ``score``) to ``samples.jsonl``; with
     ``eval_every``, evaluates on the eval prompts (:func:`~pyppo.run.evaluate.evaluate_prompts`), adds ``eval/*``
-    to that step's row and appends the samples to ``eval_samples.jsonl``. Every ``save_every``
+    to that step's row and appends the samples to ``eval_samples.jsonl``. After each step the
+    doctor (:class:`~pyppo.run.doctor.Doctor`, ``config.doctor``) adds ``doctor/*`` to its row and
+    warns when the step could not have taught anything. Every ``save_every``
     steps and after the last step it writes ``checkpoint/`` and the policy as a Hugging Face
     directory, ``policy/``. Rows logged after the checkpoint being resumed (a run killed before
-    it checkpointed them) and a torn last line are dropped first, with a warning. To resume,
+    it checkpointed them) and a torn last line are dropped first, with a warning. With
+    ``report_to``, rank 0 also logs each step's metrics and samples to those experiment trackers
+    (:func:`pyppo.run.trackers.reporting`), finished when this returns or raises. To resume,
     call :func:`~pyppo.run.checkpoint.load_trainer` first. With several processes every rank calls this; rank 0
     writes.
 
@@ -60,6 +65,8 @@ def train(
         the metrics of the steps run now.
 
     Raises:
+        ImportError: a tracker of ``report_to`` is not installed (one line naming the extra to
+            install), before anything is written.
         NonFiniteUpdateError: as ``trainer.step``, or a checkpoint due while a trained weight is
             NaN/inf (it is not written, so that it cannot replace a good one); the step is not
             checkpointed, and the message names the last good checkpoint (the last one whose
@@ -71,6 +78,7 @@ def train(
     from tqdm.auto import tqdm
 
     run, c, main = RunDir(output_dir), trainer.config, trainer.world.is_main
+    trackers.check_trackers(c.report_to)  # before the run directory is made
     if main:
         run.path.mkdir(parents=True, exist_ok=True)
         run.truncate_logs(trainer.step_count)
@@ -81,13 +89,16 @@ def train(
     stopped = False
     saving = stop.save if stop is not None else contextlib.nullcontext
     updates = _UpdateWatch(trainer)
+    doctor = Doctor(trainer, log=run.metrics)  # says what a step could not teach; resumes its state
     with (
+        trackers.reporting(trainer, run.path) as reporting,  # config.report_to, on rank 0
         tqdm(
             total=c.steps, initial=trainer.step_count, desc="ppo", disable=not (progress and main), dynamic_ncols=True
         ) as bar,
         _signal_hooks(trainer, stop),
         updates,
         quiet_libraries(),
+        doctor,
     ):
         while trainer.step_count < c.steps:
             if stop is not None and stop.should_stop(lambda v: distributed.all_sum(v, trainer.world)):
@@ -114,6 +125,7 @@ def train(
                     # second signal would.
                     saved_step = _keep_finished_step(trainer, run, start_state, saving, saved_step)
                 raise
+            doctor.examine(result)  # adds doctor/* to the step's metrics
             last_step = trainer.step_count == c.steps
             eval_rows: List[dict] = []
             eval_error: Optional[Exception] = None
@@ -126,7 +138,7 @@ def train(
                         raise
                     eval_error = exc  # raised once the finished step is logged and checkpointed
             history.append(result.metrics)
-            _log(trainer, run, result, eval_rows)
+            _log(trainer, run, result, eval_rows, reporting)
             bar.update(1)
             bar.set_postfix(score=f"{result.metrics['score_mean']:.3f}", kl=f"{result.metrics['kl_mean']:.3f}")
             due = last_step or (c.save_every and trainer.step_count % c.save_every == 0)
@@ -262,9 +274,9 @@ def _restore_step_start(trainer: PPOTrainer, state: dict) -> None:
     trainer.zero_grad()
 
 
-def _log(trainer: PPOTrainer, run: RunDir, result: Any, eval_rows: List[dict]) -> None:
+def _log(trainer: PPOTrainer, run: RunDir, result: Any, eval_rows: List[dict], reporting: trackers.Trackers) -> None:
     """Append the step's metrics, and its samples (every rank's, with ``log_samples``) and
-    held-out rows, to the run's logs (rank 0 writes)."""
+    held-out rows, to the run's logs and ``reporting``'s trackers (rank 0 writes)."""
     b = result.batch
     samples = (
         [
@@ -285,3 +297,6 @@ def _log(trainer: PPOTrainer, run: RunDir, result: Any, eval_rows: List[dict]) -
     run.append("metrics.jsonl", [result.metrics])
     run.append("samples.jsonl", samples)
     run.append("eval_samples.jsonl", eval_rows)
+    reporting.log(result.metrics, trainer.step_count)
+    reporting.log_samples(samples, trainer.step_count)
+    reporting.log_samples(eval_rows, trainer.step_count, "eval_samples")

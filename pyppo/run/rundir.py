@@ -31,6 +31,11 @@ OUTPUT_FILES = {
     "checkpoint": "trained weights, optimizer, RNG and KL controller state (for --resume)",
     "prompts.jsonl": "the prompts of a run started from Python (its config.toml names them)",
     "eval_prompts.jsonl": "the held-out prompts of a run started from Python",
+    "tensorboard": "TensorBoard's event files (with --report-to tensorboard)",
+    "wandb": "W&B's offline run (with --report-to wandb; wandb sync uploads it)",
+    "trackio": "Trackio's local store (with --report-to trackio)",
+    "mlruns": "MLflow's file store (with --report-to mlflow)",
+    "trackers.json": "each tracker's run id, which a resumed run continues",
 }
 
 #: The JSON-lines logs, each row with its ``step``.

@@ -244,7 +244,7 @@ def shaped_advantages(
         batch.rewards = batch.rewards + paid
     check_rollout(batch, world, where)
     batch.advantages, batch.returns = estimator(batch, c)
-    metrics = rollout_metrics(batch)
+    metrics = rollout_metrics(batch, world)
     if c.mask_truncated:
         metrics["truncated_masked"] = mask_truncated(batch.loss_mask, batch.advantages, batch.has_eos)
     if estimator.value_positions is not None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import distributed
 from ..config import PPOConfig
+from ..data.messages import is_prompt
 from ..models import (
     ValueModel,
     add_lora,
@@ -27,6 +28,7 @@ from ..models import (
 )
 from ..models.export import check_exportable
 from ..prompts import prompt_columns, prompt_fields
+from ..reward_sum import reward_parts
 from ..rewards import EPISODE_FIELDS, SequenceClassifierReward, check_reward_fields
 from ..rollout.tokens import check_prompt_lengths, prompt_token_limit
 from .critic import Critic
@@ -110,7 +112,7 @@ def check_arguments(
             raise TypeError(f"{name} must be an nn.Module, or None ({default}), got {type(model).__name__}")
     if not callable(reward_fn) and not (agent and reward_fn is None):
         raise ValueError(
-            "reward_fn must be callable (prompts, responses) -> scores"
+            "reward_fn must be callable (prompts, responses) -> scores, or a list of them"
             + (" or None (the environment pays alone)" if agent else "")
         )
     if tokenizer is None and not source:
@@ -125,9 +127,11 @@ def check_arguments(
     if config.eval_every and not eval_prompts:
         raise ValueError(f"eval_every = {config.eval_every} needs eval_prompts (a non-empty list of prompts)")
     if eval_prompts is not None and not all(
-        isinstance(p, str) or (isinstance(p, Mapping) and isinstance(p.get("prompt"), str)) for p in eval_prompts
+        is_prompt(p.get("prompt") if isinstance(p, Mapping) else p) for p in eval_prompts
     ):
-        raise ValueError("eval_prompts must be a list of strings, or of records {'prompt': str, ...}")
+        raise ValueError(
+            "eval_prompts must be a list of strings or chat-message lists, or of records {'prompt': ..., ...}"
+        )
 
 
 def load_policy(policy: Any, tokenizer: Any, base_model_source: Optional[str]) -> tuple:
@@ -377,13 +381,15 @@ def make_adamw(model: nn.Module, lr: float, c: PPOConfig) -> torch.optim.AdamW:
 
 
 def share_reward_weights(ref: Optional[nn.Module], reward_fn: RewardFn) -> int:
-    """Bytes of a classifier reward model's weights now shared with the frozen reference (equal
+    """Bytes of the classifier reward models' weights now shared with the frozen reference (equal
     and frozen in both: :func:`pyppo.models.share_frozen_weights`); 0 for other rewards, or without
     a separate reference (LoRA)."""
-    reward = getattr(reward_fn, "__wrapped__", reward_fn)  # load_reward's validating wrapper
-    if ref is None or not isinstance(reward, SequenceClassifierReward):
-        return 0
-    return share_frozen_weights(ref, reward.model)
+    shared = 0
+    for part in reward_parts(reward_fn):  # each of several rewards
+        reward = getattr(part, "__wrapped__", part)  # load_reward's validating wrapper
+        if ref is not None and isinstance(reward, SequenceClassifierReward):
+            shared += share_frozen_weights(ref, reward.model)
+    return shared
 
 
 def enable_gradient_checkpointing(model: nn.Module, what: str) -> None:

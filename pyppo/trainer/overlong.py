@@ -66,7 +66,8 @@ def mask_truncated(loss_mask: torch.Tensor, advantages: torch.Tensor, has_eos: t
 class AllTruncatedWarning:
     """The ``UserWarning`` for a step whose every response ``mask_truncated`` took out of the loss
     (none ended with EOS), which therefore trained nothing: said at the first such step, and again
-    only when it recurs after a step that trained.
+    only when it recurs after a step that trained. The run loop's doctor turns ``say`` off while
+    it runs and says it itself (``docs/trainer.md``, "Why isn't it learning").
 
     Args:
         max_new_tokens: the sampler's cap, named in the warning.
@@ -89,11 +90,20 @@ class AllTruncatedWarning:
         if not self.armed:
             return
         self.armed = False
-        cut = "max_episode_tokens, max_turns or max_new_tokens" if self.episodes else "max_new_tokens"
         warnings.warn(
-            f"{where}: all {total} responses were cut without EOS (max_new_tokens = {self.max_new_tokens}) "
-            f"and mask_truncated took them out of the loss: the step trained nothing; raise {cut}, or turn "
-            "mask_truncated off (said again only after a step that trains)",
-            UserWarning,
-            stacklevel=3,
+            f"{where}: {self.describe(total)} (said again only after a step that trains)", UserWarning, stacklevel=3
+        )
+
+    @property
+    def limits(self) -> str:
+        """The knobs that cut a response, which a run whose every response is cut should raise."""
+        return "max_episode_tokens, max_turns or max_new_tokens" if self.episodes else "max_new_tokens"
+
+    def describe(self, total: int) -> str:
+        """What a step of ``total`` responses, every one masked, did (the warning's text, which the
+        run's doctor says in its place: :class:`pyppo.run.doctor.TruncationWarning`)."""
+        return (
+            f"all {total} responses were cut without EOS (max_new_tokens = {self.max_new_tokens}) and "
+            f"mask_truncated took them out of the loss: the step trained nothing; raise {self.limits}, or turn "
+            "mask_truncated off"
         )

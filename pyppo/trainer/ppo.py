@@ -41,8 +41,10 @@ from torch import nn
 from .. import distributed
 from ..agents.build import make_agent_engine
 from ..config import PPOConfig
+from ..data import prompt_list
 from ..precision import resolve_dtype
 from ..prompts import PromptSampler
+from ..reward_sum import as_reward
 from ..rollout import EngineSync, RolloutEngine, make_engine
 from . import assemble
 from .advantages import get_estimator, shaped_advantages
@@ -85,13 +87,15 @@ class PPOTrainer(MinibatchUpdate):
         tokenizer: the policy's tokenizer; needs an EOS token. Its ``padding_side`` is set to
             ``"left"``; a missing pad token is taken to be EOS. ``None`` with a model source
             ``policy``: the one loaded with it.
-        reward_fn: ``(prompts, responses) -> scores``, one finite float per pair; a reward with
-            more parameters gets the prompts' fields of those names (``docs/rewards.md``). With an
-            environment it scores each episode's whole transcript, added to what the environment
-            paid; ``None``: the environment pays alone.
-        prompts: the prompts to sample from: strings, or records ``{"prompt": str, <field>: ...}``
-            (:func:`pyppo.prompts.load_prompt_records`) whose fields the reward receives.
-        eval_prompts: held-out prompts (strings or records) for the run's evaluation.
+        reward_fn: ``(prompts, responses) -> scores``, one finite float per pair (``None`` where
+            it does not apply); a reward with more parameters gets the prompts' fields of those
+            names (``docs/rewards.md``); or a list of rewards, whose weighted sum is the score
+            (:class:`pyppo.reward_sum.RewardSum`). With an environment it scores each episode's
+            whole transcript, added to what the environment paid; ``None``: the environment pays alone.
+        prompts: the prompts to sample from: strings, chat-message lists, or records ``{"prompt":
+            ..., <field>: ...}`` (:func:`pyppo.prompts.load_prompt_records`) whose fields the
+            reward receives; or a ``datasets.Dataset`` of such records (:func:`pyppo.data.prompt_list`).
+        eval_prompts: held-out prompts (in the same forms) for the run's evaluation.
         base_model_source: the model source ``policy`` was loaded from (``pyppo train`` passes
             its ``--model``), for an adapter-only export's record of its base
             (:func:`pyppo.models.export.save_policy`'s ``base_model``); ``None`` = the policy's
@@ -102,6 +106,8 @@ class PPOTrainer(MinibatchUpdate):
             ``step(action) -> (observation, reward, done)``); one instance per episode.
         tools: plain typed, documented functions the model may call (with or without an
             ``environment``).
+        reward_weights: one finite weight per reward of a list ``reward_fn`` (TRL's
+            ``reward_weights``); ``None``: 1.0 each.
 
     With ``lora_rank > 0`` the policy is wrapped in ``peft`` LoRA adapters here (``policy`` then
     holds the ``PeftModel``) and ``ref_policy`` must be ``None``. Under ``torchrun`` every rank
@@ -139,8 +145,11 @@ class PPOTrainer(MinibatchUpdate):
         base_model_source: Optional[str] = None,
         environment: Any = None,
         tools: Optional[Sequence[Callable]] = None,
+        reward_weights: Optional[Sequence[float]] = None,
     ):
+        reward_fn = as_reward(reward_fn, reward_weights)  # a list of rewards: their weighted sum
         agent = environment is not None or bool(tools)
+        prompts, eval_prompts = prompt_list(prompts), prompt_list(eval_prompts, "eval_prompts")  # a Dataset: records
         assemble.check_arguments(
             config, policy, ref_policy, value_model, tokenizer, reward_fn, eval_prompts, agent=agent
         )
@@ -240,7 +249,7 @@ class PPOTrainer(MinibatchUpdate):
         with timer.phase("advantages"):
             rollout_stats = shaped_advantages(batch, kl_coef, self.estimator, c, self.world, where=where)
             engine = type(self.engine).__name__
-            mismatch = correct_for_sampler(batch, c.rollout_correction, c.rollout_is_cap, self.world, engine)
+            mismatch = correct_for_sampler(batch, c.effective_rollout_correction, c.rollout_is_cap, self.world, engine)
         # 6: the update
         with timer.phase("update"):
             update_metrics = self.update(batch, first_perm, first_forward)
@@ -327,7 +336,7 @@ class PPOTrainer(MinibatchUpdate):
                 where = f"step {self.step_count + 1}, epoch {epoch + 1}, minibatch {index + 1}"
                 live = first_forward if epoch == 0 and index == 0 else None
                 seen_mb = self.minibatch_step(mb, stats, where, first_forward=live)
-                first = first or (ratio_stats(seen_mb) if seen_mb else {})
+                first = first or (ratio_stats(seen_mb, self.world) if seen_mb else {})
                 seen += seen_mb
         self.train_mode(False)
         # The gradients are not needed until the next update: freed now, they do not add to the

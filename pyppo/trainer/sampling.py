@@ -18,13 +18,22 @@ from .. import distributed
 from ..agents.episodes import AgentEngine, episode_metrics
 from ..config import PPOConfig
 from ..prompts import PromptSampler, prompt_columns
-from ..rewards import score_responses
+from ..reward_sum import RewardSum, score_rewards
 from ..rollout import RolloutEngine
 from .buffer import RolloutBuffer, buffer_from_rollout
 from .overlong import overlong_penalty
+from .reward_metrics import RewardColumns, reward_metrics
 from .step_stats import PhaseTimer
 
-__all__ = ["episode_tokens", "raw_scores", "rollout", "sample_scored_batch", "score_batch", "varied_groups"]
+__all__ = [
+    "episode_tokens",
+    "reward_scores",
+    "rollout",
+    "sample_scored_batch",
+    "score_batch",
+    "shaped_scores",
+    "varied_groups",
+]
 
 
 def rollout(
@@ -64,9 +73,10 @@ def score_batch(
     episode_tokens: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Point 3: ``(raw_scores [B], scores [B])`` float32 on ``device``: the reward's scores (given
-    the prompts' ``fields``, a column each, :func:`pyppo.rewards.score_responses`), then clipped to
-    ``score_clip``, lowered by ``missing_eos_penalty`` where the response has no EOS and by DAPO's
-    overlong penalty over the last ``overlong_buffer`` tokens (Yu et al. 2025, eq. 13).
+    the prompts' ``fields``, a column each; several rewards: their weighted sum,
+    :func:`pyppo.reward_sum.score_rewards`), then clipped to ``score_clip``, lowered by
+    ``missing_eos_penalty`` where the response has no EOS and by DAPO's overlong penalty over the
+    last ``overlong_buffer`` tokens (Yu et al. 2025, eq. 13): :func:`shaped_scores`.
 
     A batch of multi-turn episodes (``turn_rewards`` set) scores each episode with what its
     environment paid, summed, plus ``reward_fn`` of its whole transcript when there is one
@@ -80,8 +90,15 @@ def score_batch(
     Raises:
         whatever the reward raises (``where`` names the step in pyppo's own errors).
     """
+    raw = reward_scores(batch, reward_fn, world, device, where=where, fields=fields)[0]
+    return raw, shaped_scores(batch, raw, c, episode_tokens)
+
+
+def shaped_scores(batch: RolloutBuffer, raw: torch.Tensor, c: PPOConfig, episode_tokens: Optional[int]) -> torch.Tensor:
+    """``raw`` ``[B]`` clipped to ``score_clip`` and lowered by the missing-EOS and overlong
+    penalties (:func:`score_batch`); ``episode_tokens``: the resolved ``max_episode_tokens`` of
+    multi-turn episodes, ``None`` otherwise."""
     episodes = batch.turn_rewards is not None
-    raw = raw_scores(batch, reward_fn, world, device, where=where, fields=fields)
     scores = raw if c.score_clip is None else raw.clamp(-c.score_clip, c.score_clip)
     if c.missing_eos_penalty is not None:
         scores = scores - c.missing_eos_penalty * (~batch.has_eos).float()
@@ -90,10 +107,10 @@ def score_batch(
         if episodes:
             cap = episode_tokens - batch.query_mask.sum(dim=1)
         scores = scores - overlong_penalty(batch.response_mask.sum(dim=1), cap, c.overlong_buffer, c.overlong_penalty)
-    return raw, scores
+    return scores
 
 
-def raw_scores(
+def reward_scores(
     batch: RolloutBuffer,
     reward_fn: Optional[Callable],
     world: distributed.World,
@@ -102,29 +119,31 @@ def raw_scores(
     where: str,
     fields: Optional[Dict[str, list]] = None,
     dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``[B]`` ``dtype`` on ``device``: what ``reward_fn`` returned for each response (0 without
-    one), plus, for multi-turn episodes, what the environment paid over the episode (a reward
-    that names a ``transcript`` parameter gets each episode's, ``pyppo.rewards.EPISODE_FIELDS``). Under
-    ``torchrun`` a reward that fails on one rank raises on every rank, so rank 0 reports it.
+) -> Tuple[torch.Tensor, RewardColumns]:
+    """``(raw [B] dtype on device, columns)``: what ``reward_fn`` gave each response (one reward
+    or several, weighted and summed, ``None`` left out: :func:`pyppo.reward_sum.score_rewards`; 0
+    without a reward), plus, for multi-turn episodes, what the environment paid over the episode (a
+    reward that names a ``transcript`` parameter gets each episode's,
+    ``pyppo.rewards.EPISODE_FIELDS``); and each reward's own scores
+    (:class:`~pyppo.trainer.reward_metrics.RewardColumns`). Under ``torchrun`` a reward that fails
+    on one rank raises on every rank, so rank 0 reports it.
 
     Raises:
         whatever the reward raises (``where`` names the step in pyppo's own errors).
     """
     raw = torch.zeros(len(batch), dtype=dtype, device=device)
+    columns = RewardColumns(len(batch))
     if batch.episodes is not None:  # what an episode adds to its record's fields (EPISODE_FIELDS)
         fields = {**(fields or {}), "transcript": [e.transcript for e in batch.episodes]}
     if reward_fn is not None:
-        raw = torch.tensor(
-            distributed.on_every_rank(
-                score_responses, world, reward_fn, batch.prompts, batch.responses, where=where, fields=fields
-            ),
-            dtype=dtype,
-            device=device,
+        scored = distributed.on_every_rank(
+            score_rewards, world, reward_fn, batch.prompts, batch.responses, where=where, fields=fields
         )
+        raw = torch.tensor(scored.scores, dtype=dtype, device=device)
+        columns = RewardColumns.of(scored, several=isinstance(reward_fn, RewardSum))
     if batch.turn_rewards is not None:
         raw = raw + batch.turn_rewards.sum(dim=1).to(device, dtype)
-    return raw
+    return raw, columns
 
 
 def episode_tokens(engine: RolloutEngine) -> Optional[int]:
@@ -163,7 +182,8 @@ def sample_scored_batch(
     draws as long as any rank is short (sampling may be a collective: FSDP gathers the weights).
     Groups are never split, across draws or ranks.
 
-    Metrics (with ``filter_groups``): ``filter_groups_tries`` (draws this step),
+    Metrics: each reward's (:func:`~pyppo.trainer.reward_metrics.reward_metrics`, over the batch
+    returned); with ``filter_groups``, ``filter_groups_tries`` (draws this step),
     ``filter_groups_dropped`` (all-equal groups sampled and dropped, over every draw),
     ``filter_groups_filled`` (all-equal groups kept to fill the batch: > 0 means the tries ran
     out).
@@ -172,8 +192,8 @@ def sample_scored_batch(
         as :func:`rollout` and :func:`score_batch`.
     """
     n, need = c.samples_per_prompt, c.batch_size // world.size
-    kept: List[RolloutBuffer] = []
-    equal: List[RolloutBuffer] = []
+    kept: List[Tuple[RolloutBuffer, RewardColumns]] = []
+    equal: List[Tuple[RolloutBuffer, RewardColumns]] = []
     n_kept = tries = 0
     while True:
         tries += 1
@@ -181,29 +201,30 @@ def sample_scored_batch(
         with timer.phase("generate"):
             batch = rollout(engine, prompts, fields, group_size=n)
         with timer.phase("score"):
-            batch.raw_scores, batch.scores = score_batch(
-                batch, reward_fn, c, world, device, where=where, fields=fields, episode_tokens=episode_tokens(engine)
-            )
+            batch.raw_scores, columns = reward_scores(batch, reward_fn, world, device, where=where, fields=fields)
+            batch.scores = shaped_scores(batch, batch.raw_scores, c, episode_tokens(engine))
         if not c.filter_groups:
-            return batch, _episode_metrics(batch, world)
+            return batch, {**_episode_metrics(batch, world), **reward_metrics(columns, world)}
         # The reward's own scores, not the shaped ones: the overlong and missing-EOS penalties
         # differ with the length, and would keep a group of equally wrong answers.
         rows = varied_groups(batch.raw_scores, n).repeat_interleave(n).cpu()
-        kept.append(batch.select(torch.nonzero(rows).flatten()))
-        equal.append(batch.select(torch.nonzero(~rows).flatten()))
+        for part, chosen in ((kept, torch.nonzero(rows).flatten()), (equal, torch.nonzero(~rows).flatten())):
+            part.append((batch.select(chosen), columns.select(chosen)))
         n_kept += int(rows.sum())
         short = distributed.all_sum([int(n_kept < need)], world)[0]
         if not short or tries == c.filter_groups_max_tries:
             break
-    dropped = sum(len(b) for b in equal) // n
+    dropped = sum(len(b) for b, _ in equal) // n
     filled = max(0, need - n_kept) // n
-    batch = RolloutBuffer.cat([b for b in kept + equal if len(b)])
-    batch = batch.select(torch.arange(need))
+    parts = [(b, cols) for b, cols in kept + equal if len(b)]
+    batch = RolloutBuffer.cat([b for b, _ in parts]).select(torch.arange(need))
+    columns = RewardColumns.cat([cols for _, cols in parts]).select(torch.arange(need))
     return batch, {
         "filter_groups_tries": float(tries),
         "filter_groups_dropped": float(dropped - filled),
         "filter_groups_filled": float(filled),
         **_episode_metrics(batch, world),
+        **reward_metrics(columns, world),
     }
 
 

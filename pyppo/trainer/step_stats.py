@@ -109,13 +109,23 @@ class PhaseTimer:
         return out
 
 
-def rollout_metrics(batch) -> Dict[str, float]:
+def rollout_metrics(batch, world=None) -> Dict[str, float]:
     """What the rollout alone says: scores, shaped reward, the entropy over ``loss_mask``, the
-    response lengths (``response_mask``), the fraction that ended with EOS."""
+    response lengths (``response_mask``), the fraction that ended with EOS. The per-response
+    means are this rank's (every rank holds as many responses, so their mean over ranks is the
+    global one); the entropy is the mean over every rank's tokens (``world``, a
+    :class:`~pyppo.distributed.World`; ``None``: this process's only), since the ranks' token
+    counts differ. Called by every rank together when ``world`` is active."""
+    if world is None:
+        entropy = float(masked_mean(batch.entropy, batch.loss_mask))
+    else:
+        mask = batch.loss_mask.bool()
+        total, n = distributed.all_sum([float(batch.entropy.double()[mask].sum()), int(mask.sum())], world)
+        entropy = total / n if n else float("nan")
     return {
         "score_mean": float(batch.raw_scores.mean()),
         "reward_mean": float(batch.rewards.sum(dim=1).mean()),
-        "entropy_mean": float(masked_mean(batch.entropy, batch.loss_mask)),
+        "entropy_mean": entropy,
         "response_length_mean": float(batch.response_mask.sum(dim=1).float().mean()),
         "eos_fraction": float(batch.has_eos.float().mean()),
     }
@@ -131,17 +141,24 @@ def record_token_stats(stats: RunningStats, op_stats: Dict[str, torch.Tensor], n
         stats.add_max("ratio_max", float(op_stats["ratio_max"]))
 
 
-def ratio_stats(seen: list) -> Dict[str, float]:
+def ratio_stats(seen: list, world=None) -> Dict[str, float]:
     """Ratio statistics over the micro-batches ``seen`` so far (``micro_step`` results): in the
-    first minibatch of a step, before any optimizer step, the ratio must be exactly 1."""
-    logratio = torch.cat([(s.logprobs - s.old_logprobs)[s.loss_mask] for s in seen])
-    max_abs = float(logratio.abs().max())
+    first minibatch of a step, before any optimizer step, the ratio must be exactly 1.
+
+    ``ratio_mean`` and ``approx_kl`` are means over every rank's tokens (``world``; ``None``: this
+    process's only; every rank calls this together); the extremes are this rank's, which
+    :func:`~pyppo.distributed.reduce_metrics` takes over the ranks by their names. A rank whose
+    share of the minibatch holds no token reports neutral extremes (``ratio_min`` inf, the others 0)."""
+    logratio = torch.cat([(s.logprobs - s.old_logprobs)[s.loss_mask] for s in seen]).double()
+    max_abs = float(logratio.abs().max()) if logratio.numel() else 0.0
     logratio = logratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # as the loss does: exp stays finite
     ratio = torch.exp(logratio)
+    sums = [int(ratio.numel()), float(ratio.sum()), float((ratio - 1 - logratio).sum())]
+    n, ratio_sum, kl_sum = distributed.all_sum(sums, world) if world is not None else sums
     return {
         "max_abs_logratio": max_abs,
-        "ratio_min": float(ratio.min()),
-        "ratio_max": float(ratio.max()),
-        "ratio_mean": float(ratio.mean()),
-        "approx_kl": float((ratio - 1 - logratio).mean()),
+        "ratio_min": float(ratio.min()) if ratio.numel() else math.inf,
+        "ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
+        "ratio_mean": ratio_sum / n if n else math.nan,
+        "approx_kl": kl_sum / n if n else math.nan,
     }

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from pyppo import cli
+from support.run_fixture import error_line as _error_line
+from support.run_fixture import tiny_dir  # noqa: F401  (a fixture)
 from support.tiny_models import save_tiny_causal_lm
 
 # Small enough that a step of the tiny model takes well under a second.
@@ -28,18 +30,6 @@ TINY_FLAGS = [
     "--seed",
     "3",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err  # one line, no traceback
-    assert err[0].startswith("pyppo: error: ")
-    return err[0]
 
 
 # ---------------------------------------------------------------- info

@@ -101,6 +101,56 @@ def test_a_kv_cache_larger_than_the_machine_names_pyppo_s_knob():
     assert _memory_error(other, torch.device("cpu"), 1.0, 0.3) is other
 
 
+def test_a_head_size_vllm_s_cpu_kernels_lack_is_refused_before_vllm_loads_the_policy(monkeypatch):
+    from pyppo.rollout.vllm_support import VLLMStartError
+    from support.tiny_models import tiny_causal_lm
+
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: pytest.fail("vLLM was started on a model it cannot run"))
+    with pytest.raises(VLLMStartError) as err:  # the other tests' tiny Llama: head_dim 8
+        VLLMEngine(tiny_causal_lm(), tokenizer(), max_new_tokens=4, kv_cache_gib=KV_GIB)
+    text = str(err.value)
+    assert "\n" not in text and "head size is 8" in text and "--rollout-engine transformers" in text
+
+
+def test_any_other_start_failure_is_one_line_with_vllm_s_own_error_chained(monkeypatch):
+    from pyppo.rollout.vllm_support import VLLMStartError
+
+    deep = RuntimeError("Traceback (most recent call last):\n  File ...\nUnsupported CPU attention configuration")
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: (_ for _ in ()).throw(deep))
+    with pytest.raises(VLLMStartError) as err:
+        VLLMEngine(vllm_llama(), tokenizer(), max_new_tokens=4, kv_cache_gib=KV_GIB)
+    text = str(err.value)
+    assert "\n" not in text and "RuntimeError: Unsupported CPU attention configuration" in text
+    assert "(llama, float32, cpu)" in text and err.value.__cause__ is deep
+
+
+def test_pyppo_train_with_a_model_vllm_cannot_run_exits_2_with_one_line(tmp_path):
+    from support.tiny_models import tiny_causal_lm
+
+    model = tmp_path / "hd8"
+    tiny_causal_lm().save_pretrained(model)
+    tokenizer().save_pretrained(model)
+    # vLLM's loader is never reached: the child fails if it is.
+    code = (
+        "import sys, vllm\n"
+        "def no(**kw): raise SystemExit('vLLM was started')\n"
+        "vllm.LLM = no\n"
+        "from pyppo import cli\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "train", "--model", str(model), *FLAGS, "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pyppo: error:")]
+    assert len(errors) == 1 and "head size is 8" in errors[0] and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logprobs_are_the_policy_logprobs(model_and_engine, temperature):
     model, engine = model_and_engine
@@ -178,7 +228,7 @@ def test_sample_continuations_continues_the_given_ids_with_the_policys_logprobs(
 
 
 @pytest.mark.parametrize("sync", ["direct", "reload"])
-def test_both_sync_paths_copy_every_weight(sync):
+def test_both_sync_paths_copy_every_weight_and_say_nothing(sync, capfd):
     model = vllm_llama(seed=3)
     engine = VLLMEngine(model, tokenizer(), max_new_tokens=6, seed=0, kv_cache_gib=KV_GIB, sync=sync)
     try:
@@ -186,7 +236,11 @@ def test_both_sync_paths_copy_every_weight(sync):
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.5)
+        capfd.readouterr()
         engine.sync_weights(model)
+        # vLLM's reload logged (to stdout) "RotaryEmbedding: Failed to load weights" per layer per sync.
+        said = capfd.readouterr()
+        assert said.out == said.err == ""
         torch.manual_seed(4)
         r = engine.generate(PROMPTS[:5])
         assert max_diff(r.rollout_logprobs, hf_logprobs(model, r), r.response_mask) < LOGPROB_ATOL

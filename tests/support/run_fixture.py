@@ -45,6 +45,14 @@ def run_toml(tmp_path_factory):
     return path
 
 
+def error_line(capsys) -> str:
+    """The one line a refused ``pyppo`` command printed on stderr (no traceback)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("pyppo: error: ")
+    return err[0]
+
+
 def read_rows(path: Path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 

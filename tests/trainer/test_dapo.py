@@ -171,13 +171,13 @@ def test_filter_groups_drops_all_wrong_groups_whose_length_penalties_differ(monk
 
     scored = []
 
-    def recording(batch, *args, **kwargs):
-        raw, scores = real(batch, *args, **kwargs)
+    def recording(batch, raw, *args, **kwargs):
+        scores = real(batch, raw, *args, **kwargs)
         scored.append((list(batch.prompts), raw.clone(), scores.clone()))
-        return raw, scores
+        return scores
 
-    real = sampling.score_batch
-    monkeypatch.setattr(sampling, "score_batch", recording)
+    real = sampling.shaped_scores
+    monkeypatch.setattr(sampling, "shaped_scores", recording)
     config = group_config(
         filter_groups=True, filter_groups_max_tries=8, overlong_buffer=4, mask_truncated=True, max_new_tokens=8
     )

@@ -403,6 +403,8 @@ ELSEWHERE = {
     "value_lora": ("trainer/test_lora.py", "test_value_lora_trains_the_value_adapters_and_head_only"),
     "merge_lora": ("trainer/test_lora.py", "test_policy_export_merges_or_keeps_the_adapter"),
     "eval_every": ("run/test_eval.py", "test_eval_every_logs_scores_kl_and_samples"),
+    "report_to": ("run/test_trackers.py", "test_tensorboard_has_every_metric_at_its_step_the_config_and_the_samples"),
+    "doctor": ("run/test_doctor.py", "test_doctor_false_runs_no_check_and_logs_no_doctor_metric"),
     "rollout_correction": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
     "rollout_is_cap": ("trainer/test_rollout_correction.py", "test_a_planted_mismatch_shows_and_is_corrected"),
     "samples_per_prompt": (
