@@ -263,6 +263,22 @@ def test_dapo_filter_keeps_each_rewards_metrics_on_the_kept_responses():
     assert metrics["reward/odd_mean"] == pytest.approx(sum(odds) / len(odds))
 
 
+def test_an_evaluation_logs_each_reward_over_the_held_out_responses_it_applies_to():
+    from pyppo.run.evaluate import evaluate_prompts
+
+    trainer = make_trainer(small_config(steps=1, batch_size=4), reward=RewardSum([length, odd], [0.5, 2.0]))
+    prompts = PROMPTS[:5]  # two batches of 4, the second with one prompt
+    metrics, rows = evaluate_prompts(trainer, prompts)
+    assert [r["prompt"] for r in rows] == prompts
+    lengths = [len(r["response"]) for r in rows]
+    odds = [float(n % 2) for n, r in zip(lengths, rows) if int(r["prompt"].split()[-1]) % 2 == 0]
+    assert 0 < len(odds) < len(rows)
+    assert metrics["eval/reward/length_mean"] == pytest.approx(sum(lengths) / len(lengths))
+    assert metrics["eval/reward/odd_mean"] == pytest.approx(sum(odds) / len(odds))
+    assert metrics["eval/reward/unscored_fraction"] == 0.0
+    assert metrics["eval/score_mean"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
+
+
 def test_per_reward_metrics_reach_metrics_jsonl_and_config_toml(tmp_path):
     import tomllib
 

@@ -11,6 +11,7 @@ from .. import distributed
 from ..ops import kl_penalty
 from ..precision import autocast
 from ..prompts import prompt_columns
+from ..trainer.reward_metrics import RewardColumns, reward_metrics
 from ..trainer.sampling import reward_scores
 from .checkpoint import capture_rng, restore_rng
 
@@ -42,7 +43,9 @@ def evaluate_prompts(
         ``kl_estimator`` summed over each response's tokens, averaged over responses, nats),
         ``eval/response_length_mean`` and ``eval/eos_fraction`` (with an environment: of whole
         episodes, scored with what the environment paid, plus ``eval/turns_mean``, ``eval/tool_calls_mean`` and
-        ``eval/first_turn_success``, the fraction that scored > 0 in one turn); and one row per prompt
+        ``eval/first_turn_success``, the fraction that scored > 0 in one turn; with several
+        rewards, or veRL ``compute_score`` dicts, each reward's ``eval/reward/<name>_mean`` as
+        :mod:`pyppo.trainer.reward_metrics` computes them for a step); and one row per prompt
         (``step``, ``prompt``, ``response``, ``score``, ``kl``; with an environment also
         ``turns``, ``tool_calls`` and ``transcript``). The same on every rank.
 
@@ -68,15 +71,18 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
     per_rank = -(-len(prompts) // n)
     padded = mine + [mine[-1] if mine else prompts[-1]] * (per_rank - len(mine))
     rows: List[dict] = []
+    columns: List[RewardColumns] = []  # each reward's own scores, of this rank's prompts
     trainer.sync_engine()  # an engine with its own copy of the weights samples the current policy
     for start in range(0, per_rank, b):
         chunk, fields = prompt_columns(padded[start : start + b])
         batch = trainer.rollout(chunk, fields)
         where = f"evaluation after step {trainer.step_count}"
         # float64: the reward's own floats, as the rows report them
-        scores = reward_scores(
+        scores, parts = reward_scores(
             batch, trainer.reward_fn, trainer.world, trainer.device, where=where, fields=fields, dtype=torch.float64
-        )[0].tolist()
+        )
+        scores = scores.tolist()
+        columns.append(parts.select(torch.arange(min(len(batch), len(mine) - start))))
         logprobs, ref = torch.zeros(2, len(batch), batch.response_length, device=trainer.device)
         for idx in torch.arange(len(batch)).split(trainer.micro_batch_size):
             mb, ix = batch.select(idx), idx.to(trainer.device)
@@ -112,6 +118,7 @@ def _evaluate(trainer: PPOTrainer, prompts: List[Any]) -> Tuple[Dict[str, float]
         "eval/response_length_mean": mean("length"),
         "eval/eos_fraction": mean("eos"),
     }
+    metrics.update({f"eval/{k}": v for k, v in reward_metrics(RewardColumns.cat(columns), trainer.world).items()})
     if trainer.agent:  # episodes: how many turns, and how often the first turn earned the score
         metrics["eval/turns_mean"] = mean("turns")
         metrics["eval/tool_calls_mean"] = mean("tool_calls")

@@ -81,14 +81,39 @@ FIXED = {
     "seed": ({}, 4),
 }
 
+#: For each free setting: the settings of a run where it acts (beside TRAIN_DEFAULTS and the
+#: fake run's), and a new value for it there.
+FREE = {
+    "steps": ({}, 40),
+    "micro_batch_size": ({}, 2),
+    "vllm_kv_cache_gib": ({"rollout_engine": "vllm"}, 2.0),
+    "vllm_gpu_memory_utilization": ({"rollout_engine": "vllm"}, 0.5),
+    "fused_policy_loss": ({}, False),
+    "logprobs_from_hidden": ({}, False),
+    "device": ({}, "auto"),
+    "gradient_checkpointing": ({}, True),
+    "fsdp": ({}, True),
+    "merge_lora": ({"lora_rank": 8}, False),
+    "save_every": ({}, 5),
+    "log_samples": ({}, False),
+    "eval_every": ({}, 5),
+    "max_consecutive_skips": ({}, 5),
+    "doctor": ({}, False),
+    "report_to": ({}, ["tensorboard"]),
+}
+#: The run's sources where a free setting needs one to act.
+FREE_SOURCES = {"eval_every": {"eval_prompts": "arithmetic-eval"}}
 
-def _fake_run(path, **settings):
+
+def _fake_run(path, sources=None, **settings):
     """A run directory as pyppo train leaves it, without models: config.toml, and a checkpoint whose
     trainer_state.pt (the only file read before the models load) says it was trained with
-    ``settings`` at step 1 by one process. Its model does not exist, so nothing could load it."""
+    ``settings`` at step 1 by one process, from ``sources`` beside its model and reward. Its model
+    does not exist, so nothing could load it."""
     config = PPOConfig(**{**TRAIN_DEFAULTS, "dtype": "float32", **settings})
     path.mkdir()
-    write_config(path / "config.toml", {"model": str(path / "no-such-model"), "reward": "sentiment"}, config)
+    sources = {"model": str(path / "no-such-model"), "reward": "sentiment", **(sources or {})}
+    write_config(path / "config.toml", sources, config)
     (path / "checkpoint").mkdir()
     for name in ("policy.pt", "value_model.pt", "optimizers.pt"):
         torch.save({}, path / "checkpoint" / name)
@@ -155,6 +180,46 @@ def test_every_conflict_is_named_in_the_one_line(tmp_path, capsys, no_loading):
     line = _one_error(capsys)
     for change in ("kl_coef 0.06 -> 0.1", "dtype 'float32' -> 'bfloat16'", "lora_alpha 8.0 -> 64.0", "seed 0 -> 7"):
         assert change in line, (change, line)
+
+
+def test_every_free_setting_has_a_case():
+    assert set(FREE) == {name for name, k in config_knobs() if k.resume == "free"}
+
+
+@pytest.fixture
+def stop_before_loading(monkeypatch):
+    """Stops ``pyppo train`` where it would build the trainer; returns the configs it was given."""
+    import pyppo.cli.build
+    from pyppo.cli.flags import CLIError
+
+    built = []
+
+    def build_trainer(config, **sources):  # what the run would train: no model needed to see it
+        built.append(config)
+        raise CLIError("stopped before loading")
+
+    monkeypatch.setattr(pyppo.cli.build, "build_trainer", build_trainer)
+    return built
+
+
+@pytest.mark.filterwarnings("ignore:fsdp = True has no effect")  # one process: said, and free
+@pytest.mark.parametrize("via", ["flag", "config file"])
+@pytest.mark.parametrize("key", sorted(FREE))
+def test_each_free_setting_is_applied_and_said(key, via, tmp_path, capsys, stop_before_loading):
+    context, value = FREE[key]
+    run = tmp_path / "run"
+    saved = _fake_run(run, FREE_SOURCES.get(key), **{"device": "cpu", **context})
+    if via == "flag":
+        given = shown_as_flag(key, value).split(" ")
+    else:
+        (tmp_path / "new.toml").write_text(_toml(key, value))
+        given = ["--config", str(tmp_path / "new.toml")]
+    assert cli.main(["train", "--resume", str(run), *given]) == 2
+    err = capsys.readouterr().err
+    (config,) = stop_before_loading
+    new = getattr(PPOConfig(**{**saved.to_dict(), key: value}), key)
+    assert getattr(config, key) == new != getattr(saved, key)
+    assert f"pyppo: resuming with {ResumeChange(key, getattr(saved, key), new)}\n" in err, err
 
 
 @pytest.mark.parametrize("via", ["flag", "config file"])

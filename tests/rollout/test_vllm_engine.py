@@ -354,8 +354,9 @@ def test_multi_turn_episodes_sample_with_vllm_and_the_first_ratio_is_exactly_one
     assert max_diff(b.old_logprobs, b.rollout_logprobs, b.loss_mask) < LOGPROB_ATOL
 
 
-def test_a_planted_mismatch_in_the_engine_shows_in_the_metrics():
-    tr = vllm_trainer(steps=1, rollout_correction="token_truncate", rollout_is_cap=1.2)
+def test_a_planted_mismatch_in_the_engine_shows_in_the_metrics_and_the_default_corrects_it():
+    tr = vllm_trainer(steps=1, rollout_is_cap=1.2)  # rollout_correction "auto": token_truncate with vLLM
+    assert tr.config.rollout_correction == "auto" and tr.config.effective_rollout_correction == "token_truncate"
     tr.engine.temperature = 0.5  # the sampler's distribution is no longer the trainer's
     m = tr.step().metrics
     assert m["mismatch_logprob_diff_mean"] > 0.05 and m["mismatch_kl_k3"] > 1e-3

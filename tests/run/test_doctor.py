@@ -165,6 +165,25 @@ def test_a_kl_jump_is_said(tmp_path, monkeypatch):
     assert flags(history, "kl_jump") == [0.0, 1.0, 0.0]
 
 
+def test_a_kl_jump_at_the_first_step_after_a_resume_is_said(tmp_path, monkeypatch):
+    # The jump is measured from the last step before the checkpoint, which the log holds.
+    train(make_trainer(fast(steps=1)), tmp_path)
+    trainer = make_trainer(fast(steps=3))
+    trainer.load_checkpoint(tmp_path / "run" / "checkpoint")
+    real = trainer.step
+
+    def jumping_kl():
+        result = real()
+        if trainer.step_count == 2:
+            result.metrics["kl_mean"] = 2.0 * result.metrics["response_length_mean"]
+        return result
+
+    monkeypatch.setattr(trainer, "step", jumping_kl)
+    history, said = train(trainer, tmp_path)
+    assert doctor_said(said) == [("KLJumpWarning", "step 2")]
+    assert flags(history, "kl_jump") == [1.0, 0.0]
+
+
 def test_the_default_presets_first_steps_are_silent(tmp_path):
     # pyppo train's preset on the tiny model, with a reward that reads the responses; none of its
     # 32 responses of 16 tokens ends with EOS, as none of SmolLM2's does at the preset's first step.
