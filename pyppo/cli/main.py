@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -57,10 +58,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
 
 
+def plain_text(doc: str) -> str:
+    """A docstring as ``--help`` shows it: reST's roles (``:mod:`x```, ``:func:`~x```) and double
+    backquotes become plain single backquotes."""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", doc)
+    return doc.replace("``", "`")
+
+
 def _add_command(sub, name: str, module) -> None:
     """``pyppo <name>`` from a module with ``add_arguments(parser)`` and ``run(args)``; its
     docstring's first line is the help."""
-    doc = (module.__doc__ or "").strip()
+    doc = plain_text((module.__doc__ or "").strip())
     p = sub.add_parser(
         name,
         help=doc.splitlines()[0] if doc else None,

@@ -184,7 +184,8 @@ class HFGenerateEngine(RolloutEngine):
         gen_config: from :func:`generation_config`.
         device, dtype: where the prompts go, and the autocast dtype of the forwards.
         max_prompt_tokens: keep at most this many tokens of each prompt (from the end); ``None`` = all.
-        use_chat_template: format each prompt as one user turn (``PPOConfig.use_chat_template``).
+        use_chat_template: format each prompt with the chat template, a string as one user turn and a
+            message list as its conversation (``PPOConfig.use_chat_template``).
         synced_gpus: keep every rank decoding until all are done (FSDP2: each decode step
             all-gathers).
 

@@ -168,7 +168,8 @@ class VLLMEngine(RolloutEngine):
         max_prompt_tokens: keep at most this many tokens of each prompt (from the end); ``None`` =
             all (the trainer's ``max_prompt_tokens``, from
             :func:`~pyppo.rollout.tokens.prompt_token_limit`).
-        use_chat_template: format each prompt as one user turn (``PPOConfig.use_chat_template``).
+        use_chat_template: format each prompt with the chat template, a string as one user turn and a
+            message list as its conversation (``PPOConfig.use_chat_template``).
         seed: the vLLM engine's seed (its own generator; each request also gets its own seed).
         device: where the returned tensors go, and where vLLM runs (``cpu`` or ``cuda``).
         dtype: vLLM's compute dtype (``torch.float32`` or ``torch.bfloat16``).
