@@ -18,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .data import check_prompt, checked_rows, is_prompt, read_rows, same_fields
 from .tasks.reasoning_gym import canonical_task_spec, is_task_spec, task_records
+
+if TYPE_CHECKING:  # numpy only where prompts are sampled: `pyppo info` runs without it (the wheel needs torch alone)
+    import numpy as np
 
 __all__ = [
     "ARITHMETIC_EVAL_SIZE",
@@ -312,6 +313,8 @@ class PromptSampler:
 
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
+            import numpy as np
+
             self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.prompts))
             self._perm_epoch = self.epoch
         return self._perm
