@@ -150,12 +150,24 @@ def _plain_warnings():
             return f"{PROG}: warning: {message}\n"
         return formatted(message, category, filename, lineno, line)
 
-    warnings.formatwarning = plain
+    shown = warnings.showwarning
+
+    # A warning said while the progress bar is drawn gets a line of its own, and the bar is drawn
+    # again below it (tqdm.write's way), not the text glued to the bar's.
+    def clear_of_bars(message, category, filename, lineno, file=None, line=None):
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=file or sys.stderr):
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.formatwarning, warnings.showwarning = plain, clear_of_bars
     try:
         yield
     finally:
         if warnings.formatwarning is plain:
             warnings.formatwarning = formatted
+        if warnings.showwarning is clear_of_bars:
+            warnings.showwarning = shown
 
 
 #: The exit status when the reader of pyppo's output went away (``pyppo info | head``): what a

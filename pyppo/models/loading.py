@@ -20,6 +20,8 @@ Nothing is ever fetched from a model hub: every ``from_pretrained`` call is ``lo
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -172,6 +174,26 @@ def _apply_special_tokens(tokenizer, model, ids: dict[str, int], source: str) ->
                 setattr(config, attr, token_id)
 
 
+@contextlib.contextmanager
+def gguf_conversion_bar_follows_transformers():
+    """transformers draws its "Converting and de-quantizing GGUF tensors" bar with plain tqdm,
+    which its own progress-bar switch (``transformers.utils.logging.disable_progress_bar``, what
+    ``pyppo train`` turns off while it loads) does not reach: inside this context the bar obeys
+    the switch too."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    drawn = getattr(gguf_utils, "tqdm", None)
+    if drawn is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = drawn
+
+
 def _convert_gguf_to_cache(gguf: Path, target: Path, fingerprint: dict) -> None:
     """Dequantise ``gguf`` and save it as an HF directory at ``target``, swapped in whole
     (:func:`pyppo.atomic_dir.swap_in`), so a process killed mid-conversion leaves no half-written
@@ -183,9 +205,10 @@ def _convert_gguf_to_cache(gguf: Path, target: Path, fingerprint: dict) -> None:
         # mkdtemp makes the dir private (0700); the cache is an ordinary readable directory.
         tmp.chmod(0o755)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
-        )
+        with gguf_conversion_bar_follows_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+            )
         _strip_gguf_quantization(model)
         _apply_special_tokens(tokenizer, model, _gguf_special_tokens(gguf), str(gguf))
         model.save_pretrained(tmp)

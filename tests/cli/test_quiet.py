@@ -142,3 +142,38 @@ def test_vllm_itself_sees_its_usage_stats_off():
     if before == "False":  # this machine's ~/.config/vllm/do_not_track already says no
         pytest.skip("vLLM's usage stats are off on this machine already")
     assert after == "False"
+
+
+def test_a_warning_said_under_the_progress_bar_gets_its_own_line():
+    # In a fresh interpreter: pytest records warnings instead of printing them.
+    code = (
+        "import sys, warnings\n"
+        "from tqdm import tqdm\n"
+        "from pyppo.cli.main import _plain_warnings\n"
+        "with _plain_warnings():\n"
+        "    bar = tqdm(total=2, desc='ppo', file=sys.stderr, ascii=True)\n"
+        "    bar.update(1)\n"
+        "    warnings.warn('the doctor says so', UserWarning)\n"
+        "    bar.update(1)\n"
+        "    bar.close()\n"
+    )
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+    at = err.index("the doctor says so")
+    line_start = max(err.rfind("\n", 0, at), err.rfind("\r", 0, at))
+    assert "ppo" not in err[line_start + 1 : at], repr(err)  # not glued to the bar's text
+    assert "ppo" in err[at:], repr(err)  # the bar is drawn again after it
+
+
+def test_transformers_gguf_conversion_bar_obeys_its_progress_bar_switch():
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from pyppo.models.loading import gguf_conversion_bar_follows_transformers
+
+    drawn = gguf_utils.tqdm
+    assert hf_logging.is_progress_bar_enabled()
+    with gguf_conversion_bar_follows_transformers():  # bars on: the bar is transformers' own
+        assert gguf_utils.tqdm is drawn
+    with quiet.quiet_libraries(), gguf_conversion_bar_follows_transformers():
+        assert gguf_utils.tqdm(range(3)).disable  # as pyppo train loads: no bar
+    assert gguf_utils.tqdm is drawn
