@@ -220,14 +220,19 @@ def score_rewards(
         unscored.append(not applied)
     if any(unscored):
         i = unscored.index(True)
-        who = "no reward" if several else f"reward {reward_name(reward_fn)!r}"
-        warnings.warn(
-            f"{who} applied to {sum(unscored)} of {len(responses)} responses ({where}; the first: prompt {i}: "
-            f"{_clip(str(prompts[i]))!r}, response: {_clip(responses[i])!r}): each scores 0.0, as in TRL. "
-            "Return a number for every response some reward applies to",
-            UnscoredWarning,
-            stacklevel=2,
-        )
+        count = f"{sum(unscored)} of {len(responses)} responses"
+        first = f"the first: prompt {i}: {_clip(str(prompts[i]))!r}, response: {_clip(responses[i])!r}"
+        if several:
+            message = (
+                f"no reward applied to {count} ({where}; {first}): each scores 0.0, as in TRL. "
+                "Return a number for every response some reward applies to"
+            )
+        else:
+            message = (
+                f"reward {reward_name(reward_fn)!r} did not apply to {count} (returned None; {where}; {first}): "
+                "each scores 0.0, as in TRL. Return a number for every response it should score"
+            )
+        warnings.warn(message, UnscoredWarning, stacklevel=2)
     parts = {name: out.scores for name, out in zip(names, outputs)} if several else {}
     extras = {f"{name}/{key}": column for name, out in zip(names, outputs) for key, column in out.extras.items()}
     return RewardScores(scores, parts, extras, unscored)

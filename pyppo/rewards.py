@@ -1,7 +1,8 @@
 """Reward functions: ``(prompts, responses) -> one float per response``.
 
 A reward is any callable ``reward_fn(prompts: list[str], responses: list[str]) -> list[float]``
-(a list, tuple, 1-D numpy array or 1-D tensor of length ``B`` also works). As in TRL, it may also
+(a list, tuple, 1-D numpy array or 1-D tensor of length ``B`` also works; a bool scores 1.0 or 0.0,
+as TRL's float tensor of the outputs makes it). As in TRL, it may also
 take the prompts' other fields (the keys of a prompts ``.jsonl`` line besides ``"prompt"``): a
 parameter named like a field, ``reward_fn(prompts, responses, answer)``, receives that field's
 values, one per prompt; ``**kwargs`` receives every field (:func:`score_responses`,
@@ -29,6 +30,7 @@ names the reward, the index and the value, instead of silently poisoning the adv
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.util
@@ -57,6 +59,7 @@ __all__ = [
     "RewardFn",
     "RewardOutput",
     "SequenceClassifierReward",
+    "check_not_async",
     "check_reward_fields",
     "load_reward",
     "math_reward",
@@ -125,7 +128,8 @@ def sentiment_reward(prompts: list[str], responses: list[str]) -> list[float]:
 
 def validate_scores(scores, n: int, name: str) -> List[Optional[float]]:
     """Check that ``scores`` holds exactly ``n`` finite real numbers or ``None`` and return them
-    as floats (and ``None``).
+    as floats (and ``None``). A bool (Python's, numpy's ``bool_``, a bool tensor's) is 1.0 or 0.0,
+    as TRL's ``torch.tensor(output, dtype=torch.float32)`` and veRL make it.
 
     ``None`` is TRL's "this reward does not apply to this response" (a math reward on a prompt
     without an answer): :mod:`pyppo.reward_sum` leaves it out of the weighted sum of the rewards.
@@ -139,9 +143,22 @@ def validate_scores(scores, n: int, name: str) -> List[Optional[float]]:
 
     Raises:
         RewardTypeError (a TypeError and a RewardError): ``scores`` is not a sequence, or an
-            element is neither a real number nor ``None``.
+            element is neither a real number, a bool nor ``None``; or a coroutine (an async
+            reward), which is closed first, so that Python prints no "never awaited" warning.
         RewardError (a ValueError): wrong length or shape, or an element is NaN or infinite.
     """
+    try:
+        return _validated_scores(scores, n, name)
+    except RewardError:
+        # An async reward that got past check_not_async returned a coroutine (or a list of them):
+        # never awaited, each is closed, so that Python does not print a RuntimeWarning for it.
+        _close_coroutines(scores)
+        raise
+
+
+def _validated_scores(scores, n: int, name: str) -> List[Optional[float]]:
+    if inspect.iscoroutine(scores):
+        raise RewardTypeError(f"reward {name!r} returned a coroutine; {_sync_only()}", reward=name)
     if isinstance(scores, torch.Tensor):
         if scores.dim() != 1:
             raise RewardError(
@@ -168,8 +185,14 @@ def validate_scores(scores, n: int, name: str) -> List[Optional[float]]:
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        # bool is an int subclass, but True as a score is almost certainly a bug in the reward.
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if _is_bool(value):  # TRL makes a float tensor of the outputs: True is 1.0, as in veRL
+            out.append(float(value))
+            continue
+        if inspect.iscoroutine(value):  # e.g. an async veRL compute_score, called per response
+            raise RewardTypeError(
+                f"reward {name!r} returned a coroutine at index {i}; {_sync_only()}", reward=name, index=i
+            )
+        if not isinstance(value, numbers.Real):
             raise RewardTypeError(
                 f"reward {name!r} returned a non-number at index {i}: {value!r} ({type(value).__name__}); "
                 "expected a number, or None where the reward does not apply",
@@ -187,6 +210,52 @@ def validate_scores(scores, n: int, name: str) -> List[Optional[float]]:
             )
         out.append(value)
     return out
+
+
+def _sync_only(fn: Any = None) -> str:
+    """What the errors about an async reward ``fn`` add: how to make it a plain one."""
+    fn = getattr(fn, "_unchecked", fn)
+    name = getattr(fn, "__name__", "") if inspect.isroutine(fn) else ""
+    call = f"{name}(...)" if name.isidentifier() else "the_async_reward(...)"
+    return (
+        "pyppo calls rewards synchronously: wrap it (asyncio.run) in a plain def with the same "
+        f"parameters that returns asyncio.run({call})"
+    )
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python bool or a numpy ``bool_`` (``numpy.bool`` in numpy 2), without importing numpy."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"))
+
+
+def _close_coroutines(values: Any) -> None:
+    """Close ``values`` if it is a coroutine, or every coroutine in it (a list or tuple): none was
+    awaited, and an unclosed one makes Python print a ``RuntimeWarning`` when it is freed."""
+    for value in values if isinstance(values, (list, tuple)) else (values,):
+        if inspect.iscoroutine(value):
+            value.close()
+
+
+def _is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` makes a coroutine: an ``async def`` function or method, a
+    ``functools.partial`` of one, or an object whose ``__call__`` is one."""
+    fn = getattr(fn, "_unchecked", fn)  # load_reward's wrapper is a plain def
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(type(fn), "__call__", None)
+    return not inspect.isroutine(fn) and call is not None and inspect.iscoroutinefunction(call)
+
+
+def check_not_async(reward_fn: Any, name: Optional[str] = None) -> None:
+    """Refuse an ``async def`` reward (or a callable object with an ``async def __call__``) up
+    front: pyppo calls rewards synchronously, and the coroutine it would get is no score.
+
+    Raises:
+        RewardTypeError (a TypeError and a ValueError): one line naming the reward.
+    """
+    if _is_async(reward_fn):
+        name = name or reward_name(reward_fn)
+        raise RewardTypeError(f"reward {name!r} is an async function; {_sync_only(reward_fn)}", reward=name)
 
 
 def reward_name(fn: Any) -> str:
@@ -301,12 +370,15 @@ def check_reward_fields(reward_fn: RewardFn, field_names: Collection[str], *, so
             the field and the fields the prompts have. Or the reward cannot be called in any
             convention (fewer than two positional parameters and none named ``completions`` or
             ``solution_str``), naming its signature and the three conventions.
+        RewardTypeError (a RewardError): the reward is an ``async def`` function
+            (:func:`check_not_async`).
     """
     from .reward_sum import RewardSum  # it builds on this module
 
     if isinstance(reward_fn, RewardSum):
         taken = [check_reward_fields(fn, field_names, source=source) for fn in reward_fn.rewards]
         return sorted(set().union(*taken))
+    check_not_async(reward_fn)
     params = _field_params(reward_fn)
     if not params.takes_pair:
         name = reward_name(reward_fn)
@@ -489,7 +561,12 @@ def _checked(fn: Callable, name: str) -> RewardFn:
     (TRL's keywords, veRL's per response, or pyppo's); its signature is ``fn``'s (``__wrapped__``;
     for TRL's and veRL's conventions :func:`_pair_signature`), so :func:`score_responses` gives it
     the fields ``fn`` takes. Its ``_unchecked`` is ``fn``, which :func:`score_reward` calls
-    itself (so as to keep a ``compute_score``'s extras)."""
+    itself (so as to keep a ``compute_score``'s extras).
+
+    Raises:
+        RewardTypeError: ``fn`` is an ``async def`` function (:func:`check_not_async`).
+    """
+    check_not_async(fn, name)
 
     @functools.wraps(fn)
     def reward(prompts: list[str], responses: list[str], **fields) -> List[Optional[float]]:
@@ -704,7 +781,7 @@ def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.devic
     """Turn a reward spec into a validated ``reward_fn(prompts, responses) -> list[float]``.
 
     Args:
-        spec: ``"sentiment"`` or ``"math"`` (:data:`BUILTIN_REWARDS`); a local directory with a
+        spec: ``"sentiment"``, ``"math"`` or ``"reasoning-gym"`` (:data:`BUILTIN_REWARDS`); a local directory with a
             sequence-classification model; ``"module:function"`` / ``"file.py:function"``; or a
             callable (wrapped as is). A function may take prompt fields (see :func:`score_responses`).
         device: device of a classifier reward model.
@@ -714,7 +791,9 @@ def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.devic
         attribute is the spec, and its signature the function's (so it takes the same fields).
 
     Raises:
-        ValueError: the spec matches none of the forms.
+        ValueError: the spec matches none of the forms (for a ``.py`` file without
+            ``:function``, the message suggests its top-level functions).
+        RewardTypeError (a TypeError and a ValueError): the function is ``async def``.
         FileNotFoundError, ModuleNotFoundError, AttributeError, TypeError: the named model, file,
             module or function cannot be used; the message names the spec.
     """
@@ -731,4 +810,32 @@ def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.devic
         return _checked(SequenceClassifierReward(path, device=device), spec)
     if ":" in spec:
         return _checked(_load_function(spec), spec)
-    raise ValueError(f"reward {spec!r} is not 'sentiment', 'math', an existing model directory, or 'module:function'")
+    builtin = ", ".join(repr(name) for name in BUILTIN_REWARDS)
+    raise ValueError(
+        f"reward {spec!r} is not {builtin}, an existing model directory, 'module:function' or "
+        f"'file.py:function'{_function_hint(spec)}"
+    )
+
+
+def _function_hint(spec: str) -> str:
+    """For a spec naming a Python file without its function (``r.py``): "; did you mean
+    'r.py:FUNCTION'?" and the file's top-level functions, read with ``ast`` (never imported)."""
+    path = Path(spec).expanduser()
+    if not spec.endswith(".py") and not (path.is_file() and path.suffix == ".py"):
+        return ""
+    hint = f"; did you mean '{spec}:FUNCTION'?"
+    if not path.is_file():
+        return f"{hint} (there is no file {spec!r})"
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return hint
+    names = [
+        node.name
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
+    ]
+    if not names:
+        return f"{hint} ({spec!r} defines no top-level function)"
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return f"{hint} (its functions: {shown})"

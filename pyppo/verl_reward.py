@@ -14,6 +14,7 @@ reward while its other keys are extra information: here, those holding a number 
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .rewards import RewardError
+from .rewards import RewardError, RewardTypeError, _is_bool, _sync_only
 
 __all__ = ["call_compute_score", "split_scores"]
 
@@ -47,7 +48,9 @@ def call_compute_score(
         ``B`` returns as given (numbers, ``None``, dicts): :func:`split_scores` reads them.
 
     Raises:
-        RewardError: the function raised for response ``i`` (``index`` is ``i``).
+        RewardError: the function raised for response ``i`` (``index`` is ``i``), or returned a
+            coroutine (an ``async def`` that got past :func:`pyppo.rewards.check_not_async`; it
+            is closed, never awaited).
     """
     out = []
     for i, response in enumerate(responses):
@@ -57,11 +60,17 @@ def call_compute_score(
         elif extra_info and "extra_info" not in row:
             row["extra_info"] = {}
         try:
-            out.append(fn(solution_str=response, **row))
+            result = fn(solution_str=response, **row)
         except Exception as exc:
             raise RewardError(
                 f"reward {name!r} raised {type(exc).__name__} at index {i}: {exc}", reward=name, index=i
             ) from exc
+        if inspect.iscoroutine(result):  # an async compute_score: closed, never awaited, so no RuntimeWarning
+            result.close()
+            raise RewardTypeError(
+                f"reward {name!r} returned a coroutine at index {i}; {_sync_only(fn)}", reward=name, index=i
+            )
+        out.append(result)
     return out
 
 
@@ -96,10 +105,6 @@ def split_scores(results: List[Any], name: str) -> Tuple[List[Any], Dict[str, Li
             result = result["score"]
         scores.append(float(result) if _is_bool(result) else result)
     return scores, extras
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's, without importing numpy
 
 
 def _number(value: Any) -> Optional[float]:

@@ -71,16 +71,53 @@ def test_a_response_no_reward_applies_to_scores_zero_with_a_warning():
         out = score_rewards(both, PROMPTS3, RESPONSES3, where="step 7")
     assert out.scores == [8.25, 0.0, -3.5] and out.unscored == [False, True, False]
     (warning,) = caught
-    assert str(warning.message).startswith(
-        "no reward applied to 1 of 3 responses (step 7; the first: prompt 1: 'q', response: 'bb'): each scores 0.0"
+    assert str(warning.message) == (
+        "no reward applied to 1 of 3 responses (step 7; the first: prompt 1: 'q', response: 'bb'): each scores 0.0, "
+        "as in TRL. Return a number for every response some reward applies to"
     )
-    # One reward that returns None: the same rule, the warning names it.
-    with pytest.warns(UnscoredWarning, match=r"^reward 'second' applied to 1 of 3 responses \(s; the first: prompt 1"):
-        assert score_responses(second, PROMPTS3, RESPONSES3, where="s") == [4.0, None, -2.0]
-        assert score_rewards(second, PROMPTS3, RESPONSES3, where="s").scores == [4.0, 0.0, -2.0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every response scored by some reward: no warning
         score_rewards(RewardSum([first, second]), PROMPTS3, RESPONSES3, where="s")
+
+
+def _unscored_message(fn, where="step 1", n=4):
+    prompts, responses = [f"p{i}" for i in range(n)], [f"r{i}" for i in range(n)]
+    with pytest.warns(UnscoredWarning) as caught:
+        score_rewards(fn, prompts, responses, where=where)
+    (warning,) = caught
+    return str(warning.message)
+
+
+def test_one_reward_that_returns_none_did_not_apply_says_so():
+    # The words say what happened: it did NOT apply (it returned None), not "applied to".
+    assert score_responses(second, PROMPTS3, RESPONSES3, where="s") == [4.0, None, -2.0]  # its None, no warning
+    with pytest.warns(UnscoredWarning) as caught:
+        assert score_rewards(second, PROMPTS3, RESPONSES3, where="s").scores == [4.0, 0.0, -2.0]
+    assert [str(w.message) for w in caught] == [
+        "reward 'second' did not apply to 1 of 3 responses (returned None; s; the first: prompt 1: 'q', "
+        "response: 'bb'): each scores 0.0, as in TRL. Return a number for every response it should score"
+    ]
+
+    def some_none(prompts, responses):
+        return [None if i % 2 else 1.0 for i in range(len(responses))]
+
+    def all_none(prompts, responses):
+        return [None] * len(responses)
+
+    assert _unscored_message(load_reward(some_none)) == (
+        "reward 'some_none' did not apply to 2 of 4 responses (returned None; step 1; the first: prompt 1: 'p1', "
+        "response: 'r1'): each scores 0.0, as in TRL. Return a number for every response it should score"
+    )
+    assert _unscored_message(all_none).startswith(
+        "reward 'all_none' did not apply to 4 of 4 responses (returned None; step 1; the first: prompt 0: 'p0',"
+    )
+    # Several rewards, none of which applies anywhere: "no reward applied to".
+    assert _unscored_message(RewardSum([all_none, load_reward(all_none)]), where="step 2") == (
+        "no reward applied to 4 of 4 responses (step 2; the first: prompt 0: 'p0', response: 'r0'): each scores "
+        "0.0, as in TRL. Return a number for every response some reward applies to"
+    )
+    for message in (_unscored_message(some_none), _unscored_message(RewardSum([some_none, all_none]))):
+        assert " applied to 2 of 4" not in message.replace("no reward applied", "")
 
 
 def test_nan_is_still_refused_naming_the_reward_of_the_sum():

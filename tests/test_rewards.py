@@ -3,8 +3,11 @@ prompt fields a reward receives."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -92,9 +95,44 @@ def test_file_function_spec(tmp_path):
         load_reward(f"{tmp_path / 'nope.py'}:score")
 
 
+UNKNOWN = (
+    "is not 'sentiment', 'math', 'reasoning-gym', an existing model directory, 'module:function' or 'file.py:function'"
+)
+
+
 def test_unknown_spec():
-    with pytest.raises(ValueError, match="'positivity' is not 'sentiment', 'math', an existing model directory"):
+    with pytest.raises(ValueError) as caught:
         load_reward("positivity")
+    assert str(caught.value) == f"reward 'positivity' {UNKNOWN}"
+
+
+def test_a_python_file_without_its_function_suggests_the_functions_it_defines(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text(
+        "import sys\nraise SystemExit('never imported')\n\n"
+        "def some_none(prompts, responses):\n    return [None] * len(responses)\n\n"
+        "async def later(completions, **kwargs):\n    return []\n\n"
+        "def _helper():\n    pass\n\nclass Scorer:\n    def method(self):\n        pass\n"
+    )
+    for spec in ("r.py", str(tmp_path / "r.py")):
+        with pytest.raises(ValueError) as caught:
+            load_reward(spec)
+        assert str(caught.value) == (
+            f"reward {spec!r} {UNKNOWN}; did you mean '{spec}:FUNCTION'? (its functions: some_none, later)"
+        )
+    (tmp_path / "empty.py").write_text("X = 1\n")
+    (tmp_path / "broken.py").write_text("def r(:\n")
+    (tmp_path / "many.py").write_text("".join(f"def f{i}(p, r):\n    return r\n" for i in range(10)))
+    for spec, tail in [
+        ("empty.py", "; did you mean 'empty.py:FUNCTION'? ('empty.py' defines no top-level function)"),
+        ("broken.py", "; did you mean 'broken.py:FUNCTION'?"),  # not parsed: no list
+        ("many.py", "; did you mean 'many.py:FUNCTION'? (its functions: f0, f1, f2, f3, f4, f5, f6, f7 and 2 more)"),
+        ("nope.py", "; did you mean 'nope.py:FUNCTION'? (there is no file 'nope.py')"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            load_reward(spec)
+        assert str(caught.value) == f"reward {spec!r} {UNKNOWN}{tail}"
+        assert "\n" not in str(caught.value)
 
 
 def test_builtin_names_come_before_directories(tmp_path, monkeypatch):
@@ -111,7 +149,6 @@ def test_builtin_names_come_before_directories(tmp_path, monkeypatch):
         ([1.0, 2.0, float("inf")], ValueError, r"index 2: inf"),
         ([1.0, "high", 0.0], TypeError, r"non-number at index 1: 'high'"),
         ([{"score": 1.0}, 1.0, 0.0], TypeError, r"index 0: \{'score': 1.0\} \(dict\); expected a number, or None"),
-        ([True, 1.0, 0.0], TypeError, r"index 0: True"),
         ([1.0, 2.0], ValueError, r"returned 2 scores for 3 responses"),
         (0.5, TypeError, r"returned float; expected a list of 3 floats"),
         (torch.zeros(3, 1), ValueError, r"shape \(3, 1\)"),
@@ -124,6 +161,31 @@ def test_bad_reward_outputs_raise_with_name_and_index(bad, exc, pattern):
         fn(["a", "b", "c"], ["x", "y", "z"])
     with pytest.raises(exc, match=pattern):
         validate_scores(bad, 3, "bad")
+
+
+def trl_bool(completions, **kwargs):  # TRL makes a float32 tensor of this: 1.0 / 0.0
+    return [len(c) > 2 for c in completions]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        trl_bool,
+        lambda prompts, responses: [len(r) > 2 for r in responses],
+        lambda prompts, responses: np.array([len(r) > 2 for r in responses]),
+        lambda prompts, responses: [np.bool_(len(r) > 2) for r in responses],
+        lambda prompts, responses: torch.tensor([len(r) > 2 for r in responses]),
+        lambda prompts, responses: [torch.tensor(len(r) > 2) for r in responses],
+        lambda data_source, solution_str, ground_truth: len(solution_str) > 2,  # veRL's compute_score
+    ],
+    ids=["trl", "list", "numpy", "numpy-scalars", "tensor", "tensor-scalars", "verl"],
+)
+def test_bools_score_one_and_zero_in_every_convention(fn):
+    fields = {"data_source": ["d", "d", "d"], "ground_truth": ["x", "x", "x"]}
+    assert score_responses(fn, ["a", "b", "c"], ["yes", "no", "maybe"], where="s", fields=fields) == [1.0, 0.0, 1.0]
+    scores = score_responses(load_reward(fn), ["a", "b", "c"], ["yes", "no", "maybe"], where="s", fields=fields)
+    assert scores == [1.0, 0.0, 1.0] and all(type(x) is float for x in scores)
+    assert validate_scores([True, None, np.bool_(False)], 3, "r") == [1.0, None, 0.0]
 
 
 def test_array_and_tensor_scores_accepted():
@@ -472,3 +534,84 @@ def test_a_verl_compute_score_file_spec(tmp_path):
     fn = load_reward(f"{tmp_path / 'verl_reward_file.py'}:compute_score")
     assert fn(["p", "q"], ["5", "6"], data_source=["a", "b"], ground_truth=["5", "7"]) == [1.0, 0.0]
     assert score_responses(fn, ["p", "q"], [" 7", "7"], where="s", fields=VERL_FIELDS) == [0.0, 1.0]
+
+
+async def async_reward(prompts, responses):
+    return [1.0] * len(responses)
+
+
+class AsyncCall:
+    async def __call__(self, completions, **kwargs):
+        return [1.0] * len(completions)
+
+
+async def async_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
+
+
+SYNC_ONLY = "pyppo calls rewards synchronously: wrap it (asyncio.run) in a plain def with the same parameters"
+
+
+@pytest.mark.parametrize(
+    "fn, call",
+    [
+        (async_reward, "async_reward(...)"),
+        (AsyncCall(), "the_async_reward(...)"),
+        (async_compute_score, "async_compute_score(...)"),
+        (functools.partial(async_reward), "the_async_reward(...)"),
+    ],
+    ids=["function", "callable-object", "verl", "partial"],
+)
+def test_an_async_reward_is_refused_when_it_is_loaded_or_checked(fn, call, recwarn):
+    tail = f" is an async function; {SYNC_ONLY} that returns asyncio.run({call})"
+    with pytest.raises(rewards.RewardTypeError) as caught:
+        load_reward(fn)
+    assert str(caught.value) == f"reward {getattr(fn, '__name__', repr(fn))!r}{tail}"  # load_reward's name
+    with pytest.raises(RewardError) as caught:
+        check_reward_fields(fn, ["data_source", "ground_truth"])
+    assert str(caught.value) == f"reward {rewards.reward_name(fn)!r}{tail}"
+    gc.collect()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]  # nothing was called
+
+
+def test_an_async_reward_in_a_file_is_refused_when_loaded(tmp_path):
+    _write_module(tmp_path, "async_file", "async def async_r(prompts, responses):\n    return [1.0]\n")
+    spec = f"{tmp_path / 'async_file.py'}:async_r"
+    with pytest.raises(ValueError, match=r"^reward '.*async_file.py:async_r' is an async function; pyppo calls"):
+        load_reward(spec)
+
+
+def test_a_coroutine_returned_anyway_is_closed_and_refused():
+    made = []
+
+    def make(*args):
+        made.append(async_reward(*args))
+        return made[-1]
+
+    def returns_one(prompts, responses):
+        return make(prompts, responses)
+
+    def returns_a_list(prompts, responses):
+        return [make(prompts, responses) for _ in responses]
+
+    def verl_returns_one(data_source, solution_str, ground_truth):
+        return make([], [])
+
+    fields = {"data_source": ["d", "d"], "ground_truth": ["x", "x"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a "never awaited" RuntimeWarning would be an error
+        for fn, pattern in [
+            (returns_one, r"^reward 'returns_one' returned a coroutine; pyppo calls rewards synchronously: .* \(s\)$"),
+            (returns_a_list, r"^reward 'returns_a_list' returned a coroutine at index 0; pyppo calls rewards"),
+            (load_reward(returns_a_list), r"^reward 'returns_a_list' returned a coroutine at index 0;"),
+            (verl_returns_one, r"^reward 'verl_returns_one' returned a coroutine at index 0; pyppo calls rewards"),
+        ]:
+            made.clear()
+            with pytest.raises(RewardError, match=pattern):
+                score_responses(fn, ["p", "q"], ["a", "b"], where="s", fields=fields)
+            assert made and all(c.cr_frame is None for c in made)  # every one closed, none awaited
+            made.clear()
+            gc.collect()
+        with pytest.raises(RewardError, match=r"returned a coroutine at index 1"):
+            validate_scores([1.0, async_reward([], []), async_reward([], [])], 3, "r")
+        gc.collect()

@@ -372,7 +372,10 @@ def _resolved_reward(spec: Any, builtin: Any) -> str:
         CLIError: not a non-empty string.
     """
     if not isinstance(spec, str) or not spec:
-        raise CLIError(f"--reward must be 'sentiment', 'math', a model directory or 'module:function', got {spec!r}")
+        raise CLIError(
+            "--reward must be 'sentiment', 'math', 'reasoning-gym', a model directory, 'module:function' or "
+            f"'file.py:function', got {spec!r}"
+        )
     path = Path(spec).expanduser()
     if path.is_dir() and spec not in builtin:
         return str(path.resolve())

@@ -175,7 +175,11 @@ def test_unknown_config_key_is_named(tmp_path, capsys):
         (["--resume", "/nonexistent/run"], "--resume '/nonexistent/run': no such run directory"),
         (["--batch-size", "3", "--mini-batch-size", "2"], "mini_batch_size (2) must divide batch_size (3)"),
         (["--lr", "-1"], "lr must be"),
-        (["--reward", ""], "--reward must be 'sentiment', 'math', a model directory or 'module:function', got ''"),
+        (
+            ["--reward", ""],
+            "--reward must be 'sentiment', 'math', 'reasoning-gym', a model directory, 'module:function' or "
+            "'file.py:function', got ''",
+        ),
     ],
 )
 def test_bad_train_arguments_give_one_line(argv, expected, capsys):

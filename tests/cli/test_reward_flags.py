@@ -153,3 +153,90 @@ def test_a_resumed_run_without_weights_has_one_each(tmp_path):
     args[-1] = "2"
     with pytest.raises(CLIError, match=r"--reward-weights \[1.0, 2.0\] differs .* reward_weights \[1.0, 1.0\]"):
         cli.resolve_train_config(cli.build_parser().parse_args(args))
+
+
+ASYNC_AND_BOOL = """\
+import asyncio
+
+
+async def async_r(prompts, responses):
+    return [1.0 for _ in responses]
+
+
+def sneaky(prompts, responses):  # a plain def that returns a coroutine: found only when it is called
+    return async_r(prompts, responses)
+
+
+def trl_bool(completions, **kwargs):  # TRL makes a float tensor of this
+    return [len(c) > 2 for c in completions]
+"""
+
+
+def _no_model_loads(monkeypatch):
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_an_async_reward_is_one_line_before_any_model_loads(tiny_dir, files, capsys, monkeypatch):
+    import gc
+    import warnings
+
+    (files / "ar.py").write_text(ASYNC_AND_BOOL)
+    spec = f"{files / 'ar.py'}:async_r"
+    _no_model_loads(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for reward in (["--reward", spec], ["--reward", "math", "--reward", spec]):
+            assert cli.main([*_argv(tiny_dir, files, *reward), "--output", str(files / "o")]) == 2
+            assert _one_error(capsys) == (
+                f"pyppo: error: reward {spec!r} is an async function; pyppo calls rewards synchronously: wrap it "
+                "(asyncio.run) in a plain def with the same parameters that returns asyncio.run(async_r(...))"
+            )
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert not (files / "o").exists()
+
+
+def test_a_reward_that_returns_a_coroutine_is_one_line_without_a_runtime_warning(tiny_dir, files, capsys):
+    import gc
+    import warnings
+
+    (files / "ar.py").write_text(ASYNC_AND_BOOL)
+    spec = f"{files / 'ar.py'}:sneaky"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main([*_argv(tiny_dir, files, "--reward", spec, "--steps", "1"), "--output", str(files / "o")]) == 2
+        gc.collect()
+    err = capsys.readouterr().err
+    assert "RuntimeWarning" not in err and "never awaited" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("pyppo: error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"pyppo: error: reward {spec!r} returned a coroutine; pyppo calls rewards synchronously"
+    ), err
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_bool_reward_trains(tiny_dir, files, capsys):
+    (files / "ar.py").write_text(ASYNC_AND_BOOL)
+    run = files / "run"
+    argv = _argv(tiny_dir, files, "--reward", f"{files / 'ar.py'}:trl_bool", "--steps", "1", "--output", str(run))
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    (row,) = read_rows(run / "metrics.jsonl")
+    assert 0.0 <= row["score_mean"] <= 1.0
+
+
+def test_a_python_file_without_its_function_is_one_line_naming_its_functions(tiny_dir, files, capsys, monkeypatch):
+    (files / "ar.py").write_text(ASYNC_AND_BOOL)
+    monkeypatch.chdir(files)
+    _no_model_loads(monkeypatch)
+    assert cli.main([*_argv(tiny_dir, files, "--reward", "ar.py"), "--output", str(files / "o")]) == 2
+    assert _one_error(capsys) == (
+        "pyppo: error: reward 'ar.py' is not 'sentiment', 'math', 'reasoning-gym', an existing model directory, "
+        "'module:function' or 'file.py:function'; did you mean 'ar.py:FUNCTION'? "
+        "(its functions: async_r, sneaky, trl_bool)"
+    )
+    assert not (files / "o").exists()
