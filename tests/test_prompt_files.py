@@ -5,11 +5,12 @@ data layout; one-line errors for bad files; a tiny run of each format family."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from pyppo import cli
-from pyppo.data import check_renderable, classifier_text
+from pyppo.data import check_renderable, classifier_text, prompt_list
 from pyppo.prompts import PromptSampler, load_prompt_records, load_prompts, prompt_columns, resolve_prompt_source
 from pyppo.rollout.tokens import check_prompt_lengths, encode_prompts
 from support.run_fixture import error_line as _error_line
@@ -77,8 +78,15 @@ def test_parquet_csv_and_datasets_directories(tmp_path):
     assert load_prompt_records(tmp_path / "saved") == RECORDS
     assert load_prompt_records(tmp_path / "dict") == RECORDS  # the "train" split
     datasets.DatasetDict({"validation": dataset}).save_to_disk(tmp_path / "nosplit")
-    with pytest.raises(ValueError, match=r"nosplit: a DatasetDict without a 'train' split \(splits: 'validation'\)"):
+    split = r"nosplit: a DatasetDict without a 'train' split \(splits: 'validation'\); give the split's directory "
+    with pytest.raises(ValueError, match=split + r"instead, as in --prompts '.*nosplit/validation'$"):
         load_prompt_records(tmp_path / "nosplit")
+    assert load_prompt_records(tmp_path / "nosplit" / "validation") == RECORDS  # what the message says works
+    # Given to the trainer, the message says how to pass the split.
+    with pytest.raises(
+        ValueError, match=r"^prompts: a DatasetDict .*; pass the split to use \(prompts=prompts\['validation'\]\)$"
+    ):
+        prompt_list(datasets.DatasetDict({"validation": dataset}))
     # A run records a directory as its absolute path, as it does a file.
     assert resolve_prompt_source(str(tmp_path / "saved")) == str((tmp_path / "saved").resolve())
 
@@ -116,7 +124,12 @@ def _bad_files(tmp_path):
     (p / "header.csv").write_text("prompt,prompt\na,b\n")
     (p / "messages.jsonl").write_text(json.dumps({"prompt": [{"role": "robot", "content": "x"}]}) + "\n")
     (p / "notadataset").mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"]), p / "twice.parquet")
     return [
+        (p / "twice.parquet", r"twice\.parquet: column 'prompt' appears more than once; each column must appear once"),
         (p / "noprompt.parquet", r"noprompt\.parquet: row 0: missing key \"prompt\" \(keys: \['question'\]\)"),
         (p / "null.parquet", r"null\.parquet: row 1: \"prompt\" must be a non-empty string, got None"),
         (p / "broken.parquet", r"broken\.parquet: not a readable Parquet file"),
@@ -145,6 +158,38 @@ def test_each_bad_file_is_refused_in_one_line_naming_the_file_the_record_and_the
         line = _error_line(capsys)
         assert str(path) in line, line
         assert not out.exists()
+
+
+def test_a_missing_format_package_is_one_line_naming_the_flag_the_file_and_the_extra(
+    tmp_path, tiny_dir, monkeypatch, capsys
+):
+    import datasets
+    import pandas as pd
+
+    pd.DataFrame(RECORDS).to_parquet(tmp_path / "p.parquet")
+    datasets.Dataset.from_list(RECORDS).save_to_disk(tmp_path / "saved")
+    for module in ("pyarrow", "pyarrow.parquet", "datasets"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
+    parquet, saved = str(tmp_path / "p.parquet"), str(tmp_path / "saved")
+    with pytest.raises(ModuleNotFoundError) as info:
+        load_prompt_records(parquet, flag="--eval-prompts")
+    assert (
+        str(info.value)
+        == f"--eval-prompts {parquet!r}: reading Parquet needs the pyarrow package (pip install 'pyppo[data]')"
+    )
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"reading a dataset saved by save_to_disk needs the datasets package \(pip install 'pyppo\[data\]'\)$",
+    ):
+        load_prompts(saved)
+    out = tmp_path / "run"
+    capsys.readouterr()  # datasets' progress bars
+    assert cli.main(["train", "--model", str(tiny_dir), "--prompts", parquet, "--output", str(out)]) == 2
+    assert (
+        _error_line(capsys)
+        == f"pyppo: error: --prompts {parquet!r}: reading Parquet needs the pyarrow package (pip install 'pyppo[data]')"
+    )
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------- message prompts
@@ -192,6 +237,14 @@ def test_a_message_prompt_without_a_chat_template_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"the tokenizer has none, or use_chat_template = false"):
         encode_prompts(tok, prompts, use_chat_template=True, max_prompt_length=None, device="cpu")
     check_renderable(["a", "b"], uses_template=False)  # strings need no template
+
+
+def test_a_message_prompt_without_a_chat_template_can_be_named_by_its_source():
+    with pytest.raises(
+        ValueError, match=r"^--prompts 'm\.jsonl': prompt 1 \(and 1 more\) is a list of chat messages, but"
+    ):
+        check_renderable(["Say hi.", MESSAGES, MESSAGES], uses_template=False, source="--prompts 'm.jsonl'")
+    check_renderable([MESSAGES], uses_template=True, source="--prompts 'm.jsonl'")
 
 
 def test_a_long_message_prompt_is_measured_through_the_template():
@@ -394,3 +447,43 @@ def test_a_trainer_without_a_chat_template_refuses_message_prompts_up_front():
 
     with pytest.raises(ValueError, match=r"^prompts\[0\] is a list of chat messages, but prompts are not rendered"):
         make_trainer(small_config(use_chat_template=False), prompts=[MESSAGES, "Say hi."])
+
+
+# ----------------------------------------------------------------------------- before loading
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    import pyppo.models
+
+    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("a model was loaded before the prompts were checked")
+
+    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
+
+
+def test_message_prompts_without_the_chat_template_are_refused_before_loading(tmp_path, capsys, no_loading):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"prompt": MESSAGES}) + "\n" for _ in range(3)))
+    argv = ["train", "--prompts", str(path), "--no-use-chat-template", "--output", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"pyppo: error: --prompts {str(path)!r}: prompt 0"), line
+    assert "chat" in line and not (tmp_path / "run").exists()
+
+
+def test_held_out_prompts_that_are_training_prompts_are_said_before_loading(tmp_path, tiny_dir):
+    from pyppo.cli.build import check_sources
+
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(4)))
+    held_out.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in (3, 4, 1)))
+    with pytest.warns(UserWarning, match=r"--eval-prompts '.*eval\.jsonl': 2 of its 3 prompts are also in --prompts"):
+        check_sources(str(tiny_dir), "sentiment", str(train), "cpu", str(held_out))
+
+
+def test_the_reasoning_gym_reward_on_the_default_prompts_names_the_task_specs(capsys, no_loading, tmp_path):
+    argv = ["train", "--reward", "reasoning-gym", "--output", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    line = _error_line(capsys)
+    assert "the default prompts (no --prompts)" in line and "--prompts 'reasoning-gym:TASK'" in line, line

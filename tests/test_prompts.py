@@ -20,6 +20,8 @@ from pyppo.prompts import (
     prompt_columns,
     prompt_fields,
     resolve_prompt_source,
+    shared_prompts,
+    warn_shared_prompts,
 )
 
 #: The first held-out arithmetic problems and the hash of all of them: a change to the set changes
@@ -251,3 +253,32 @@ def test_a_jsonl_file_of_message_prompts(tmp_path):
     path = _write_lines(tmp_path / "m.jsonl", {"prompt": messages, "answer": "1"}, {"prompt": "plain", "answer": "2"})
     assert load_prompt_records(path) == [{"prompt": messages, "answer": "1"}, {"prompt": "plain", "answer": "2"}]
     assert load_prompts(path) == [messages, "plain"]
+
+
+def test_held_out_prompts_that_are_training_prompts_are_counted_and_warned_of():
+    messages = [{"role": "user", "content": "Say hi."}]
+    train = [{"prompt": "Say hi.", "answer": "1"}, {"prompt": messages, "answer": "2"}]
+    held_out = ["Describe rain.", [dict(m) for m in messages], "Say hi.", "Say hi!"]
+    assert shared_prompts(train, held_out) == [1, 2]  # the message list by its messages, records by their prompt
+    with pytest.warns(
+        UserWarning,
+        match=r"^--eval-prompts 'e\.jsonl': 2 of its 4 prompts are also in --prompts 'p\.jsonl' \(the first: prompt 1",
+    ):
+        assert (
+            warn_shared_prompts(train, held_out, source="--prompts 'p.jsonl'", eval_source="--eval-prompts 'e.jsonl'")
+            == 2
+        )
+    # The built-in sets are disjoint: no warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (
+            warn_shared_prompts(
+                BUILTIN_PROMPT_SETS["arithmetic"](),
+                BUILTIN_PROMPT_SETS["arithmetic-eval"](),
+                source="a",
+                eval_source="b",
+            )
+            == 0
+        )

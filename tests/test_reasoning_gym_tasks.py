@@ -43,10 +43,10 @@ def test_the_spec_reads_json_values_and_keeps_plus_signs():
     assert spec.task == "basic_arithmetic" and spec.size is None and spec.seed == 0 and spec.system_prompt is None
     assert spec.options == (("allow_negation", False), ("format_style", "natural"), ("operators", ["+", "-"]))
     assert parse_task_spec("reasoning-gym:chain_sum?seed=7&size=3&system_prompt=default").seed == 7
-    # The canonical spec: every option explicit and sorted, size and seed included; it reads back the same.
-    canonical = canonical_task_spec("reasoning-gym:basic_arithmetic?whitespace=single&max_terms=3")
-    assert canonical == "reasoning-gym:basic_arithmetic?max_terms=3&seed=0&size=500&whitespace=single"
-    assert canonical_task_spec("reasoning-gym:basic_arithmetic?max_terms=3&size=500&whitespace=single") == canonical
+    # The canonical spec: the options sorted, size and seed included; it reads back the same.
+    canonical = canonical_task_spec("reasoning-gym:basic_arithmetic?whitespace=no_space&max_terms=3")
+    assert canonical == "reasoning-gym:basic_arithmetic?max_terms=3&seed=0&size=500&whitespace=no_space"
+    assert canonical_task_spec("reasoning-gym:basic_arithmetic?max_terms=3&size=500&whitespace=no_space") == canonical
     assert canonical_task_spec(canonical) == canonical == resolve_prompt_source(canonical)
     odd = canonical_task_spec('reasoning-gym:basic_arithmetic?operators=["+"]&format_style=natural&size=2')
     assert parse_task_spec(odd).options == (("format_style", "natural"), ("operators", ["+"]))
@@ -62,6 +62,18 @@ def test_the_spec_reads_json_values_and_keeps_plus_signs():
         ("reasoning-gym:chain_sum?seed=-1", r"seed must be an int >= 0, got -1"),
         ("reasoning-gym:chain_sum?seed=x", r"seed must be an int >= 0, got 'x'"),
         ("reasoning-gym:basic_arithmetc", r"no task 'basic_arithmetc' \(did you mean 'basic_arithmetic', .*pyppo info"),
+        ("reasoning-gym:CHAIN_SUM", r"no task 'CHAIN_SUM' \(did you mean 'chain_sum'(, |\?)"),
+        (
+            "reasoning-gym:chain_sum?max_terms=abc",
+            r"option max_terms=abc must be an int \(ChainSumConfig\.max_terms: int, default 6\)$",
+        ),
+        ("reasoning-gym:chain_sum?max_terms=true", r"option max_terms=true must be an int \("),
+        ("reasoning-gym:chain_sum?max_terms=2.5", r"option max_terms=2\.5 must be an int \("),
+        (
+            "reasoning-gym:basic_arithmetic?format_style=fancy",
+            r"option format_style=fancy must be one of 'simple', 'natural' \(.*format_style: Literal\[",
+        ),
+        ("reasoning-gym:basic_arithmetic?operators=3", r"option operators=3 must be a JSON list of strings \("),
         ("reasoning-gym:chain_sum?terms=2", r"task 'chain_sum' has no option 'terms'; its options are min_terms, "),
         ("reasoning-gym:basic_arithmetic?min_terms=0", r"task 'basic_arithmetic' refuses its options: .*min_terms"),
         ("reasoning-gym:chain_sum?system_prompt=nope", r"system_prompt must be one of 'DeepSeekZero', 'default'"),
@@ -129,8 +141,53 @@ def test_a_held_out_seed_gives_other_questions_and_an_overlap_is_refused():
     later = canonical_task_spec(SPEC.replace("seed=0", "seed=10"))
     with pytest.raises(ValueError, match=r"a seed >= 16 \(or <= 4\)$"):
         check_held_out(later, canonical_task_spec(SPEC.replace("seed=0", "seed=5")))
-    check_held_out(canonical_task_spec(SPEC), canonical_task_spec(near.replace("max_terms=3", "max_terms=4")))
     check_held_out(canonical_task_spec(SPEC), None)  # no held-out set: nothing to check
+
+
+def test_an_option_written_at_its_default_is_the_same_set():
+    # min_terms=2 is chain_sum's default: the same problems, so the same canonical spec.
+    plain, written = "reasoning-gym:chain_sum?size=50&seed=0", "reasoning-gym:chain_sum?size=50&seed=0&min_terms=2"
+    assert canonical_task_spec(written) == canonical_task_spec(plain) == "reasoning-gym:chain_sum?seed=0&size=50"
+    assert load_prompt_records(written) == load_prompt_records(plain)
+    assert (
+        canonical_task_spec("reasoning-gym:chain_sum?min_terms=3&size=2")
+        == "reasoning-gym:chain_sum?min_terms=3&seed=0&size=2"
+    )
+    # A float field's default given as an int (-100 for -100.0), and JSON's true is not 1.
+    floats = "reasoning-gym:number_sorting?size=2&min_value=-100"
+    assert canonical_task_spec(floats) == "reasoning-gym:number_sorting?seed=0&size=2"
+    # Either spelling on either side: the held-out set overlaps the training set.
+    for train, held_out in ((written, "reasoning-gym:chain_sum?size=20&seed=0"), (plain, f"{written}&size=20")):
+        held_out = held_out.replace("size=50&", "")
+        with pytest.raises(ValueError, match=r"shares 20 of its 20 problems with --prompts .* a seed >= 50$"):
+            check_held_out(train, held_out)
+
+
+def test_a_held_out_set_with_other_options_is_refused_where_its_questions_repeat_training_ones():
+    # The same seeds under other options draw the same numbers: 10 of the 50 questions are training questions.
+    train, held_out = "reasoning-gym:chain_sum?size=50&seed=0", "reasoning-gym:chain_sum?size=50&seed=0&max_terms=3"
+    questions = {r["question"] for r in load_prompt_records(train)}
+    repeated = [r["question"] for r in load_prompt_records(held_out) if r["question"] in questions]
+    assert len(repeated) == 10
+    pattern = r"shares 10 of its 50 questions word for word with --prompts .*: give the held-out set another seed "
+    pattern += r"\(seed=50 shares none\)$"
+    with pytest.raises(ValueError, match=pattern):
+        check_held_out(train, held_out)
+    check_held_out(train, held_out.replace("seed=0", "seed=50"))  # the seed it named
+    # Seeds apart, but a task with few distinct questions (200 sums of two one-digit numbers) repeats
+    # them whatever the seed: no seed to offer, so a warning, not a refusal.
+    small = "reasoning-gym:chain_sum?size=300&seed=0&max_terms=2&max_digits=1"
+    pattern = r"questions word for word .* and so do the sets of the next 8 seeds tried .* few distinct questions"
+    with pytest.warns(UserWarning, match=pattern):
+        check_held_out(small, small.replace("size=300&seed=0", "size=20&seed=300"))
+    # Seeds apart with a free seed further on: refused, naming it.
+    with pytest.raises(
+        ValueError, match=r"word for word .*: give the held-out set another seed \(seed=\d+ shares none\)$"
+    ):
+        check_held_out(small.replace("size=300", "size=40"), small.replace("size=300&seed=0", "size=5&seed=40"))
+    # Other tasks, and sources that are not specs, are not compared.
+    check_held_out(train, "reasoning-gym:basic_arithmetic?size=50&seed=0")
+    check_held_out(train, "arithmetic-eval")
 
 
 # --------------------------------------------------------------------------------- the scoring
@@ -206,8 +263,12 @@ def test_a_tiny_run_with_a_held_out_set_then_resumed(tmp_path, capsys):
     resume = ["train", "--resume", str(out), "--steps", "2"]
     assert cli.main([*resume, "--prompts", "reasoning-gym:chain_sum?size=4"]) == 0, capsys.readouterr().err
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    # An option written at its default (chain_sum's min_terms=2) is the same set too.
+    default_written = "reasoning-gym:chain_sum?seed=0&size=4&min_terms=2"
+    assert cli.main([*resume[:-1], "3", "--prompts", default_written]) == 0, capsys.readouterr().err
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     capsys.readouterr()
-    assert cli.main([*resume[:-1], "3", "--prompts", "reasoning-gym:chain_sum?size=5"]) == 2
+    assert cli.main([*resume[:-1], "4", "--prompts", "reasoning-gym:chain_sum?size=5"]) == 2
     assert "--prompts 'reasoning-gym:chain_sum?size=5' differs from the resumed run's" in _error_line(capsys)
 
 
@@ -219,6 +280,14 @@ def test_an_overlapping_held_out_set_and_an_unknown_task_are_refused_before_load
     argv += ["--output", str(out)]
     assert cli.main([*argv, "--eval-prompts", "reasoning-gym:chain_sum?seed=2", "--eval-every", "1"]) == 2
     assert "shares" in _error_line(capsys) and not out.exists()
+    # An option written at its default, on either side, is still the same problems.
+    train = ["--prompts", "reasoning-gym:chain_sum?size=4&min_terms=2"]
+    assert cli.main([*argv, *train, "--eval-prompts", "reasoning-gym:chain_sum?seed=2", "--eval-every", "1"]) == 2
+    assert "shares 2 of its 500 problems" in _error_line(capsys) and not out.exists()
+    # Other options: the questions are compared.
+    held_out = ["--eval-prompts", "reasoning-gym:chain_sum?size=50&seed=0&max_terms=3", "--eval-every", "1"]
+    assert cli.main([*argv[:3], "--prompts", "reasoning-gym:chain_sum?size=50&seed=0", *argv[5:], *held_out]) == 2
+    assert "shares 10 of its 50 questions word for word" in _error_line(capsys) and not out.exists()
     assert cli.main([*argv[:3], "--prompts", "reasoning-gym:no_such_task", "--output", str(out)]) == 2
     assert "reasoning-gym has no task 'no_such_task'" in _error_line(capsys) and not out.exists()
     # A reward that needs the reasoning-gym fields, on prompts without them.

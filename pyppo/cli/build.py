@@ -3,6 +3,7 @@ by ``pyppo train`` and ``pyppo profile`` alike."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 from .. import models, rewards
@@ -11,6 +12,7 @@ from ..config import PPOConfig
 from ..distributed import local_device
 from ..reward_sum import load_rewards
 from ..run.trainer import PPOTrainer
+from ..tasks.reasoning_gym import is_task_spec
 
 __all__ = ["check_sources", "build_trainer"]
 
@@ -57,7 +59,16 @@ def _check_fields(
             if name.endswith("-eval") == eval_set and name != source and _fits(reward_fn, name)
         ]
         hint = f"; the built-in set {flag} {fitting[0]} has what it needs" if fitting else ""
+        if not fitting and _scores_reasoning_gym(reward_fn):
+            hint = f"; give {flag} 'reasoning-gym:TASK' (`pyppo info` lists the tasks)"
         raise rewards.RewardError(f"{exc}{hint}", reward=exc.reward) from None
+
+
+def _scores_reasoning_gym(reward_fn) -> bool:
+    """Whether ``reward_fn`` is, or sums, ``--reward reasoning-gym``."""
+    from ..tasks.reasoning_gym import reasoning_gym_reward
+
+    return any(inspect.unwrap(fn) is reasoning_gym_reward for fn in getattr(reward_fn, "rewards", (reward_fn,)))
 
 
 def check_sources(
@@ -128,6 +139,11 @@ def check_sources(
         _check_fields(reward_fn, records, prompts, "--prompts", agent=agent)
         if eval_records is not None:
             _check_fields(reward_fn, eval_records, eval_prompts, "--eval-prompts", agent=agent)
+    if records and eval_records and not (is_task_spec(prompts) and is_task_spec(eval_prompts)):
+        # reasoning-gym's sets are checked (and refused) when they are made; a file may repeat a prompt on purpose
+        prompt_sets.warn_shared_prompts(
+            records, eval_records, source=f"--prompts {prompts!r}", eval_source=f"--eval-prompts {eval_prompts!r}"
+        )
     prompt_list: List[Any] = _for_trainer(records) if records else list(prompt_sets.DEFAULT_PROMPTS)
     return reward_fn, prompt_list, _for_trainer(eval_records) if eval_records else None
 
@@ -178,6 +194,12 @@ def build_trainer(
         env_eval=bool(config.eval_every),
         reward_weights=reward_weights,
     )
+    if not config.use_chat_template:  # message prompts cannot be rendered: known before loading
+        from ..data.messages import check_renderable
+
+        for source, flag, records in ((prompts, "--prompts", prompt_list), (eval_prompts, "--eval-prompts", eval_list)):
+            prompt_texts = [r["prompt"] if isinstance(r, dict) else r for r in records or ()]
+            check_renderable(prompt_texts, uses_template=False, source=f"{flag} {source!r}")
     if before_loading is not None:
         before_loading()
     # Loaded on the CPU: the trainer places it (under torchrun, on this rank's device).

@@ -267,7 +267,8 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
 
     run = {key: merged.pop(key) for key in RUN_KEYS}
     # Paths are stored absolute in the resolved config, so `--resume` works from any directory;
-    # a built-in set's name ("arithmetic") is kept as it is, a reasoning-gym spec with every option.
+    # a built-in set's name ("arithmetic") is kept as it is, a reasoning-gym spec in its canonical spelling
+    # (the options at the task's default left out).
     for key in ("prompts", "eval_prompts"):
         if run[key]:
             try:

@@ -33,7 +33,29 @@ from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 from ..jsonl import read_objects
 
-__all__ = ["JSON_LINES_SUFFIXES", "SUFFIXES", "dataset_rows", "read_rows"]
+__all__ = ["DATA_EXTRA", "JSON_LINES_SUFFIXES", "SUFFIXES", "MissingPackage", "dataset_rows", "read_rows"]
+
+#: What installs the packages that Parquet files and saved datasets need.
+DATA_EXTRA = "pip install 'pyppo[data]'"
+
+
+class MissingPackage(ModuleNotFoundError):
+    """A file format's package is not installed: ``str()`` is ``"PATH: WHY"``; ``why`` says which
+    package, and the extra that installs it, for a message that names the file its own way."""
+
+    def __init__(self, path: Path, why: str, name: str):
+        super().__init__(f"{path}: {why}", name=name)
+        self.path, self.why = path, why
+
+
+def _require(path: Path, module: str, package: str, what: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingPackage(path, f"{what} needs the {package} package ({DATA_EXTRA})", package) from None
+
 
 #: The suffixes read as JSON Lines (a file without a suffix is too).
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
@@ -60,7 +82,8 @@ def read_rows(path: Path) -> Iterator[Row]:
     Raises:
         ValueError: an unknown suffix, a directory that is not a saved dataset, a ``DatasetDict``
             without a ``"train"`` split (naming the splits), or the file's content (see the module).
-        ImportError: a directory, and ``datasets`` is not installed.
+        MissingPackage: a Parquet file without ``pyarrow`` installed, or a directory without
+            ``datasets`` (both: the extra ``pyppo[data]``).
     """
     if path.is_dir():
         yield from _saved_dataset(path)
@@ -245,19 +268,27 @@ def _without_null_keys(record: Dict[str, Any]) -> Dict[str, Any]:
     return record
 
 
-def _table_rows(where: str, names: List[str], rows: List[Dict[str, Any]]) -> Iterator[Row]:
+def _check_unique_columns(where: str, names: List[str]) -> None:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"{where}: column {repeated[0]!r} appears more than once; each column must appear once")
+
+
+def _table_rows(where: str, names: List[str], rows: List[Dict[str, Any]]) -> Iterator[Row]:
+    _check_unique_columns(where, names)
     for i, row in enumerate(rows):
         yield f"{where}: row {i}", _without_null_keys(row)
 
 
 def _parquet(path: Path) -> Iterator[Row]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = _require(path, "pyarrow", "pyarrow", "reading Parquet")
+    pq = _require(path, "pyarrow.parquet", "pyarrow", "reading Parquet")
 
     try:
+        # The schema first: a repeated column is refused by its name (read_table would fail on
+        # the ambiguous name with Arrow's own message).
+        names = list(pq.read_schema(path).names)
+        _check_unique_columns(str(path), names)
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -271,21 +302,30 @@ def _saved_dataset(path: Path) -> Iterator[Row]:
             f"{path}: a directory, but not one written by datasets' save_to_disk (no state.json or "
             "dataset_dict.json in it); give a prompt file or such a directory"
         )
-    try:
-        import datasets
-    except ImportError as exc:
-        raise ImportError(f"{path}: a saved dataset needs the datasets package (pip install datasets): {exc}") from exc
+    datasets = _require(path, "datasets", "datasets", "reading a dataset saved by save_to_disk")
     try:
         loaded = datasets.load_from_disk(os.fspath(path))
     except Exception as exc:  # datasets raises its own errors for a damaged directory
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{path}: datasets.load_from_disk cannot read it ({type(exc).__name__}: {first})") from None
-    yield from dataset_rows(loaded, str(path))
+    if isinstance(loaded, Mapping) and "train" not in loaded and loaded:
+        # save_to_disk wrote each split to a directory of its own, which is a saved Dataset.
+        split = next(iter(loaded))
+        hint = f"give the split's directory instead, as in --prompts {str(path / split)!r}"
+    else:
+        hint = None
+    yield from dataset_rows(loaded, str(path), hint=hint)
 
 
-def dataset_rows(dataset: Any, where: str) -> Iterator[Row]:
+def dataset_rows(dataset: Any, where: str, *, hint: str | None = None) -> Iterator[Row]:
     """``(where, record)`` for each row of a ``datasets.Dataset`` (of a ``DatasetDict``: its
     ``"train"`` split), messages without Arrow's ``None`` keys.
+
+    Args:
+        dataset: the ``Dataset`` or ``DatasetDict``.
+        where: what names it in the messages (a directory, ``prompts``).
+        hint: what to do about a ``DatasetDict`` without ``"train"``; by default, to pass the
+            split (``prompts=dataset["validation"]``).
 
     Raises:
         ValueError: a ``DatasetDict`` without a ``"train"`` split (naming its splits), or another
@@ -293,9 +333,10 @@ def dataset_rows(dataset: Any, where: str) -> Iterator[Row]:
     """
     if isinstance(dataset, Mapping):  # a DatasetDict
         if "train" not in dataset:
+            split = next(iter(dataset), "validation")
             raise ValueError(
                 f"{where}: a DatasetDict without a 'train' split (splits: {', '.join(map(repr, dataset))}); "
-                "save or pass the split to use"
+                + (hint or f"pass the split to use ({where}={where}[{split!r}])")
             )
         dataset, where = dataset["train"], f"{where} ['train']"
     if not (hasattr(dataset, "column_names") and hasattr(dataset, "to_list")):

@@ -88,14 +88,19 @@ def _short(value: Any, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def check_renderable(prompts: Sequence[Any], *, uses_template: bool, what: str = "prompts") -> None:
+def check_renderable(
+    prompts: Sequence[Any], *, uses_template: bool, what: str = "prompts", source: str | None = None
+) -> None:
     """Refuse message prompts when there is no chat template to render them with.
 
     Args:
         prompts: strings and message lists.
         uses_template: whether prompts are rendered with the tokenizer's chat template (it has
             one and ``use_chat_template`` is true).
-        what: the prompt set, for the message (``prompts``, ``eval_prompts``).
+        what: the prompt set, for the message (``prompts``, ``eval_prompts``): ``prompts[3] is ...``.
+        source: where the set came from (``--prompts 'data.jsonl'``), to name instead:
+            ``--prompts 'data.jsonl': prompt 3 is ...`` (the check before the model loads, where
+            ``use_chat_template = false`` is given).
 
     Raises:
         ValueError: ``uses_template`` is false and a prompt is a list of messages, naming the
@@ -106,8 +111,9 @@ def check_renderable(prompts: Sequence[Any], *, uses_template: bool, what: str =
     found = [i for i, p in enumerate(prompts) if is_messages(p)]
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        first = f"{source}: prompt {found[0]}" if source else f"{what}[{found[0]}]"
         raise ValueError(
-            f"{what}[{found[0]}]{more} is a list of chat messages, but prompts are not rendered with a chat "
+            f"{first}{more} is a list of chat messages, but prompts are not rendered with a chat "
             "template (the tokenizer has none, or use_chat_template = false): give the tokenizer a "
             "chat_template, set use_chat_template = true, or write the prompts as strings"
         )

@@ -12,8 +12,9 @@ Each problem becomes a record:
   SYSTEM_PROMPTS[NAME]}, {"role": "user", "content": question}]``, as reasoning-gym's examples
   prompt a chat model;
 * ``answer``, ``question``, ``metadata``: the problem's entry as reasoning-gym gives it;
-* ``task``: the canonical spec that generated it (:func:`canonical_task_spec`), from which the
-  scorer rebuilds the task with the same options.
+* ``task``: the canonical spec that generated it (:func:`canonical_task_spec`: options sorted,
+  those at the task's default left out), from which the scorer rebuilds the task with the same
+  options.
 
 ``--reward reasoning-gym`` (:func:`reasoning_gym_reward`) scores each response with the task's own
 ``score_answer(answer, entry)``, the answer being the last ``<answer>...</answer>`` of the
@@ -21,17 +22,21 @@ response (``reasoning_gym.utils.extract_answer``; none: ``None``, which scores 0
 
 Seeds: reasoning-gym generates problem ``i`` of a set from the seed ``seed + i``, so ``seed=0`` and
 ``seed=1`` share all but one problem; a held-out set needs a seed at least ``seed + size`` of the
-training set (:func:`check_held_out` refuses an overlap). Without ``seed`` the seed is
+training set (:func:`check_held_out` refuses an overlap, and a held-out set of the same task
+whose questions repeat training questions word for word). Without ``seed`` the seed is
 :data:`DEFAULT_SEED` (reasoning-gym's own default draws one at random: a run could not be
 repeated, nor resumed).
 """
 
 from __future__ import annotations
 
+import collections.abc
+import copy
 import dataclasses
 import difflib
 import functools
 import json
+import typing
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -196,7 +201,10 @@ def _task_classes(spec: TaskSpec, where: str):
     from reasoning_gym.factory import DATASETS
 
     if spec.task not in DATASETS:
-        close = difflib.get_close_matches(spec.task, DATASETS, n=3)
+        lower = {name.lower(): name for name in DATASETS}
+        close = [lower[spec.task.lower()]] if spec.task.lower() in lower else []
+        close += [lower[n] for n in difflib.get_close_matches(spec.task.lower(), lower, n=3) if lower[n] not in close]
+        close = close[:3]
         hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
         raise ValueError(
             f"{where}: reasoning-gym has no task {spec.task!r}{hint}; `pyppo info` lists its {len(DATASETS)} tasks"
@@ -219,19 +227,156 @@ def _default_size(config_cls) -> int:
     return 500
 
 
+_NO_DEFAULT = object()
+
+
+def _field_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        try:
+            return field.default_factory()
+        except Exception:  # a factory that needs more than nothing: no default to compare with
+            return _NO_DEFAULT
+    return _NO_DEFAULT
+
+
+def _hints(config_cls) -> Dict[str, Any]:
+    try:
+        return typing.get_type_hints(config_cls)
+    except Exception:  # an annotation that does not resolve: no types to check
+        return {}
+
+
+def _fits(value: Any, hint: Any) -> Optional[bool]:
+    """Whether a spec's value (read as JSON) fits the config field's annotation ``hint``: True,
+    False, or None where the annotation is not one of JSON's types (a class, an enum, a date)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin is typing.Union or (origin is not None and getattr(origin, "__name__", "") == "UnionType"):
+        answers = [_fits(value, arg) for arg in args]
+        return True if True in answers else (False if all(a is False for a in answers) else None)
+    if origin is typing.Literal:
+        return value in args
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    sequence = (list, tuple, collections.abc.Sequence)
+    if hint in sequence or origin in sequence:
+        if not isinstance(value, list):  # JSON has lists only: a tuple field takes one too
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
+            return None if any(_fits(v, a) is None for v, a in zip(value, args)) else False
+        inner = [a for a in args if a is not Ellipsis]
+        if len(inner) == 1 or (origin is tuple and inner and all(a == inner[0] for a in inner)):
+            answers = [_fits(v, inner[0]) for v in value]
+            return False if False in answers else (None if None in answers else True)
+        if origin is tuple and len(inner) == len(value):
+            answers = [_fits(v, a) for v, a in zip(value, inner)]
+            return False if False in answers else (None if None in answers else True)
+        return None if args else True
+    return None
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "null"
+    if origin is typing.Union or (origin is not None and getattr(origin, "__name__", "") == "UnionType"):
+        return " or ".join(_describe(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    names = {bool: "true or false", int: "an int", float: "a number", str: "a string"}
+    if hint in names:
+        return names[hint]
+    if hint in (list, tuple) or origin in (list, tuple, collections.abc.Sequence):
+        inner = {a for a in args if a is not Ellipsis}
+        plural = {int: " of ints", float: " of numbers", str: " of strings"}
+        return "a JSON list" + (plural.get(next(iter(inner)), "") if len(inner) == 1 else "")
+    return getattr(hint, "__name__", str(hint))
+
+
+def _hint_text(hint: Any) -> str:
+    text = getattr(hint, "__name__", None) if typing.get_origin(hint) is None else None
+    return text or str(hint).replace("typing.", "")
+
+
+def _check_types(spec: TaskSpec, config_cls, where: str) -> None:
+    """Refuse an option whose value does not fit its config field's annotation, naming the option,
+    the type it takes and its default (before the config's own checks, which say less)."""
+    hints = _hints(config_cls)
+    defaults = {f.name: _field_default(f) for f in dataclasses.fields(config_cls)}
+    for name, value in spec.options:
+        hint = hints.get(name)
+        if hint is None:
+            default = defaults.get(name, _NO_DEFAULT)
+            hint = type(default) if type(default) in (bool, int, float, str) else None
+        if hint is None or _fits(value, hint) is not False:
+            continue
+        default = defaults.get(name, _NO_DEFAULT)
+        shown = "" if default is _NO_DEFAULT else f", default {_value_text(_plain(default))}"
+        quoted = ' (a string that is JSON needs its quotes: name="...")' if hint is str else ""
+        raise ValueError(
+            f"{where}: option {name}={_value_text(value)} must be {_describe(hint)}{quoted} "
+            f"({config_cls.__name__}.{name}: {_hint_text(hint)}{shown})"
+        )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples as lists), where it is JSON; else as it is."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return value
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Whether a spec's value is the field's default: the same JSON text (so ``true`` is not
+    ``1``), a number of a float field compared as a float."""
+    if default is _NO_DEFAULT:
+        return False
+    try:
+        return json.dumps(value, sort_keys=True) == json.dumps(_plain(default), sort_keys=True)
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_float_field(hint: Any) -> bool:
+    return hint is float or (typing.get_origin(hint) is typing.Union and float in typing.get_args(hint))
+
+
 def canonical_task_spec(spec: str, flag: str = "--prompts") -> str:
-    """The spec with every option explicit and sorted, ``size`` (the task's default when not
-    given) and ``seed`` included: what a run records, so that a resumed run generates the same
-    problems even if a default changes, and two spellings of one set compare equal.
+    """The spec in one spelling: the task's options sorted, those equal to the task's default left
+    out (``min_terms=2`` of ``chain_sum`` is ``chain_sum`` itself; an int of a float field is
+    written as a float), ``size`` (the task's default when not given) and ``seed`` always
+    written. It is what a run records, and two spellings of one set compare equal.
 
     Raises:
-        as :func:`parse_task_spec` and (the task and its options are checked) :func:`task_records`.
+        as :func:`parse_task_spec` and (the task and its options are checked: names and the types
+        of their config fields) :func:`task_records`.
     """
+    where = f"{flag} {spec!r}"
     parsed = parse_task_spec(spec, flag)
-    _, config_cls = _task_classes(parsed, f"{flag} {spec!r}")
-    if parsed.size is None:
-        parsed = dataclasses.replace(parsed, size=_default_size(config_cls))
-    return parsed.text()
+    _, config_cls = _task_classes(parsed, where)
+    _check_types(parsed, config_cls, where)
+    hints = _hints(config_cls)
+    defaults = {f.name: _field_default(f) for f in dataclasses.fields(config_cls)}
+    options = []
+    for name, value in parsed.options:
+        if _is_float_field(hints.get(name)) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not _same(value, defaults.get(name, _NO_DEFAULT)):
+            options.append((name, value))
+    size = parsed.size if parsed.size is not None else _default_size(config_cls)
+    return dataclasses.replace(parsed, size=size, options=tuple(options)).text()
 
 
 def _make_dataset(spec: TaskSpec, where: str, *, size: int):
@@ -241,6 +386,30 @@ def _make_dataset(spec: TaskSpec, where: str, *, size: int):
         return dataset_cls(config=config)
     except (AssertionError, ValueError, TypeError, KeyError) as exc:  # the config's own validate()
         raise ValueError(f"{where}: task {spec.task!r} refuses its options: {type(exc).__name__}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _problems(canonical: str, where: str) -> Tuple[Tuple[str, Any, Any], ...]:
+    """``(question, answer, metadata)`` of each problem of a canonical spec (its system prompt
+    aside), kept for the next call: :func:`check_held_out` and the run's loading read the same
+    sets. The callers copy ``metadata``."""
+    parsed = parse_task_spec(canonical)
+    dataset = _make_dataset(parsed, where, size=parsed.size)
+    problems = []
+    for i in range(parsed.size):
+        try:
+            entry = dataset[i]
+        except Exception as exc:  # the task's generator, on options its validate() let through
+            raise ValueError(
+                f"{where}: task {parsed.task!r} failed to generate problem {i} (seed {parsed.seed + i}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        problems.append((entry["question"], entry["answer"], entry["metadata"]))
+    return tuple(problems)
+
+
+def _questions(spec: TaskSpec, where: str) -> List[str]:
+    return [q for q, _, _ in _problems(dataclasses.replace(spec, system_prompt=None).text(), where)]
 
 
 def task_records(spec: str, flag: str = "--prompts") -> List[Dict[str, Any]]:
@@ -256,8 +425,9 @@ def task_records(spec: str, flag: str = "--prompts") -> List[Dict[str, Any]]:
 
     Raises:
         ModuleNotFoundError: reasoning-gym is not installed (naming the extra ``reasoning-gym``).
-        ValueError: a bad spec, an unknown task, option or system prompt, options the task's
-            config refuses, or a problem its generator fails on; one line naming ``flag`` and the spec.
+        ValueError: a bad spec, an unknown task, option or system prompt, an option whose value
+            is not of its config field's type, options the task's config refuses, or a problem
+            its generator fails on; one line naming ``flag`` and the spec.
     """
     where = f"{flag} {spec!r}"
     canonical = canonical_task_spec(spec, flag)
@@ -272,17 +442,8 @@ def task_records(spec: str, flag: str = "--prompts") -> List[Dict[str, Any]]:
                 f"got {parsed.system_prompt!r}"
             )
         system = SYSTEM_PROMPTS[parsed.system_prompt]
-    dataset = _make_dataset(parsed, where, size=parsed.size)
     records = []
-    for i in range(parsed.size):
-        try:
-            entry = dataset[i]
-        except Exception as exc:  # the task's generator, on options its validate() let through
-            raise ValueError(
-                f"{where}: task {parsed.task!r} failed to generate problem {i} (seed {parsed.seed + i}): "
-                f"{type(exc).__name__}: {exc}"
-            ) from None
-        question = entry["question"]
+    for question, answer, metadata in _problems(dataclasses.replace(parsed, system_prompt=None).text(), where):
         if system is None:
             prompt: Any = f"{question}\n\n{ANSWER_INSTRUCTION}"
         else:
@@ -290,36 +451,81 @@ def task_records(spec: str, flag: str = "--prompts") -> List[Dict[str, Any]]:
         records.append(
             {
                 "prompt": prompt,
-                "answer": entry["answer"],
+                "answer": copy.deepcopy(answer),
                 "question": question,
-                "metadata": entry["metadata"],
+                "metadata": copy.deepcopy(metadata),
                 "task": canonical,
             }
         )
     return records
 
 
+#: How many other seeds :func:`check_held_out` tries for a held-out set free of training questions.
+FREE_SEED_TRIES = 8
+
+
 def check_held_out(prompts: Optional[str], eval_prompts: Optional[str]) -> None:
-    """Refuse held-out problems that the training set also has: two canonical specs of one task
-    with the same options whose seed ranges ``[seed, seed + size)`` overlap (reasoning-gym seeds
-    problem ``i`` with ``seed + i``). Other sources pass.
+    """Refuse held-out problems that the training set also has, where both sets are reasoning-gym
+    specs of one task (other sources pass; the specs are canonicalised, so an option written at
+    its default is no other set):
+
+    * the same options, and seed ranges ``[seed, seed + size)`` that overlap (reasoning-gym seeds
+      problem ``i`` with ``seed + i``): the problems shared, and the first free seed;
+    * otherwise (other options, or seeds apart) the generated questions are compared: a held-out
+      question that is word for word a training question is refused, with how many there are
+      and a seed whose set has none (other options draw the same numbers from the same seed, and
+      a task with few distinct questions repeats some).
 
     Raises:
-        ValueError: naming both specs, how many problems they share and the first free seed.
+        ValueError: naming both specs, how many problems they share and a seed that shares none.
+        ModuleNotFoundError: reasoning-gym is not installed.
     """
     if not (is_task_spec(prompts) and is_task_spec(eval_prompts)):
         return
-    a, b = parse_task_spec(prompts), parse_task_spec(eval_prompts, "--eval-prompts")
-    if (a.task, a.options) != (b.task, b.options) or a.size is None or b.size is None:
+    a = parse_task_spec(canonical_task_spec(prompts))
+    b = parse_task_spec(canonical_task_spec(eval_prompts, "--eval-prompts"), "--eval-prompts")
+    if a.task != b.task:
         return
-    shared = min(a.seed + a.size, b.seed + b.size) - max(a.seed, b.seed)
-    if shared > 0:
-        below = a.seed - b.size  # the held-out set may also end before the training set starts
-        raise ValueError(
-            f"--eval-prompts {eval_prompts!r} shares {shared} of its {b.size} problems with --prompts {prompts!r} "
-            f"(reasoning-gym generates problem i from seed + i): give the held-out set a seed >= "
-            f"{a.seed + a.size}" + (f" (or <= {below})" if below >= 0 else "")
-        )
+    heading = f"--eval-prompts {eval_prompts!r} shares"
+    if a.options == b.options:
+        shared = min(a.seed + a.size, b.seed + b.size) - max(a.seed, b.seed)
+        if shared > 0:
+            below = a.seed - b.size  # the held-out set may also end before the training set starts
+            raise ValueError(
+                f"{heading} {shared} of its {b.size} problems with --prompts {prompts!r} "
+                f"(reasoning-gym generates problem i from seed + i): give the held-out set a seed >= "
+                f"{a.seed + a.size}" + (f" (or <= {below})" if below >= 0 else "")
+            )
+    training = set(_questions(a, f"--prompts {prompts!r}"))
+    held_out = _questions(b, f"--eval-prompts {eval_prompts!r}")
+    shared_at = [i for i, q in enumerate(held_out) if q in training]
+    if not shared_at:
+        return
+    first = " ".join(held_out[shared_at[0]].split())
+    first = first if len(first) <= 60 else "..." + first[-57:]  # its end: questions share a preamble
+    message = (
+        f"{heading} {len(shared_at)} of its {b.size} questions word for word with --prompts {prompts!r} "
+        f"(problem {shared_at[0]}: {first!r})"
+    )
+    # A free seed: past the training seeds where the ranges meet (the same seed draws the same
+    # numbers under other options), then past each repeat found.
+    seed = a.seed + a.size if b.seed < a.seed + a.size and a.seed < b.seed + b.size else b.seed + shared_at[-1] + 1
+    for _ in range(FREE_SEED_TRIES):
+        candidate = dataclasses.replace(b, seed=seed)
+        questions = _questions(candidate, f"--eval-prompts {candidate.text()!r}")
+        repeats = [i for i, q in enumerate(questions) if q in training]
+        if not repeats:
+            raise ValueError(f"{message}: give the held-out set another seed (seed={seed} shares none)")
+        seed += repeats[-1] + 1
+    # No seed gives a set without them: the task has few distinct questions with these options, so
+    # no held-out set can avoid every training question; said, not refused (it is the task's nature).
+    warnings.warn(
+        f"{message}, and so do the sets of the next {FREE_SEED_TRIES} seeds tried (up to seed={seed}): with "
+        "these options the task has few distinct questions, so the evaluation partly measures training "
+        "questions; hold out fewer problems, train on fewer, or use other options for a set that shares none",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 # ------------------------------------------------------------------------------------- the reward
