@@ -1,5 +1,6 @@
-"""``pyppo info``: versions and build flags of the installed pyppo, the peers it patches, and the
-prompt sources ``--prompts`` takes (the built-in sets, the file formats, reasoning-gym's tasks)."""
+"""``pyppo info``: versions and build flags of the installed pyppo, the peers it patches, the
+experiment trackers installed, and the prompt sources ``--prompts`` takes (the built-in sets, the
+file formats, reasoning-gym's tasks)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def collect_info() -> dict:
         "platform": platform.platform(),
         "integrations": _integrations(),
         "vllm": _vllm_distribution(),
+        "trackers": _trackers(),
         "allocator": _allocator(),
         "dtype_auto": _dtype_auto(),
         "prompt_sources": _prompt_sources(),
@@ -95,6 +97,15 @@ def _vllm_distribution():
     return None
 
 
+def _trackers() -> dict:
+    """The experiment trackers of ``--report-to`` and their installed distributions (their
+    metadata: importing them takes seconds, and this works without numpy):
+    :func:`pyppo.run.trackers.tracker_versions`."""
+    from pyppo.run.trackers import tracker_versions
+
+    return tracker_versions()
+
+
 def _integrations() -> dict:
     from pyppo.integrations import peer_status
 
@@ -148,6 +159,13 @@ def cmd_info(args: argparse.Namespace) -> int:
             ),
         )
     )
+    trackers = [
+        f"{dist['package']} {dist['version']}"
+        + (f" (needs {' and '.join(dist['missing'])}: pip install 'pyppo[{name}]')" if "missing" in dist else "")
+        for name, dist in info["trackers"].items()
+        if dist
+    ]
+    rows.append(("trackers", ", ".join(trackers) or "not installed (pip install 'pyppo[trackers]')"))
     alloc = info["allocator"]
     installed = ", ".join(n for n, path in alloc["installed"].items() if path) or "neither jemalloc nor tcmalloc"
     if alloc["train"] is None:

@@ -19,6 +19,7 @@ from .knobs import (
     ROLLOUT_CORRECTIONS,
     ROLLOUT_ENGINES,
     TRACKERS,
+    Check,
     Knob,
     boolean,
     device_name,
@@ -26,11 +27,54 @@ from .knobs import (
     integer,
     knob,
     module_names,
-    names_from,
     number,
     one_of,
 )
 from .rules import InertSettings, inert_settings
+
+#: The words ``report_to`` takes besides the trackers' names, as Hugging Face's
+#: ``TrainingArguments`` does: every tracker whose package is installed, and no tracker.
+REPORT_TO_ALL, REPORT_TO_NONE = "all", "none"
+
+
+def _given_trackers(value: Any) -> Optional[tuple]:
+    """``report_to`` as given (a name, a list of names, ``"all"`` or ``"none"`` alone, ``None``)
+    as a tuple of its words, each once; ``None`` when it is none of those forms."""
+    if value is None:
+        return ()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return None
+    names = tuple(dict.fromkeys(names))  # a name given twice counts once
+    if names in ((REPORT_TO_ALL,), (REPORT_TO_NONE,)) or all(n in TRACKERS for n in names):
+        return names
+    return None
+
+
+class _TrackerNames(Check):
+    """``report_to``'s check: :func:`_given_trackers`' forms, normalised to the list of trackers
+    they mean; ``"all"`` to each tracker whose packages are installed now
+    (:func:`pyppo.run.trackers.installed_trackers`), so that ``config.toml`` records the list."""
+
+    def normalize(self, v: Any) -> Any:
+        names = _given_trackers(v)
+        if names == (REPORT_TO_NONE,):
+            return ()
+        if names == (REPORT_TO_ALL,):
+            from ..run.trackers import installed_trackers  # stdlib only: no tracker is imported
+
+            return installed_trackers()
+        return names
+
+
+def _tracker_names() -> Check:
+    return _TrackerNames(
+        "list",  # the flag takes several words
+        lambda v: _given_trackers(v) is not None,
+        f"a name or a list of names from {tuple(TRACKERS)}, or alone {REPORT_TO_ALL!r} (each one "
+        f"installed) or {REPORT_TO_NONE!r} (also [] or None: none)",
+        "{" + ",".join((*TRACKERS, REPORT_TO_ALL, REPORT_TO_NONE)) + "}",
+    )
 
 
 @dataclass
@@ -270,7 +314,7 @@ class PPOConfig:
         help="after each step, one warning (once per condition) and a doctor/* metric when the step could "
              "not have taught anything or the run is about to go wrong: equal scores, zero advantages, a KL jump, "
              "collapsed entropy... (docs/trainer.md, \"Why isn't it learning\"); false = no checks")
-    report_to: tuple = knob((), names_from(TRACKERS), resume="free", always_acts=True,
+    report_to: tuple = knob((), _tracker_names(), resume="free", always_acts=True,
         help="experiment trackers that also get each step's metrics and samples, offline under the run "
              "directory by default (docs/trainer.md, Experiment trackers)")
     # fmt: on

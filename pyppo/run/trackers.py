@@ -9,8 +9,9 @@ this machine, under the run directory (TensorBoard's ``tensorboard/``, W&B's off
 ``wandb/``, Trackio's ``trackio/``, MLflow's ``mlruns/``); the user's own settings of the
 trackers (``WANDB_MODE``, ``WANDB_PROJECT``, ``MLFLOW_TRACKING_URI``, ``TRACKIO_DIR``, ...) win
 over those defaults. The trackers' own telemetry is switched off unless the user switched it on
-(:data:`TELEMETRY_OFF`). ``trackers.json`` in the run directory keeps each tracker's run id, so
-that a resumed run goes on logging to the same tracker run.
+(:data:`TELEMETRY_OFF`), and they print nothing into the run's output (W&B's ``silent``; what
+Trackio prints held back, :func:`_trackio_quiet`). ``trackers.json`` in the run directory keeps
+each tracker's run id, so that a resumed run goes on logging to the same tracker run.
 
 Only rank 0 of a run with several processes reports (:func:`reporting`); the others create
 nothing.
@@ -22,6 +23,8 @@ import abc
 import contextlib
 import importlib
 import importlib.util
+import inspect
+import io
 import json
 import math
 import os
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PACKAGES",
+    "DISTRIBUTIONS",
+    "TRACKIO_SYSTEM_METRICS",
     "TELEMETRY_OFF",
     "STATE_FILE",
     "Tracker",
@@ -47,6 +52,8 @@ __all__ = [
     "CLASSES",
     "Trackers",
     "check_trackers",
+    "installed_trackers",
+    "tracker_versions",
     "reporting",
 ]
 
@@ -87,6 +94,57 @@ def check_trackers(names: Sequence[str]) -> None:
     missing = [name for name in names if any(importlib.util.find_spec(m) is None for m in PACKAGES[name])]
     if missing:
         raise ImportError("report_to: " + "; ".join(_missing(name) for name in missing))
+
+
+def installed_trackers() -> Tuple[str, ...]:
+    """The trackers whose packages are all installed (``importlib.util.find_spec``: nothing is
+    imported), in :data:`PACKAGES`' order: what ``report_to = "all"`` means."""
+    return tuple(name for name, modules in PACKAGES.items() if all(_findable(m) for m in modules))
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that fails, a module whose __spec__ is unset
+        return False
+
+
+#: The distributions that install each tracker's packages, for ``pyppo info``: one of each
+#: tuple (the first one installed is named; MLflow's client comes as ``mlflow`` or
+#: ``mlflow-skinny``).
+DISTRIBUTIONS: Dict[str, Tuple[Tuple[str, ...], ...]] = {
+    "tensorboard": (("tensorboard",),),
+    "wandb": (("wandb",),),
+    "trackio": (("trackio",),),
+    "mlflow": (("mlflow", "mlflow-skinny"), ("pandas",)),
+}
+
+
+def tracker_versions() -> Dict[str, Optional[Dict[str, Any]]]:
+    """Each tracker's installed distribution, from the packages' metadata (``importlib.metadata``:
+    nothing is imported): ``{"package": ..., "version": ...}`` (with ``"missing"``: the other
+    distributions it needs that are not installed, if any), or ``None`` when its own is not."""
+    from importlib import metadata
+
+    def found(names: Tuple[str, ...]) -> Optional[Tuple[str, str]]:
+        for name in names:
+            try:
+                return name, metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    out: Dict[str, Optional[Dict[str, Any]]] = {}
+    for tracker, (own, *others) in DISTRIBUTIONS.items():
+        hit = found(own)
+        if hit is None:
+            out[tracker] = None
+            continue
+        out[tracker] = {"package": hit[0], "version": hit[1]}
+        missing = [names[0] for names in others if found(names) is None]
+        if missing:
+            out[tracker]["missing"] = missing
+    return out
 
 
 def _missing(name: str) -> str:
@@ -203,7 +261,8 @@ class WandbTracker(Tracker):
         elif saved:
             kwargs.update(id=saved["id"], resume="allow")
         # create_new: a run of the user's own, open in this process, stays open beside this one.
-        self.run = self.wandb.init(config=dict(config), reinit="create_new", **kwargs)
+        settings = _wandb_settings(self.wandb)
+        self.run = self.wandb.init(config=dict(config), reinit="create_new", settings=settings, **kwargs)
         _write_state(run_dir, self.name, {"id": self.run.id})
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -217,13 +276,29 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=1 if failed else 0)
 
 
+def _wandb_settings(wandb):
+    """The run's ``wandb.Settings``: silent (no ``wandb:`` lines: the run's header, its history
+    and summary, the sync hint; its errors are still raised), unless the user set
+    ``WANDB_SILENT`` or ``WANDB_QUIET``, which are then passed as they are (wandb reads its
+    variables once per process)."""
+    if "WANDB_SILENT" not in os.environ and "WANDB_QUIET" not in os.environ:
+        return wandb.Settings(silent=True)
+    return wandb.Settings(silent=os.environ.get("WANDB_SILENT", "false"), quiet=os.environ.get("WANDB_QUIET", "false"))
+
+
 class TrackioTracker(Tracker):
     """A Trackio run: its local store (SQLite) in ``<run_dir>/trackio/`` unless ``TRACKIO_DIR`` is
     set (Trackio reads it once, when imported: a second run in the same Python process logs to
     the first one's store, and a warning says so); ``TRACKIO_SPACE_ID`` / ``TRACKIO_SERVER_URL``
     send it to a Space or a server instead. Project ``pyppo``, the run directory's name; metrics
     with ``step=``, tables as ``trackio.Table``. A resume goes on with the same run
-    (``resume="allow"`` by its name)."""
+    (``resume="allow"`` by its name).
+
+    Trackio has no switch for its ``* Trackio ...`` lines (the project, the store, the dashboard
+    command, the run created or resumed, "Uploading logs" at the end): what it prints on stdout
+    during pyppo's calls is held back (:func:`_trackio_quiet`); its warnings (``warnings.warn``)
+    and errors still reach the user. Its automatic CPU/GPU metrics (a sampling thread, on
+    whenever psutil or a GPU is found) are off unless ``PYPPO_TRACKIO_SYSTEM_METRICS=1``."""
 
     name = "trackio"
 
@@ -231,27 +306,69 @@ class TrackioTracker(Tracker):
         self.trackio = _import_trackio(run_dir / "trackio")
         saved = _read_state(run_dir).get(self.name) if resumed_step else None
         name = saved["name"] if saved else run_dir.resolve().name
-        self.run = self.trackio.init(
-            project=PROJECT, name=name, config=dict(config), resume="allow" if saved else "never"
-        )
+        with _trackio_quiet():
+            self.run = self.trackio.init(
+                project=PROJECT,
+                name=name,
+                config=dict(config),
+                resume="allow" if saved else "never",
+                **_trackio_system_metrics(self.trackio.init),
+            )
         _write_state(run_dir, self.name, {"name": self.run.name, "id": self.run.id})
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self.run.log(dict(metrics), step=step)
+        with _trackio_quiet():
+            self.run.log(dict(metrics), step=step)
 
     def log_samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "samples") -> None:
         if not hasattr(self.trackio, "Table"):  # trackio before tables: the samples stay in the run's files
             return
         columns, data = _table(rows)
-        self.run.log({table: self.trackio.Table(columns=columns, data=data)}, step=step)
+        with _trackio_quiet():
+            self.run.log({table: self.trackio.Table(columns=columns, data=data)}, step=step)
 
     def finish(self, failed: bool = False) -> None:
         # trackio.finish() also forgets the current run, which its exit hook would finish again.
         current = getattr(getattr(self.trackio, "context_vars", None), "current_run", None)
-        if current is not None and current.get() is self.run:
-            self.trackio.finish()
-        else:
-            self.run.finish()
+        with _trackio_quiet():
+            if current is not None and current.get() is self.run:
+                self.trackio.finish()
+            else:
+                self.run.finish()
+
+
+#: The environment variable that turns Trackio's automatic CPU/GPU metrics back on (``1``).
+TRACKIO_SYSTEM_METRICS = "PYPPO_TRACKIO_SYSTEM_METRICS"
+
+#: A line Trackio prints that is a problem, not news: passed on to stderr (its fallback
+#: ``* Trackio warning: ...`` when ``warnings.warn`` raises, an ``* Error ...``).
+_TRACKIO_PROBLEM = re.compile(r"\b(warning|error|failed)\b", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def _trackio_quiet() -> Iterator[None]:
+    """What Trackio prints on stdout while in it held back, but for its lines that say a problem
+    (:data:`_TRACKIO_PROBLEM`), passed on to stderr; also after an error."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    finally:
+        for line in held.getvalue().splitlines():
+            if _TRACKIO_PROBLEM.search(line):
+                print(line, file=sys.stderr)
+
+
+def _trackio_system_metrics(init) -> Dict[str, Any]:
+    """``trackio.init``'s arguments that switch its automatic CPU and GPU metrics off (those it
+    takes), or leave them to its detection with ``PYPPO_TRACKIO_SYSTEM_METRICS=1``."""
+    if os.environ.get(TRACKIO_SYSTEM_METRICS, "").strip().lower() in ("1", "true", "yes", "on"):
+        return {}
+    try:
+        params = inspect.signature(init).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a trackio whose init has no signature
+        return {}
+    return {arg: False for arg in ("auto_log_cpu", "auto_log_gpu") if arg in params}
 
 
 def _import_trackio(store: Path):

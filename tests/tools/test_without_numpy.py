@@ -30,6 +30,7 @@ def test_info_and_adapters_import_without_numpy(tmp_path):
     )
     info = json.loads(out)
     assert set(info["integrations"]) == {"verl", "openrlhf", "trl"}, info.keys()
+    assert set(info["trackers"]) == {"tensorboard", "wandb", "trackio", "mlflow"}  # from metadata, not imported
 
 
 def test_bench_runs_without_numpy(tmp_path):
