@@ -8,10 +8,11 @@ listed under, storing a :class:`Knob` in its metadata.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 __all__ = [
     "DTYPES",
@@ -20,6 +21,8 @@ __all__ = [
     "GROUP_ESTIMATORS",
     "ROLLOUT_CORRECTIONS",
     "TRACKERS",
+    "TRACKER_MODULES",
+    "installed_trackers",
     "RESUME_RULES",
     "Check",
     "integer",
@@ -53,6 +56,29 @@ ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 
 #: ``PPOConfig.report_to`` values: the experiment trackers a run can log to (:mod:`pyppo.run.trackers`).
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+
+#: The modules each tracker needs (``pip install 'pyppo[<tracker>]'`` installs them): MLflow's
+#: tables are written with pandas.
+TRACKER_MODULES: Dict[str, Tuple[str, ...]] = {
+    "tensorboard": ("tensorboard",),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+    "mlflow": ("mlflow", "pandas"),
+}
+
+
+def installed_trackers() -> Tuple[str, ...]:
+    """The trackers whose modules are all installed (``importlib.util.find_spec``: nothing is
+    imported), in :data:`TRACKERS`' order: what ``report_to = "all"`` means."""
+    return tuple(name for name in TRACKERS if all(_findable(m) for m in TRACKER_MODULES[name]))
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that fails, a module whose __spec__ is unset
+        return False
+
 
 #: ``resume=`` of :func:`knob`: a ``fixed`` setting shapes the trajectory a checkpoint continues,
 #: so a resume that changes it is refused; a ``free`` one (the run's length, its cadences, where

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, Optional
 from ..ops.kl import KL_ESTIMATORS
 from ..ops.losses import LOSS_AGG_MODES
 from ..ops.policy_losses import POLICY_LOSSES
+from . import knobs
 from .knobs import (
     ADVANTAGE_ESTIMATORS,
     DTYPES,
@@ -54,16 +55,14 @@ def _given_trackers(value: Any) -> Optional[tuple]:
 class _TrackerNames(Check):
     """``report_to``'s check: :func:`_given_trackers`' forms, normalised to the list of trackers
     they mean; ``"all"`` to each tracker whose packages are installed now
-    (:func:`pyppo.run.trackers.installed_trackers`), so that ``config.toml`` records the list."""
+    (:func:`pyppo.config.knobs.installed_trackers`), so that ``config.toml`` records the list."""
 
     def normalize(self, v: Any) -> Any:
         names = _given_trackers(v)
         if names == (REPORT_TO_NONE,):
             return ()
         if names == (REPORT_TO_ALL,):
-            from ..run.trackers import installed_trackers  # stdlib only: no tracker is imported
-
-            return installed_trackers()
+            return knobs.installed_trackers()  # found, not imported
         return names
 
 

@@ -35,6 +35,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from ..config.knobs import TRACKER_MODULES, installed_trackers
+
 if TYPE_CHECKING:
     from ..trainer import PPOTrainer
 
@@ -57,14 +59,8 @@ __all__ = [
     "reporting",
 ]
 
-#: The modules each tracker needs (``pip install 'pyppo[<tracker>]'`` installs them): MLflow's
-#: tables are written with pandas.
-PACKAGES: Dict[str, Tuple[str, ...]] = {
-    "tensorboard": ("tensorboard",),
-    "wandb": ("wandb",),
-    "trackio": ("trackio",),
-    "mlflow": ("mlflow", "pandas"),
-}
+#: The modules each tracker needs (``pip install 'pyppo[<tracker>]'`` installs them).
+PACKAGES = TRACKER_MODULES
 
 #: Environment variables set (``os.environ.setdefault``: a value the user set wins) before a
 #: tracker's package is imported, which switch off what it would send home: W&B's error reports
@@ -94,19 +90,6 @@ def check_trackers(names: Sequence[str]) -> None:
     missing = [name for name in names if any(importlib.util.find_spec(m) is None for m in PACKAGES[name])]
     if missing:
         raise ImportError("report_to: " + "; ".join(_missing(name) for name in missing))
-
-
-def installed_trackers() -> Tuple[str, ...]:
-    """The trackers whose packages are all installed (``importlib.util.find_spec``: nothing is
-    imported), in :data:`PACKAGES`' order: what ``report_to = "all"`` means."""
-    return tuple(name for name, modules in PACKAGES.items() if all(_findable(m) for m in modules))
-
-
-def _findable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent that fails, a module whose __spec__ is unset
-        return False
 
 
 #: The distributions that install each tracker's packages, for ``pyppo info``: one of each

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pyppo import PPOTrainer, cli
-from pyppo.config import PPOConfig
+from pyppo.config import PPOConfig, knobs
 from pyppo.config.knobs import TRACKERS
 from pyppo.distributed import World
 from pyppo.run import trackers
@@ -459,7 +459,7 @@ def _without(monkeypatch, *modules):
     ],
 )
 def test_report_to_takes_the_forms_of_hf_training_arguments(given, expected, monkeypatch):
-    monkeypatch.setattr(trackers, "installed_trackers", lambda: ("tensorboard", "wandb"))  # "all": those
+    monkeypatch.setattr(knobs, "installed_trackers", lambda: ("tensorboard", "wandb"))  # "all": those
     config = PPOConfig(report_to=given)
     assert config.report_to == expected
     assert PPOConfig.from_dict(config.to_dict()) == config  # as config.toml holds it
@@ -467,11 +467,11 @@ def test_report_to_takes_the_forms_of_hf_training_arguments(given, expected, mon
 
 def test_all_is_each_installed_tracker_and_none_when_none_is(monkeypatch):
     _without(monkeypatch, "wandb", "pandas")
-    installed = tuple(n for n in TRACKERS if n not in ("wandb", "mlflow") and trackers._findable(n))
-    assert trackers.installed_trackers() == installed
+    installed = tuple(n for n in TRACKERS if n not in ("wandb", "mlflow") and knobs._findable(n))
+    assert knobs.installed_trackers() == installed
     assert PPOConfig(report_to="all").report_to == installed
     _without(monkeypatch, *{m for modules in trackers.PACKAGES.values() for m in modules})
-    assert PPOConfig(report_to="all").report_to == () == trackers.installed_trackers()
+    assert PPOConfig(report_to="all").report_to == () == knobs.installed_trackers()
 
 
 def test_the_flag_and_a_config_file_take_a_name_all_and_none(tmp_path, monkeypatch):
@@ -481,7 +481,7 @@ def test_the_flag_and_a_config_file_take_a_name_all_and_none(tmp_path, monkeypat
         args = cli.build_parser().parse_args(["train", *flags, "--output", str(tmp_path / "o")])
         return cli.resolve_train_config(args).config
 
-    installed = trackers.installed_trackers()
+    installed = knobs.installed_trackers()
     assert "trackio" not in installed
     assert resolved("--report-to", "none").report_to == ()
     assert resolved("--report-to", "all").report_to == installed
