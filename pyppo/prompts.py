@@ -316,7 +316,8 @@ def warn_shared_prompts(prompts: Sequence[Any], eval_prompts: Sequence[Any], *, 
     if shared:
         warnings.warn(
             f"{eval_source}: {len(shared)} of its {len(eval_prompts)} prompts are also in {source} (the first: "
-            f"prompt {shared[0]}), so the evaluation partly measures the training prompts",
+            f"prompt {shared[0]}), so the evaluation {'' if len(shared) == len(eval_prompts) else 'partly '}"
+            "measures the training prompts",
             UserWarning,
             stacklevel=2,
         )

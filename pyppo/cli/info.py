@@ -55,7 +55,17 @@ def _prompt_sources() -> dict:
         gym["tasks"] = reasoning_gym.task_names()
     except ImportError as exc:
         gym["error"] = str(exc)
-    return {"builtin": sorted(BUILTIN_PROMPT_SETS), "file_suffixes": list(SUFFIXES), "reasoning_gym": gym}
+    import importlib.util
+
+    # Parquet and save_to_disk directories read with the data extra's packages (found, not imported)
+    needs = {"parquet": "pyarrow", "save_to_disk": "datasets"}
+    missing = {what: package for what, package in needs.items() if importlib.util.find_spec(package) is None}
+    return {
+        "builtin": sorted(BUILTIN_PROMPT_SETS),
+        "file_suffixes": list(SUFFIXES),
+        "needs_data_extra": sorted(missing),
+        "reasoning_gym": gym,
+    }
 
 
 def _allocator() -> dict:
@@ -190,10 +200,14 @@ def cmd_info(args: argparse.Namespace) -> int:
             value = f"{st['installed']} (adapters written for {written}: patch() needs force=True)"
         rows.append((f"integration {peer}", value))
     sources = info["prompt_sources"]
+    missing = sources["needs_data_extra"]
+    verb = "need" if len(missing) > 1 else "needs"
+    lacking = f" ({' and '.join(missing)} {verb} pip install 'pyppo[data]')" if missing else ""
     rows.append(
         (
             "prompt sets",
-            f"{', '.join(sources['builtin'])}; files {' '.join(sources['file_suffixes'])}, save_to_disk directories",
+            f"{', '.join(sources['builtin'])}; files {' '.join(sources['file_suffixes'])}, save_to_disk directories"
+            + lacking,
         )
     )
     gym = sources["reasoning_gym"]

@@ -153,11 +153,18 @@ def _plain_warnings():
     shown = warnings.showwarning
 
     # A warning said while the progress bar is drawn gets a line of its own, and the bar is drawn
-    # again below it (tqdm.write's way), not the text glued to the bar's.
+    # again below it, not the text glued to the bar's: on a terminal the bar is cleared first
+    # (tqdm.write's way); in a log file, which keeps every redraw, a new line is started.
     def clear_of_bars(message, category, filename, lineno, file=None, line=None):
         from tqdm import tqdm
 
-        with tqdm.external_write_mode(file=file or sys.stderr):
+        stream = file or sys.stderr
+        isatty = getattr(stream, "isatty", None)
+        if tqdm._instances and not (isatty and isatty()):
+            stream.write("\n")
+            shown(message, category, filename, lineno, file, line)
+            return
+        with tqdm.external_write_mode(file=stream):
             shown(message, category, filename, lineno, file, line)
 
     warnings.formatwarning, warnings.showwarning = plain, clear_of_bars

@@ -887,3 +887,12 @@ def test_resume_command_names_nproc_unless_the_launch_spans_machines(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resume_command(run, 4) == f"torchrun <the same launch options> -m pyppo train --resume {run}"
+
+
+def test_info_says_which_prompt_formats_need_the_data_extra(capsys, monkeypatch):
+    assert cli.main(["info"]) == 0
+    assert "pyppo[data]" not in capsys.readouterr().out  # setup installs it
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed
+    assert cli.main(["info"]) == 0
+    row = re.search(r"^prompt sets +(.*)$", capsys.readouterr().out, re.M).group(1)
+    assert row.endswith(".parquet .csv, save_to_disk directories (parquet needs pip install 'pyppo[data]')"), row

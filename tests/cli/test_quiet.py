@@ -161,6 +161,7 @@ def test_a_warning_said_under_the_progress_bar_gets_its_own_line():
     at = err.index("the doctor says so")
     line_start = max(err.rfind("\n", 0, at), err.rfind("\r", 0, at))
     assert "ppo" not in err[line_start + 1 : at], repr(err)  # not glued to the bar's text
+    assert err[line_start] == "\n", repr(err)  # a pipe or a log file: a line of its own there too
     assert "ppo" in err[at:], repr(err)  # the bar is drawn again after it
 
 
