@@ -30,27 +30,20 @@ names the reward, the index and the value, instead of silently poisoning the adv
 
 from __future__ import annotations
 
-import ast
 import functools
-import importlib
-import importlib.util
 import inspect
-import json
-import linecache
 import math
 import numbers
-import os
-import sys
 import threading
-import traceback
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from .data.messages import classifier_text
 from .math_reward import math_reward
+from .reward_classifier import SequenceClassifierReward
+from .reward_code import function_hint, load_function
 from .tasks.reasoning_gym import reasoning_gym_reward
 
 __all__ = [
@@ -585,185 +578,6 @@ def _checked(fn: Callable, name: str) -> RewardFn:
     return reward
 
 
-class SequenceClassifierReward:
-    """A local ``transformers`` sequence-classification model used as a reward.
-
-    Each pair is scored as the text ``prompt + response`` (truncated from the left so the response
-    is kept); a chat-message prompt as the conversation with the response as the assistant's turn
-    (:func:`pyppo.data.messages.classifier_text`). The score is the single logit of a one-label
-    reward model, else the logit of the positive class: ``label`` if given, else the label whose
-    name starts with "pos" in ``config.id2label``, else class 1 of a two-class model.
-
-    Args:
-        path: directory with ``config.json``, weights and tokenizer files.
-        label: name or index of the class to score (multi-class models only).
-        device: where the classifier runs.
-        batch_size: pairs scored per forward pass.
-        max_length: token limit; default the tokenizer's limit, capped at 2048.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a directory with a ``config.json``.
-        ValueError: the positive class cannot be determined, or ``label`` is unknown; the
-            directory holds a causal LM, or a checkpoint without weights the classifier needs
-            (its score head): they would be initialised at random.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        label: str | int | None = None,
-        device: str | torch.device = "cpu",
-        batch_size: int = 16,
-        max_length: int | None = None,
-    ):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        path = Path(path).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"reward model {str(path)!r}: not a directory with a config.json")
-        # A causal LM loads as a classifier with a freshly initialised score head: random scores.
-        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-        if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-            raise ValueError(
-                f"reward model {str(path)!r} is not a sequence-classification model "
-                f"(architectures: {', '.join(architectures)}); its score head would be random"
-            )
-        self.name = str(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, local_files_only=True, output_loading_info=True
-        )
-        if info.get("missing_keys"):
-            # A checkpoint without a classifier head (a causal LM whose config names no
-            # architecture, say) would get a freshly initialised one: random scores.
-            missing = sorted(info["missing_keys"])
-            raise ValueError(
-                f"reward model {str(path)!r}: its checkpoint has no weights for "
-                f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; "
-                "they would be initialised at random, and so would the scores"
-            )
-        self.model.to(device).eval().requires_grad_(False)
-        self.device = torch.device(device)
-        self.batch_size = batch_size
-        self.tokenizer.truncation_side = "left"
-        if self.tokenizer.pad_token is None:
-            # Some reward models (GPT-2 based) have no pad token; EOS is only padding here, and the
-            # attention mask hides it.
-            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
-        if self.tokenizer.pad_token is not None and self.model.config.pad_token_id is None:
-            # Decoder classifiers pool the last non-pad token and need pad_token_id for that.
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        limit = self.tokenizer.model_max_length
-        self.max_length = max_length or (limit if isinstance(limit, int) and limit <= 2048 else 2048)
-        self.index = self._score_index(label)
-
-    def _score_index(self, label) -> int:
-        num_labels = self.model.config.num_labels
-        id2label = {int(k): str(v) for k, v in (self.model.config.id2label or {}).items()}
-        if label is not None:
-            if isinstance(label, int) and 0 <= label < num_labels:
-                return label
-            for i, name in id2label.items():
-                if name == str(label):
-                    return i
-            raise ValueError(f"reward model {self.name!r}: unknown label {label!r}; labels are {id2label}")
-        if num_labels == 1:
-            return 0
-        positive = [i for i, name in id2label.items() if name.lower().startswith("pos")]
-        if len(positive) == 1:
-            return positive[0]
-        if num_labels == 2:
-            return 1
-        raise ValueError(
-            f"reward model {self.name!r} has {num_labels} classes {id2label} and none is named "
-            "positive; use SequenceClassifierReward(path, label=...) to choose the class to score"
-        )
-
-    @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        texts = [classifier_text(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
-        scores: list[float] = []
-        for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(
-                texts[start : start + self.batch_size],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-            ).to(self.device)
-            logits = self.model(**enc).logits
-            scores.extend(logits[:, self.index].float().cpu().tolist())
-        return scores
-
-
-def _load_function(spec: str) -> Callable:
-    """Import ``module:function`` or ``file.py:function`` (``function`` may be dotted)."""
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: expected 'module:function'")
-    if module_name.endswith(".py"):
-        file = Path(module_name).expanduser()
-        if not file.is_file():
-            raise FileNotFoundError(f"reward {spec!r}: file {module_name!r} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(f"pyppo_user_reward_{file.stem}", file)
-        module = importlib.util.module_from_spec(mod_spec)
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:
-            raise _import_failed(spec, exc) from exc
-    else:
-        # A console script does not put the working directory on sys.path, but a user who writes
-        # `--reward myreward:score` means the myreward.py they are looking at.
-        cwd = os.getcwd()
-        if cwd not in sys.path:
-            sys.path.append(cwd)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                raise ModuleNotFoundError(f"reward {spec!r}: cannot import module {module_name!r}") from exc
-            raise _import_failed(spec, exc) from exc  # the module exists but one of *its* imports is missing
-        except Exception as exc:
-            raise _import_failed(spec, exc) from exc
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise AttributeError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        kind = type(obj).__name__
-        raise TypeError(
-            f"reward {spec!r}: {attr!r} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}, not a function"
-        )
-    return obj
-
-
-def _import_failed(spec: str, exc: Exception) -> ImportError:
-    """The error for a reward module whose own code raised ``exc`` while it was imported: it
-    names the module's file and line (the first module-level frame of the traceback, i.e. the
-    statement of the reward's file that failed, also when the fault is in what it imports) and
-    the error. An ``ImportError`` (``ModuleNotFoundError`` for a missing module, keeping its
-    ``name``), so the CLI says it in one line."""
-    where = None
-    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
-        where = (exc.filename, exc.lineno)  # the file that cannot be compiled has no frame
-    else:
-        for frame, line in traceback.walk_tb(exc.__traceback__):
-            if frame.f_code.co_name == "<module>" and not frame.f_code.co_filename.startswith("<"):
-                where = (frame.f_code.co_filename, line)
-                break
-    at = ""
-    if where is not None:
-        statement = linecache.getline(where[0], where[1]).strip()
-        at = f" at {where[0]}, line {where[1]}" + (f" ({statement})" if statement else "")
-    message = f"reward {spec!r}: importing it failed{at}: {type(exc).__name__}: {exc}"
-    if isinstance(exc, ModuleNotFoundError):
-        return ModuleNotFoundError(message, name=exc.name)
-    return ImportError(message)
-
-
 #: The rewards ``--reward`` knows by name (matched before any directory of that name).
 BUILTIN_REWARDS: Dict[str, RewardFn] = {
     "sentiment": sentiment_reward,
@@ -809,33 +623,9 @@ def load_reward(spec: str | Callable = "sentiment", *, device: str | torch.devic
     if path.is_dir():
         return _checked(SequenceClassifierReward(path, device=device), spec)
     if ":" in spec:
-        return _checked(_load_function(spec), spec)
+        return _checked(load_function(spec), spec)
     builtin = ", ".join(repr(name) for name in BUILTIN_REWARDS)
     raise ValueError(
         f"reward {spec!r} is not {builtin}, an existing model directory, 'module:function' or "
-        f"'file.py:function'{_function_hint(spec)}"
+        f"'file.py:function'{function_hint(spec)}"
     )
-
-
-def _function_hint(spec: str) -> str:
-    """For a spec naming a Python file without its function (``r.py``): "; did you mean
-    'r.py:FUNCTION'?" and the file's top-level functions, read with ``ast`` (never imported)."""
-    path = Path(spec).expanduser()
-    if not spec.endswith(".py") and not (path.is_file() and path.suffix == ".py"):
-        return ""
-    hint = f"; did you mean '{spec}:FUNCTION'?"
-    if not path.is_file():
-        return f"{hint} (there is no file {spec!r})"
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return hint
-    names = [
-        node.name
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
-    ]
-    if not names:
-        return f"{hint} ({spec!r} defines no top-level function)"
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return f"{hint} (its functions: {shown})"
