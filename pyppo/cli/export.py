@@ -127,9 +127,9 @@ def _recorded_settings(run_dir) -> tuple:
     Raises:
         CLIError: the file is not valid TOML or has an unknown key or a bad value, naming it.
     """
-    from .train import RUN_KEYS, _check_keys, _read_toml
+    from .run_file import RUN_KEYS, check_keys, read_toml
 
-    table = _check_keys(_read_toml(run_dir.config, "config.toml"), str(run_dir.config))
+    table = check_keys(read_toml(run_dir.config, "config.toml"), str(run_dir.config))
     sources = {key: table.pop(key) for key in RUN_KEYS if key in table}
     return sources, table
 
@@ -140,7 +140,7 @@ def _base_model(args: argparse.Namespace, recorded) -> str:
     Raises:
         CLIError: neither is there (saying to pass ``--model``), or ``--model`` is not the run's.
     """
-    from .train import _same_source
+    from .run_file import same_source
 
     if args.model is None and recorded is None:
         raise CLIError(
@@ -148,7 +148,7 @@ def _base_model(args: argparse.Namespace, recorded) -> str:
             "built in memory); pass --model NAME|DIR|FILE.gguf: the base model it started from, which the "
             "checkpoint's trained weights go onto (no reward is needed)"
         )
-    if args.model is not None and recorded is not None and not _same_source(args.model, recorded):
+    if args.model is not None and recorded is not None and not same_source(args.model, recorded):
         raise CLIError(
             f"--model {args.model!r}: the run's checkpoint was trained from its model {recorded!r} "
             "(its config.toml); leave --model out, it is for a run whose config.toml names none"

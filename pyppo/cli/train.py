@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from ..run.rundir import OUTPUT_FILES, RunDir, check_output_dir
-from ..tasks.reasoning_gym import canonical_task_spec, is_task_spec
 from .flags import (
     PROG,
     USER_ERRORS,
@@ -29,6 +28,7 @@ from .flags import (
     flag_name,
     make_config,
 )
+from .run_file import RUN_KEYS, check_keys, read_toml, recorded_run_value, reward_specs, same_run_value, shown_run_value
 
 __all__ = [
     "TRAIN_DEFAULTS",
@@ -41,9 +41,6 @@ __all__ = [
     "resume_command",
 ]
 
-#: Settings of a run that are not PPOConfig fields: where the model, reward and prompts come from.
-#: ``reward`` is one spec or a list of them, ``reward_weights`` their weights (docs/rewards.md).
-RUN_KEYS = ("model", "reward", "reward_weights", "prompts", "eval_prompts", "env", "value_model")
 
 #: What `pyppo train` changes from PPOConfig's library defaults: sized so that the embedded
 #: default (SmolLM2-135M, sentiment reward) shows its mean score rising within 15 minutes on a
@@ -63,109 +60,6 @@ TRAIN_DEFAULTS = {
     # interrupted run loses at most 10 steps (~6 min).
     "save_every": 10,
 }
-
-
-def _read_toml(path: Path, what: str) -> dict:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    if not path.is_file():
-        raise CLIError(f"{what} {str(path)!r} does not exist")
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
-        raise CLIError(f"{what} {str(path)!r}: invalid TOML: {exc}") from None
-
-
-def _same_source(a: str, b) -> bool:
-    """Whether two model/reward/prompts specs name the same thing (paths compared resolved)."""
-    if not isinstance(b, str):
-        return False
-    if is_task_spec(a) and is_task_spec(b):  # two spellings of one reasoning-gym set
-        return canonical_task_spec(a) == canonical_task_spec(b)
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    if pa.exists() or pb.exists():
-        return pa.resolve() == pb.resolve()
-    return a == b
-
-
-def _reward_specs(value) -> list:
-    """``reward`` as a list of specs (one spec is a list of one)."""
-    return [value] if isinstance(value, str) else list(value)
-
-
-def _same_run_value(key: str, a, b) -> bool:
-    """Whether two values of the run key ``key`` name the same thing: the rewards spec by spec, in
-    order; the weights as numbers; a source as :func:`_same_source`."""
-    if key == "reward":
-        a, b = _reward_specs(a), _reward_specs(b)
-        return len(a) == len(b) and all(_same_source(x, y) for x, y in zip(a, b))
-    if key == "reward_weights":
-        return [float(w) for w in a] == [float(w) for w in b]
-    return _same_source(a, b)
-
-
-def _shown(value):
-    """A run key's value as a message shows it: one repeated flag's value (``--reward math``) as is."""
-    return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) else value
-
-
-def _recorded(resumed: dict, key: str):
-    """The resumed run's value of ``key``; its weights are 1.0 per reward when it names none."""
-    if key == "reward_weights" and key not in resumed and "reward" in resumed:
-        return [1.0] * len(_reward_specs(resumed["reward"]))
-    return resumed.get(key)
-
-
-def _check_run_value(key: str, value, where: str) -> None:
-    """A config file's ``reward`` (a spec or a non-empty list of them), ``reward_weights`` (a list
-    of numbers) or other source (a string).
-
-    Raises:
-        CLIError: naming ``where`` and the key.
-    """
-    if key == "reward" and isinstance(value, list):
-        if not value or not all(isinstance(v, str) and v for v in value):
-            raise CLIError(f"{where}: 'reward' must be a spec or a non-empty list of specs, got {value!r}")
-    elif key == "reward_weights":
-        numbers = isinstance(value, list) and all(type(w) in (int, float) for w in value)  # not a bool
-        if not numbers:
-            raise CLIError(f"{where}: 'reward_weights' must be a list of numbers, one per reward, got {value!r}")
-    elif not isinstance(value, str):
-        raise CLIError(f"{where}: {key!r} must be a string, got {value!r}")
-
-
-def _check_keys(table: dict, where: str) -> dict:
-    """The settings of a flat TOML table, with ``"none"`` read as None for optional fields.
-
-    Raises:
-        CLIError: an unknown key or a table, naming it and the known keys.
-    """
-    from pyppo.config import config_knobs
-
-    knobs = dict(config_knobs())
-    out = {}
-    for key, value in table.items():
-        if key not in RUN_KEYS and key not in knobs:
-            known = ", ".join(sorted(set(RUN_KEYS) | set(knobs)))
-            if isinstance(value, dict):
-                raise CLIError(f"{where}: unknown table [{key}]; settings are flat keys: {known}")
-            raise CLIError(f"{where}: unknown key {key!r}; known keys: {known}")
-        if key in knobs and knobs[key].optional and isinstance(value, str) and value.lower() == "none":
-            value = None  # TOML has no null; config.toml writes None as "none"
-        # Each source is checked on its own: a bad value that a flag overrides is still a mistake
-        # in the file.
-        if key in knobs:
-            try:
-                knobs[key].validate(key, value)
-            except ValueError as exc:
-                raise CLIError(f"{where}: {exc}") from None
-        else:
-            _check_run_value(key, value, where)
-        out[key] = value
-    return out
 
 
 class TrainPlan(NamedTuple):
@@ -222,23 +116,23 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         if not RunDir(resume_dir).config.is_file():
             raise CLIError(f"--resume {args.resume!r}: no config.toml in it (not a pyppo run directory)")
         resumed_config = RunDir(resume_dir).config
-        resumed = _check_keys(_read_toml(resumed_config, "--resume config"), str(resumed_config))
+        resumed = check_keys(read_toml(resumed_config, "--resume config"), str(resumed_config))
         merged.update(resumed)
         _check_python_run_sources(args, resumed_config, resumed)
         saved_state = _checkpoint_state(resume_dir)
     if args.config is not None:
         path = Path(args.config).expanduser()
-        from_file = _check_keys(_read_toml(path, "--config"), str(path))
+        from_file = check_keys(read_toml(path, "--config"), str(path))
         merged.update(from_file)
     for key in RUN_KEYS:
-        recorded = _recorded(resumed, key)
+        recorded = recorded_run_value(resumed, key)
         for source, value in ((f"{args.config}: {key} =", from_file.get(key)), (flag_name(key), getattr(args, key))):
             # A resumed run continues the same model, rewards and prompts: switching them mid-run
             # would make its checkpoint and its config.toml describe different experiments.
-            if value is not None and recorded is not None and not _same_run_value(key, value, recorded):
+            if value is not None and recorded is not None and not same_run_value(key, value, recorded):
                 raise CLIError(
-                    f"{source} {_shown(value)!r} differs from the resumed run's {key} {_shown(recorded)!r}; "
-                    "start a new run (--output) to change it"
+                    f"{source} {shown_run_value(value)!r} differs from the resumed run's {key} "
+                    f"{shown_run_value(recorded)!r}; start a new run (--output) to change it"
                 )
             if value is not None and key == "value_model" and resume_dir is not None and key not in resumed:
                 raise CLIError(
@@ -286,7 +180,7 @@ def resolve_train_config(args: argparse.Namespace, world_size: Optional[int] = N
         run["env"] = _resolved_env(run["env"])
     if run["reward"] is None:  # the environment's own reward, else the default one
         run["reward"] = _env_reward(run["env"]) if run["env"] is not None else "sentiment"
-    specs = [_resolved_reward(spec, BUILTIN_REWARDS) for spec in _reward_specs(run["reward"])]
+    specs = [_resolved_reward(spec, BUILTIN_REWARDS) for spec in reward_specs(run["reward"])]
     run["reward"] = specs[0] if len(specs) == 1 else specs  # one reward is written as before
     if run["reward_weights"] is None:
         del run["reward_weights"]  # none given: the run's sources are what they were before weights

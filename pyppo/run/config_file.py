@@ -3,7 +3,7 @@ reads back. ``pyppo train`` writes it before training; a trainer driven from Pyt
 (``trainer.train(dir)``) gets one from :func:`record_python_run`, with the sources it can name.
 
 The file is flat TOML: every ``PPOConfig`` field, and the run's sources (``model``, ``reward``,
-``prompts``, ``eval_prompts``: :data:`pyppo.cli.train.RUN_KEYS`) as ``pyppo train`` takes them.
+``prompts``, ``eval_prompts``: :data:`pyppo.cli.run_file.RUN_KEYS`) as ``pyppo train`` takes them.
 TOML has no null: a ``None`` field is written ``"none"``, which the command line reads back as
 ``None``.
 """
