@@ -14,7 +14,7 @@ from pyppo.data import check_renderable, classifier_text, prompt_list
 from pyppo.prompts import PromptSampler, load_prompt_records, load_prompts, prompt_columns, resolve_prompt_source
 from pyppo.rollout.tokens import check_prompt_lengths, encode_prompts
 from support.run_fixture import error_line as _error_line
-from support.run_fixture import tiny_dir  # noqa: F401  (a fixture)
+from support.run_fixture import no_loading, tiny_dir  # noqa: F401  (fixtures)
 from support.tiny_models import CHAT_TEMPLATE, save_tiny_classifier, tiny_tokenizer
 
 RECORDS = [{"prompt": "Say hi.", "answer": "1"}, {"prompt": "Describe rain.", "answer": "2"}]
@@ -450,16 +450,6 @@ def test_a_trainer_without_a_chat_template_refuses_message_prompts_up_front():
 
 
 # ----------------------------------------------------------------------------- before loading
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    import pyppo.models
-
-    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
-        raise AssertionError("a model was loaded before the prompts were checked")
-
-    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
 
 
 def test_message_prompts_without_the_chat_template_are_refused_before_loading(tmp_path, capsys, no_loading):

@@ -233,6 +233,15 @@ def step_facts(result: StepResult, samples_per_prompt: int, world: distributed.W
     )
 
 
+def _kl_per_token(m: Dict[str, float]) -> Optional[float]:
+    """A step's KL to the reference per response token (``kl_mean`` over
+    ``response_length_mean``), nats; ``None`` where the step has no finite one."""
+    kl, length = m.get("kl_mean"), m.get("response_length_mean")
+    if not isinstance(kl, (int, float)) or not math.isfinite(kl) or not length:
+        return None
+    return kl / length
+
+
 class Doctor:
     """The checks of ``docs/trainer.md``, "Why isn't it learning", run after each step of
     ``trainer``'s run (:func:`pyppo.run.loop.train` calls :meth:`examine`; a loop of your own can
@@ -313,9 +322,7 @@ class Doctor:
     def _advance(self, seen: Dict[str, float], m: Dict[str, float]) -> list:
         """One step: ``seen`` (``doctor/<check>`` -> 1.0 or 0.0) and its metrics ``m``. Returns the
         checks to say now."""
-        kl, length = m.get("kl_mean"), m.get("response_length_mean")
-        finite = isinstance(kl, (int, float)) and math.isfinite(kl) and bool(length)
-        self._previous_kl = kl / length if finite else None
+        self._previous_kl = _kl_per_token(m)
         holds = {}
         for key, value in seen.items():
             name = key.removeprefix("doctor/")
@@ -393,11 +400,8 @@ class Doctor:
         )
 
     def _kl_jump(self, facts: _Facts, m: Dict[str, float]) -> Optional[str]:
-        kl, length, previous = m.get("kl_mean"), m.get("response_length_mean"), self._previous_kl
-        if previous is None or kl is None or not length or not math.isfinite(kl):
-            return None
-        current = kl / length
-        if current - previous <= KL_JUMP_PER_TOKEN:
+        current, previous = _kl_per_token(m), self._previous_kl
+        if previous is None or current is None or current - previous <= KL_JUMP_PER_TOKEN:
             return None
         return (
             f"the KL to the reference jumped from {previous:.3g} to {current:.3g} nats per token in one step (more "

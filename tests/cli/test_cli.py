@@ -12,7 +12,7 @@ import pytest
 
 from pyppo import cli
 from support.run_fixture import error_line as _error_line
-from support.run_fixture import tiny_dir  # noqa: F401  (a fixture)
+from support.run_fixture import no_loading, tiny_dir  # noqa: F401  (fixtures)
 from support.tiny_models import save_tiny_causal_lm
 
 # Small enough that a step of the tiny model takes well under a second.
@@ -517,16 +517,6 @@ def test_dtype_auto_is_resolved_into_config_toml_and_kept_by_resume(tiny_dir, tm
 
 
 # ---------------------------------------------------------------- inputs checked before loading
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    import pyppo.models
-
-    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
 
 
 def test_output_that_is_a_file_or_under_one_is_refused_before_loading(tmp_path, capsys, no_loading):

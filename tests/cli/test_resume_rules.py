@@ -13,6 +13,7 @@ from pyppo.cli.flags import shown_as_flag
 from pyppo.cli.train import TRAIN_DEFAULTS
 from pyppo.config import PPOConfig, ResumeChange, config_knobs
 from pyppo.run.config_file import write_config
+from support.run_fixture import no_loading  # noqa: F401  (a fixture)
 from support.trainer_fixture import make_trainer, small_config
 
 #: For each fixed setting: the settings of a run where it acts (beside TRAIN_DEFAULTS), and a
@@ -119,16 +120,6 @@ def _fake_run(path, sources=None, **settings):
         torch.save({}, path / "checkpoint" / name)
     torch.save({"step": 1, "world_size": 1, "config": config.to_dict()}, path / "checkpoint" / "trainer_state.pt")
     return config
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    import pyppo.models
-
-    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
-        raise AssertionError("a model was loaded before the resume was checked")
-
-    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
 
 
 def _one_error(capsys) -> str:

@@ -147,17 +147,22 @@ def test_mask_truncated_on_every_response_is_said_once_by_the_doctor_alone(tmp_p
         make_trainer(config, eos_bias=-30.0).step()
 
 
-def test_a_kl_jump_is_said(tmp_path, monkeypatch):
-    trainer = make_trainer(fast(steps=3))
+def jump_kl_at_step_2(trainer, monkeypatch) -> None:
+    """``trainer``'s step 2 reports the KL a diverged update would leave: 2 nats a token."""
     real = trainer.step
 
-    def jumping_kl():  # the KL of step 2 as a diverged update would leave it: 2 nats a token
+    def jumping_kl():
         result = real()
         if trainer.step_count == 2:
             result.metrics["kl_mean"] = 2.0 * result.metrics["response_length_mean"]
         return result
 
     monkeypatch.setattr(trainer, "step", jumping_kl)
+
+
+def test_a_kl_jump_is_said(tmp_path, monkeypatch):
+    trainer = make_trainer(fast(steps=3))
+    jump_kl_at_step_2(trainer, monkeypatch)
     history, said = train(trainer, tmp_path)
     assert doctor_said(said) == [("KLJumpWarning", "step 2")]
     (line,) = [str(w.message) for w in said if w.category is KLJumpWarning]
@@ -170,15 +175,7 @@ def test_a_kl_jump_at_the_first_step_after_a_resume_is_said(tmp_path, monkeypatc
     train(make_trainer(fast(steps=1)), tmp_path)
     trainer = make_trainer(fast(steps=3))
     trainer.load_checkpoint(tmp_path / "run" / "checkpoint")
-    real = trainer.step
-
-    def jumping_kl():
-        result = real()
-        if trainer.step_count == 2:
-            result.metrics["kl_mean"] = 2.0 * result.metrics["response_length_mean"]
-        return result
-
-    monkeypatch.setattr(trainer, "step", jumping_kl)
+    jump_kl_at_step_2(trainer, monkeypatch)
     history, said = train(trainer, tmp_path)
     assert doctor_said(said) == [("KLJumpWarning", "step 2")]
     assert flags(history, "kl_jump") == [1.0, 0.0]

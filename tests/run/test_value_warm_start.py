@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pyppo import cli
+from support.run_fixture import no_loading  # noqa: F401  (a fixture)
 from support.trainer_fixture import make_trainer, small_config
 
 
@@ -86,16 +87,6 @@ def _one_error(capsys) -> str:
     errors = [line for line in err if line.startswith("pyppo: error: ")]
     assert len(errors) == 1 and not any("Traceback" in line for line in err), err
     return errors[0]
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    import pyppo.models
-
-    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
-        raise AssertionError("a model was loaded before --value-model was checked")
-
-    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
 
 
 def test_the_command_line_resolves_value_model_and_records_it(earlier_run, tmp_path):

@@ -45,6 +45,17 @@ def run_toml(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fails the test if a model loads: for what a command must check (and refuse) before it."""
+    import pyppo.models
+
+    def refuse(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("a model was loaded before the command's checks were done")
+
+    monkeypatch.setattr(pyppo.models, "load_model_and_tokenizer", refuse)
+
+
 def error_line(capsys) -> str:
     """The one line a refused ``pyppo`` command printed on stderr (no traceback)."""
     err = capsys.readouterr().err.strip().splitlines()
