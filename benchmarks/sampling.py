@@ -12,14 +12,20 @@ round with the same prompts and seed:
   with: oneDNN-packed linear weights on a CPU in float32, under the trainer's autocast in bf16);
 - ``plain`` (only when asked for, ``--engines plain,transformers``): the same without the packed
   weights (``F.linear``), what packing is measured against;
+- ``multinomial`` (only when asked for): the same, each token drawn by ``torch.multinomial`` instead
+  of :func:`pyppo.rollout.categorical.sample_categorical`, what the float64 inverse-transform draw
+  is measured against;
 - ``vllm``: the vLLM rollout engine's ``vllm.LLM.generate`` (:class:`pyppo.rollout.vllm_engine.VLLMEngine`,
   built once per dtype from the same model), plus its ``sync_weights`` after a change of every
   weight (timed apart, and added: the vLLM engine pays it every step); with ``--lora-rank`` (8 by
   default) also the sync of a LoRA policy, merged, after a change of its adapters.
 
 It reports the median seconds of each, the ratio ``transformers / (vllm + sync)``, and the per-row
-memory floor: ``T`` decode steps, each at least the model's linear weights' bytes over the copy
-bandwidth measured here (read and write bytes both counted). Quote ratios with the machine they
+memory floor: ``T`` decode steps, each at least the model's linear weights' bytes in the compute
+dtype (4 bytes a weight in float32, 2 in bf16) over the copy bandwidth measured here (read and
+write bytes both counted). On a CPU with few cores the decode step's FLOPs can bind first: at 32
+rows each weight is used 64 times a step; ``pyppo profile`` reports both floors of its generate
+phase. Quote ratios with the machine they
 came from: the machine is shared and noisy, so run it when ``uptime`` shows a load below the
 thread count.
 """
@@ -114,8 +120,8 @@ def main(argv=None) -> int:
     shapes, dtypes = parse_shapes(args.shapes), args.dtypes.split(",")
     engines = args.engines.split(",")
     for name in engines:
-        if name not in ("transformers", "plain", "vllm"):
-            raise SystemExit(f"sampling.py: --engines: {name!r} is not transformers, plain or vllm")
+        if name not in ("transformers", "plain", "multinomial", "vllm"):
+            raise SystemExit(f"sampling.py: --engines: {name!r} is not transformers, plain, multinomial or vllm")
     for name in dtypes:
         if name not in ("float32", "bfloat16"):
             raise SystemExit(f"sampling.py: --dtypes: {name!r} is not float32 or bfloat16")
@@ -133,15 +139,15 @@ def main(argv=None) -> int:
     model, tok = load_model_and_tokenizer(args.model)
     model.eval()
     tok.padding_side = "left"
-    weight_bytes = sum(
-        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear)
-    )
+    # The GEMMs read each weight in the compute dtype: float32 (the packed copies), or the bf16
+    # copies autocast casts them to.
+    weight_elements = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     bandwidth = copy_bandwidth(torch)
     cpu = torch.backends.cpu.get_cpu_capability()
     rows, lora_sync = [], {}
     print(
         f"sampling ({args.model}, {args.threads} threads, {cpu}; load {os.getloadavg()[0]:.1f}); "
-        f"floor = T x {weight_bytes / 1e6:.0f} MB of linear weights at {bandwidth / 1e9:.1f} GB/s"
+        f"floor = T x {weight_elements / 1e6:.0f} M linear weights x the dtype's bytes at {bandwidth / 1e9:.1f} GB/s"
     )
     cols = [f"{name} s" for name in engines] + (["vllm sync s"] if "vllm" in engines else [])
     both = {"transformers", "vllm"} <= set(engines)
@@ -202,7 +208,15 @@ def main(argv=None) -> int:
                 finally:
                     hf.packed_linear_weights = packed
 
-            runs = {"transformers": run_hf, "plain": run_plain, "vllm": run_vllm}
+            def run_multinomial():
+                draw = hf.fast_multinomial
+                hf.fast_multinomial = contextlib.nullcontext
+                try:
+                    run_hf()
+                finally:
+                    hf.fast_multinomial = draw
+
+            runs = {"transformers": run_hf, "plain": run_plain, "multinomial": run_multinomial, "vllm": run_vllm}
             times = {name: [] for name in engines}
             if (B, T) == shapes[0]:  # warm-up, once per dtype (the later shapes reuse what it set up)
                 for name in engines:
@@ -213,7 +227,7 @@ def main(argv=None) -> int:
                     runs[name]()
                     times[name].append(time.perf_counter() - t)
             med = {k: statistics.median(v) for k, v in times.items()}
-            floor = T * weight_bytes / bandwidth
+            floor = T * weight_elements * dtype.itemsize / bandwidth
             row = {
                 "dtype": dtype_name,
                 "batch": B,
@@ -238,7 +252,7 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "cpu": cpu,
         "load_average": os.getloadavg(),
-        "linear_weight_bytes": weight_bytes,
+        "linear_weight_elements": weight_elements,
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "vllm_lora_sync_seconds": lora_sync,
         "lora_rank": args.lora_rank,

@@ -75,6 +75,10 @@ REASONING_GYM_EXTRA = ["reasoning-gym>=0.1.25"]
 #: (pyppo.data.files).
 DATA_EXTRA = ["datasets", "pyarrow"]
 
+#: ``pip install pyppo[rlox]``: the release of rlox (a Rust RL library, numpy in and out) that
+#: pyppo.integrations.rlox reproduces, for its agreement tests and ``pyppo bench --peer rlox``.
+RLOX_EXTRA = ["rlox==1.2.0"]
+
 #: ``pip install pyppo[<tracker>]``: the package of each experiment tracker of ``report_to``
 #: (pyppo.run.trackers; MLflow's client without its server, and pandas for its tables), and
 #: ``pyppo[trackers]`` for all four.
@@ -109,6 +113,7 @@ def dynamic_metadata(settings: Mapping[str, Any], project: Mapping[str, Any]) ->
             "vllm": vllm_extra(torch.version.cuda),
             "reasoning-gym": REASONING_GYM_EXTRA,
             "data": DATA_EXTRA,
+            "rlox": RLOX_EXTRA,
             **TRACKER_EXTRAS,
             "trackers": sorted({p for packages in TRACKER_EXTRAS.values() for p in packages}),
         },

@@ -10,6 +10,7 @@ on a CPU with AVX2 only, oneDNN emulates bf16 and the step is slower than in flo
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -40,18 +41,38 @@ def _cpu_flag(name: str) -> bool:
         return False
 
 
+#: oneDNN's CPU ISA caps (``ONEDNN_MAX_CPU_ISA``) below AVX512_CORE_BF16: under one of them
+#: oneDNN emulates bf16 whatever the CPU has.
+_ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def _onednn_cap() -> Optional[str]:
+    """The ISA oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``)
+    when that cap leaves out the bf16 instructions, else ``None``."""
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        cap = os.environ.get(var, "").strip().upper()
+        if cap:
+            return f"{var}={cap}" if cap in _ONEDNN_ISAS_WITHOUT_BF16 else None
+    return None
+
+
 def native_bf16(device: torch.device) -> Tuple[bool, str]:
     """Whether ``device`` multiplies bfloat16 natively, and what says so (for the run's log).
 
     CUDA: ``torch.cuda.is_bf16_supported()`` (compute capability 8.0 or later). CPU: the
     AVX512_BF16 or AMX-BF16 instructions oneDNN's bf16 GEMMs use; AVX2 and plain AVX-512 CPUs
-    convert to float32 for every multiply and so run bf16 slower than float32.
+    convert to float32 for every multiply and so run bf16 slower than float32. A CPU that has
+    them counts as without when ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below them (``AVX2``, say:
+    how an AVX2-only machine is emulated on a newer one).
     """
     if device.type == "cuda":
         ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
         name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "CUDA"
         return ok, f"{name} {'supports' if ok else 'lacks'} bf16"
     if device.type == "cpu":
+        cap = _onednn_cap()
+        if cap is not None:
+            return False, f"{cap} keeps oneDNN from this CPU's bf16 instructions"
         isas = [
             n
             for n, flag in (("AMX", "_is_amx_tile_supported"), ("AVX512_BF16", "_is_avx512_bf16_supported"))

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .data.messages import classifier_text
+from .precision import autocast
 
 __all__ = ["SequenceClassifierReward"]
 
@@ -74,6 +75,7 @@ class SequenceClassifierReward:
             )
         self.model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
+        self.dtype = torch.float32
         self.batch_size = batch_size
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token is None:
@@ -109,6 +111,32 @@ class SequenceClassifierReward:
             "positive; use SequenceClassifierReward(path, label=...) to choose the class to score"
         )
 
+    def compute_in(self, dtype: torch.dtype) -> int:
+        """Score under ``torch.autocast(dtype)`` from now on, as every forward of a run with that
+        compute dtype does, with the classifier's linear weights held in ``dtype``
+        (:func:`pyppo.models.hold_linear_weights`: the operands autocast would cast them to, at
+        half the bytes). The trainer calls it with the run's dtype; float32 changes nothing.
+
+        Returns:
+            the bytes no longer held.
+
+        Raises:
+            ValueError: ``dtype`` is float32 after the classifier was set to another dtype (its
+                float32 weights are gone), or not float32, bfloat16 or float16.
+        """
+        from .models.frozen import hold_linear_weights
+
+        if dtype == self.dtype:
+            return 0
+        if self.dtype != torch.float32:
+            raise ValueError(
+                f"reward model {self.name!r} already computes in {self.dtype} (its float32 weights are not "
+                f"kept); load it again to score in {dtype}"
+            )
+        saved = hold_linear_weights(self.model, dtype)
+        self.dtype = dtype
+        return saved
+
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         texts = [classifier_text(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
@@ -121,6 +149,7 @@ class SequenceClassifierReward:
                 truncation=True,
                 max_length=self.max_length,
             ).to(self.device)
-            logits = self.model(**enc).logits
+            with autocast(self.device, self.dtype):
+                logits = self.model(**enc).logits
             scores.extend(logits[:, self.index].float().cpu().tolist())
         return scores

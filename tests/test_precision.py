@@ -111,6 +111,8 @@ def _cpu_probes(monkeypatch, **flags):
     ],
 )
 def test_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, flags, expected):
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
     _cpu_probes(monkeypatch, **flags)
     name, why = resolve_dtype("auto", torch.device("cpu"))
     assert name == expected and why
@@ -118,6 +120,29 @@ def test_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch,
     assert resolve_dtype("float32", torch.device("cpu")) == ("float32", "")
     assert resolve_dtype("bfloat16", torch.device("cpu")) == ("bfloat16", "")
     assert small_config(dtype="auto").torch_dtype == getattr(torch, expected)
+
+
+@pytest.mark.parametrize(
+    "var, cap, expected",
+    [
+        ("ONEDNN_MAX_CPU_ISA", "AVX2", "float32"),
+        ("ONEDNN_MAX_CPU_ISA", "avx512_core", "float32"),
+        ("DNNL_MAX_CPU_ISA", "AVX2_VNNI", "float32"),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", "bfloat16"),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX", "bfloat16"),
+        ("ONEDNN_MAX_CPU_ISA", "ALL", "bfloat16"),
+    ],
+)
+def test_auto_follows_a_onednn_isa_cap_below_the_bf16_instructions(monkeypatch, var, cap, expected):
+    # How an AVX2-only machine is emulated on a newer one: oneDNN then emulates bf16.
+    for other in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(var, cap)
+    _cpu_probes(monkeypatch, _is_avx512_bf16_supported=True, _is_amx_tile_supported=True)
+    name, why = resolve_dtype("auto", torch.device("cpu"))
+    assert name == expected
+    if expected == "float32":
+        assert why == f"{var}={cap.upper()} keeps oneDNN from this CPU's bf16 instructions"
 
 
 def test_auto_survives_a_torch_without_the_probes(monkeypatch):

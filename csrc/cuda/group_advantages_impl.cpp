@@ -1,5 +1,5 @@
-// group_advantages on CUDA (kernel in kernels/group_advantages_kernel.cu): the checks of
-// checks/group_advantages.h, then one launch.
+// group_advantages on CUDA, both overloads (kernels in kernels/group_advantages_kernel.cu): the
+// checks of checks/group_advantages.h, then one launch.
 //
 // Host syncs: the two data errors of checks/group_advantages.h (a group id outside [0, B), a
 // non-finite score) are found by device reductions read back together (one sync), plus one
@@ -12,35 +12,41 @@
 
 #include <torch/library.h>
 
+#include <vector>
+
 namespace pyppo {
 namespace {
 
 using namespace cuda_impl;
 
-// The CPU impl's data errors, in its order: ids first, then scores.
+// The CPU impl's data errors, in its order: ids first (with the ids overload), then scores.
 void check_group_data(const GroupAdvantagesTensors& t) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   check_launch("group_advantages", cudaStreamIsCapturing(current_stream(), &status));
   if (status != cudaStreamCaptureStatusNone || t.B == 0) return;
-  const at::Tensor bad_id = t.group_ids.lt(0).logical_or(t.group_ids.ge(t.B));
+  const bool with_ids = t.group_ids.defined();
   const at::Tensor finite = at::isfinite(t.scores);
-  const at::Tensor flags = at::stack({bad_id.any(), finite.all()}).cpu();
+  at::Tensor bad_id;
+  std::vector<at::Tensor> parts{finite.all()};
+  if (with_ids) {
+    bad_id = t.group_ids.lt(0).logical_or(t.group_ids.ge(t.B));
+    parts.push_back(bad_id.any());
+  }
+  const at::Tensor flags = at::stack(parts).cpu();
   const bool* f = flags.const_data_ptr<bool>();
-  if (f[0]) {
+  if (with_ids && f[1]) {
     const int64_t b = bad_id.nonzero().select(1, 0)[0].item<int64_t>();
     fail_group_id_range(b, t.group_ids[b].item<int64_t>(), t.B);
   }
-  if (!f[1]) {
+  if (!f[0]) {
     const int64_t b = finite.logical_not().nonzero().select(1, 0)[0].item<int64_t>();
     fail_non_finite_group_score(b, t.scores[b].item<double>());
   }
 }
 
-at::Tensor group_advantages_cuda(const at::Tensor& scores, const at::Tensor& response_mask,
-                                 const at::Tensor& group_ids, c10::string_view estimator, double eps,
-                                 bool std_normalize) {
-  GroupAdvantagesTensors t = prepare_group_advantages(scores, response_mask, group_ids, estimator, eps);
-  const c10::cuda::CUDAGuard guard(response_mask.device());
+at::Tensor run_group_advantages(const GroupAdvantagesTensors& t, const at::Device device, double eps,
+                                bool std_normalize) {
+  const c10::cuda::CUDAGuard guard(device);
   check_group_data(t);
   if (t.B > 0) {
     cuda::GroupAdvantagesArgs k;
@@ -48,7 +54,8 @@ at::Tensor group_advantages_cuda(const at::Tensor& scores, const at::Tensor& res
     k.B = t.B;
     k.T = t.T;
     k.scores = t.scores.const_data_ptr();
-    k.group_ids = t.group_ids.const_data_ptr<int64_t>();
+    k.group_size = t.group_size;
+    k.group_ids = t.group_ids.defined() ? t.group_ids.const_data_ptr<int64_t>() : nullptr;
     k.mask = t.mask.const_data_ptr<bool>();
     k.rloo = t.rloo;
     k.std_normalize = std_normalize;
@@ -60,8 +67,24 @@ at::Tensor group_advantages_cuda(const at::Tensor& scores, const at::Tensor& res
   return t.advantages;
 }
 
+at::Tensor group_advantages_cuda(const at::Tensor& scores, const at::Tensor& response_mask,
+                                 const at::Tensor& group_ids, c10::string_view estimator, double eps,
+                                 bool std_normalize) {
+  return run_group_advantages(prepare_group_advantages(scores, response_mask, group_ids, estimator, eps),
+                              response_mask.device(), eps, std_normalize);
+}
+
+at::Tensor group_advantages_size_cuda(const at::Tensor& scores, const at::Tensor& response_mask, int64_t group_size,
+                                      c10::string_view estimator, double eps, bool std_normalize) {
+  return run_group_advantages(prepare_group_advantages(scores, response_mask, group_size, estimator, eps),
+                              response_mask.device(), eps, std_normalize);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(pyppo, CUDA, m) { m.impl("group_advantages", &group_advantages_cuda); }
+TORCH_LIBRARY_IMPL(pyppo, CUDA, m) {
+  m.impl("group_advantages", &group_advantages_cuda);
+  m.impl("group_advantages.group_size", &group_advantages_size_cuda);
+}
 
 }  // namespace pyppo

@@ -7,9 +7,13 @@ Shapes (``full``): the ``[B, T]`` functions (GAE, KL, rewards, whitening, masked
 (:func:`~pyppo.bench.inputs.response_mask`); log-probs and entropy on ``[8, 1024, 151936]``
 bfloat16 logits (a Qwen vocabulary), or fewer rows when the peers' own temporaries would not fit
 in the memory available (:func:`logits_shape`). ``quick``: ``[64, 1024]`` and ``[1, 512, 151936]``;
-``tiny``: ``[4, 32]`` and ``[2, 8, 1000]``.
+``tiny``: ``[4, 32]`` and ``[2, 8, 1000]``. Group advantages (rlox) on float64 scores of
+``n_prompts x group_size`` responses: ``512x8``, ``4096x8`` and ``64x64`` (``full`` and ``quick``),
+``4x8`` and ``2x16`` (``tiny``).
 
 Masks are int64, as both veRL (``attention_mask`` slices) and OpenRLHF (``action_mask``) hold them.
+rlox takes and returns numpy arrays: its rows' calls convert the tensors with ``Tensor.numpy()``
+(no copy) inside the timed call, for rlox and the adapter alike, and run on the CPU only.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "PeerCase",
     "PEERS",
     "PINS",
+    "CPU_ONLY",
     "SHAPES",
     "cases",
     "functions",
@@ -44,22 +49,32 @@ __all__ = [
     "flash_attn_state",
 ]
 
-PEERS = ("verl", "openrlhf", "trl")
+PEERS = ("verl", "openrlhf", "trl", "rlox")
 
 #: The releases the adapters reproduce, and how to install each without its GPU-only dependencies.
 PINS = {
     "verl": ("verl", "0.9.1", "pip install --no-deps verl==0.9.1"),
     "openrlhf": ("openrlhf", "0.11.2", "pip install --no-deps openrlhf==0.11.2 deepspeed==0.19.6"),
     "trl": ("trl", "1.16.0", "pip install --no-deps trl==1.16.0"),
+    "rlox": ("rlox", "1.2.0", "pip install rlox==1.2.0"),
 }
 
-F32, BF16 = torch.float32, torch.bfloat16
+#: Peers whose functions take numpy arrays: their rows run on the CPU only.
+CPU_ONLY = frozenset({"rlox"})
+
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 QWEN_VOCAB = 151936
-SHAPES = {  # sizes -> (rollout [B, T], logits [B, T, V])
-    "full": ((256, 2048), (8, 1024, QWEN_VOCAB)),
-    "quick": ((64, 1024), (1, 512, QWEN_VOCAB)),
-    "tiny": ((4, 32), (2, 8, 1000)),
+# GRPO batches: 512 prompts x 8 responses (the trainer's default), 4096 x 8, 64 x 64.
+_GROUPS = ((512, 8), (4096, 8), (64, 64))
+SHAPES = {  # sizes -> (rollout [B, T], logits [B, T, V], group advantages [(n_prompts, group_size), ...])
+    "full": ((256, 2048), (8, 1024, QWEN_VOCAB), _GROUPS),
+    "quick": ((64, 1024), (1, 512, QWEN_VOCAB), _GROUPS),
+    "tiny": ((4, 32), (2, 8, 1000), ((4, 8), (2, 16))),
 }
+# The inputs' dtype of each kind of row (a row may name another).
+_KIND_DTYPE = {"rollout": F32, "logits": BF16, "group": F64}
+# rlox's environment-style episodes: an episode ends after each step with this probability.
+_EPISODE_END = 1 / 128
 
 # Peak bytes the hungriest peer call needs beyond its logits, per byte of logits: veRL's
 # entropy_from_logits forward+backward (softmax, softmax * logits and their gradients, the logits'
@@ -79,7 +94,7 @@ class PeerCase(RowLabels):
     module: str  # the peer's defining module
     name: str  # the function's name there (and the adapter's)
     mode: str  # "fwd" | "fwd+bwd"
-    kind: str  # "rollout" | "logits": which inputs
+    kind: str  # "rollout" | "logits" | "group": which inputs
     shape: tuple[int, ...]
     dtype: torch.dtype
     call: Callable[[Callable, Inputs], Any]
@@ -123,7 +138,27 @@ def _rollout(shape, dtype, device, seed) -> Inputs:
     }
     inp.update({k: v.to(dtype).to(device) for k, v in more.items()})
     inp["mask"] = inp["mask"].long()
+    # rlox's GAE inputs, from a generator of their own so that the draws above stay as they were:
+    # dones at each row's last step (one episode per row, as an LM rollout has it), dones of
+    # environment-style episodes, and each row's value after its last step.
+    g = _gen(seed + 104729)
+    ends = torch.zeros(B, T)
+    ends[:, -1] = 1.0
+    episodes = (torch.rand(B, T, generator=g) < _EPISODE_END).float()
+    last_values = torch.randn(B, generator=g)
+    inp.update(
+        {k: v.to(dtype).to(device) for k, v in (("dones", ends), ("env_dones", episodes), ("last_values", last_values))}
+    )
     return inp
+
+
+def _group(shape, dtype, device, seed) -> Inputs:
+    """GRPO scores of ``n_prompts x group_size`` responses, flat; every eighth group's equal."""
+    g = _gen(seed)
+    P, n = shape
+    scores = torch.randn(P, n, generator=g, dtype=torch.float64)
+    scores[::8] = scores[::8, :1]
+    return {"scores": scores.reshape(-1).to(dtype).to(device), "group_size": n}
 
 
 def _logits(shape, dtype, device, seed) -> Inputs:
@@ -140,7 +175,7 @@ def _logits(shape, dtype, device, seed) -> Inputs:
     }
 
 
-_MAKERS = {"rollout": _rollout, "logits": _logits}
+_MAKERS = {"rollout": _rollout, "logits": _logits, "group": _group}
 _CACHE: dict[tuple, Inputs] = {}
 
 
@@ -348,39 +383,109 @@ def _trl() -> list[tuple]:
     ]
 
 
-_SPECS = {"verl": _verl, "openrlhf": _openrlhf, "trl": _trl}
+def _flat(t: torch.Tensor):
+    """A tensor as the flat numpy array rlox takes (a view: nothing is copied)."""
+    return t.numpy().reshape(-1)
+
+
+def _rlox_gae(dones: str):
+    """``compute_gae_batched*`` on the rollout's rows as rlox's environments (env-major, as a
+    ``[B, T]`` tensor is laid out), with the episode ends ``inputs[dones]``."""
+
+    def call(f, i):
+        T = i["rewards"].shape[1]
+        return f(_flat(i["rewards"]), _flat(i["values"]), _flat(i[dones]), _flat(i["last_values"]), T, 0.99, 0.95)
+
+    return call
+
+
+def _rlox() -> list[tuple]:
+    m = "rlox._rlox_core"
+    gae_reads = ("rewards", "values", "last_values")
+    kl_reads = ("logprobs", "ref_logprobs")
+    kl = lambda f, i: f(_flat(i["logprobs"]), _flat(i["ref_logprobs"]), i["logprobs"].shape[1])  # noqa: E731
+    return [
+        (
+            m,
+            "compute_batch_group_advantages",
+            "group",
+            lambda f, i: f(_flat(i["scores"]), i["group_size"]),
+            "",
+            ("scores",),
+            (),
+        ),
+        (
+            m,
+            "compute_gae_batched_f32",
+            "rollout",
+            _rlox_gae("dones"),
+            "gamma=0.99, lam=0.95, one episode per row",
+            gae_reads + ("dones",),
+            (),
+        ),
+        (
+            m,
+            "compute_gae_batched_f32",
+            "rollout",
+            _rlox_gae("env_dones"),
+            f"gamma=0.99, lam=0.95, episodes end w.p. 1/{round(1 / _EPISODE_END)} a step",
+            gae_reads + ("env_dones",),
+            (),
+        ),
+        (
+            m,
+            "compute_gae_batched",
+            "rollout",
+            _rlox_gae("dones"),
+            "gamma=0.99, lam=0.95, one episode per row",
+            gae_reads + ("dones",),
+            (),
+            F64,
+        ),
+        (m, "compute_batch_token_kl_schulman_f32", "rollout", kl, "", kl_reads, ()),
+        (m, "compute_batch_token_kl_f32", "rollout", kl, "", kl_reads, ()),
+    ]
+
+
+_SPECS = {"verl": _verl, "openrlhf": _openrlhf, "trl": _trl, "rlox": _rlox}
 _LOSSES = {"compute_policy_loss", "compute_policy_loss_vanilla", "compute_value_loss"}
 
 
-def cases(peer: str, bt_shape: tuple[int, int], logits: tuple[int, int, int]) -> list[PeerCase]:
+def cases(
+    peer: str, bt_shape: tuple[int, int], logits: tuple[int, int, int], groups: tuple[tuple[int, int], ...] = ()
+) -> list[PeerCase]:
     """Every row of ``peer``: each function forward, and forward+backward where it is differentiable
-    (where the spec names inputs to take gradients of)."""
+    (where the spec names inputs to take gradients of); a group row once per shape of ``groups``.
+    A spec is ``(module, name, kind, call, args, reads, wrt)``, and optionally the inputs' dtype
+    (else the kind's)."""
     out = []
-    for module, name, kind, call, args, reads, wrt in _SPECS[peer]():
-        shape, dtype = (bt_shape, F32) if kind == "rollout" else (logits, BF16)
-        for mode in ("fwd", "fwd+bwd") if wrt else ("fwd",):
-            out.append(
-                PeerCase(
-                    peer,
-                    module,
-                    name,
-                    mode,
-                    kind,
-                    tuple(shape),
-                    dtype,
-                    call,
-                    args,
-                    reads,
-                    wrt if mode == "fwd+bwd" else (),
-                    loss_first=name in _LOSSES,
+    for module, name, kind, call, args, reads, wrt, *dtype in _SPECS[peer]():
+        dtype = dtype[0] if dtype else _KIND_DTYPE[kind]
+        shapes = {"rollout": [bt_shape], "logits": [logits], "group": list(groups)}[kind]
+        for shape in shapes:
+            for mode in ("fwd", "fwd+bwd") if wrt else ("fwd",):
+                out.append(
+                    PeerCase(
+                        peer,
+                        module,
+                        name,
+                        mode,
+                        kind,
+                        tuple(shape),
+                        dtype,
+                        call,
+                        args,
+                        reads,
+                        wrt if mode == "fwd+bwd" else (),
+                        loss_first=name in _LOSSES,
+                    )
                 )
-            )
     return out
 
 
 def functions(peer: str) -> list[str]:
     """The peer functions ``peer``'s rows cover, in table order."""
-    return [spec[1] for spec in _SPECS[peer]()]
+    return list(dict.fromkeys(spec[1] for spec in _SPECS[peer]()))
 
 
 def peer_available(peer: str) -> str | None:

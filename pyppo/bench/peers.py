@@ -1,4 +1,4 @@
-"""``pyppo bench --peer verl|openrlhf|trl|all``: each peer function against its pyppo adapter.
+"""``pyppo bench --peer verl|openrlhf|trl|rlox|all``: each peer function against its pyppo adapter.
 
 For every function a peer's trainer calls that :mod:`pyppo.integrations` replaces (the rows:
 :mod:`pyppo.bench.peer_cases`), the installed peer's own function and the adapter of the same
@@ -16,7 +16,8 @@ forward+backward. A row reports:
   with the same output structure, shapes and dtypes. A failed check makes the command exit 1.
 
 The peer's functions are the module attributes as imported, never a patched one (an active
-:func:`pyppo.integrations.patch` is looked through to the originals it replaced).
+:func:`pyppo.integrations.patch` is looked through to the originals it replaced). A peer that takes
+and returns numpy arrays (rlox) runs on the CPU only; its outputs are compared as tensors.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ TIMING = {
     # still give a median.
     "rollout": {"full": Timing(2, 5, 50, 4.0), "quick": Timing(1, 3, 20, 1.0), "tiny": Timing(1, 2, 3, 0.05)},
     "logits": {"full": Timing(1, 3, 10, 6.0), "quick": Timing(1, 3, 10, 2.0), "tiny": Timing(1, 2, 3, 0.05)},
+    # GRPO scores: tens to hundreds of microseconds a call.
+    "group": {"full": Timing(2, 5, 200, 2.0), "quick": Timing(1, 3, 100, 0.5), "tiny": Timing(1, 2, 3, 0.05)},
 }
 
 
@@ -152,6 +155,8 @@ def _runner(case: pc.PeerCase, fn: Callable) -> Callable:
 def _leaves(out, path: str = "") -> list[tuple[str, Any]]:
     if isinstance(out, torch.Tensor):
         return [(path, out.detach())]
+    if hasattr(out, "__array_interface__"):  # a numpy array (rlox's outputs), without importing numpy
+        return [(path, torch.from_numpy(out) if type(out).__name__ == "ndarray" else torch.as_tensor(out))]
     if isinstance(out, dict):
         return [leaf for k in sorted(out, key=str) for leaf in _leaves(out[k], f"{path}[{k!r}]")]
     if isinstance(out, (tuple, list)):
@@ -167,7 +172,9 @@ _COMPARE_BLOCK = 2**24
 def compare(peer_out, pyppo_out) -> dict[str, Any]:
     """``max_abs_error`` (max |pyppo - peer| over all outputs), ``max_error`` (that over
     max(1, max |peer|), output by output), and ``mismatch``: what differs in structure, shape or
-    dtype ('' when nothing). Non-finite values must sit at the same places with the same values."""
+    dtype ('' when nothing). Non-finite values must sit at the same places with the same values.
+    Outputs are tensors, numpy arrays (compared as the tensors they convert to), numbers, or
+    tuples, lists and dicts of them."""
     a, b = _leaves(pyppo_out), _leaves(peer_out)
     if [p for p, _ in a] != [p for p, _ in b]:
         return {
@@ -353,7 +360,12 @@ def run_peers(
     # the next peer's B, and the peers' rows would not be comparable.
     logits_shapes = {str(d): pc.logits_shape(sizes, d) for d in devices}
     for device, (logits, note) in logits_shapes.items():
-        result["shapes"][device] = {"rollout": list(pc.SHAPES[sizes][0]), "logits": list(logits), "logits_note": note}
+        result["shapes"][device] = {
+            "rollout": list(pc.SHAPES[sizes][0]),
+            "logits": list(logits),
+            "logits_note": note,
+            "groups": [list(g) for g in pc.SHAPES[sizes][2]],
+        }
     with warnings.catch_warnings():
         # veRL's compute_policy_loss warns that it is deprecated on every call.
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -368,7 +380,9 @@ def run_peers(
             if peer == "openrlhf":
                 env["flash_attn"] = pc.flash_attn_state()
             for device in devices:
-                for case in pc.cases(peer, pc.SHAPES[sizes][0], logits_shapes[str(device)][0]):
+                if peer in pc.CPU_ONLY and device.type != "cpu":
+                    continue
+                for case in pc.cases(peer, pc.SHAPES[sizes][0], logits_shapes[str(device)][0], pc.SHAPES[sizes][2]):
                     if functions and case.name not in functions:
                         continue
                     adapter = adapters.get((case.module, case.name))
@@ -485,6 +499,13 @@ def _notes(result: dict) -> list[str]:
             f"shapes ({device}): rollout [B, T] {'x'.join(map(str, s['rollout']))} float32 (int64 masks with "
             f"padding and observation-token holes), logits [B, T, V] {'x'.join(map(str, s['logits']))} "
             "bfloat16" + (f" ({s['logits_note']})" if s.get("logits_note") else "")
+        )
+    if any(p in pc.CPU_ONLY for p in result.get("peers", ())):
+        groups = next(iter(result.get("shapes", {}).values()), {}).get("groups", [])
+        lines.append(
+            "group advantages (rlox) [n_prompts x group_size]: "
+            + ", ".join("x".join(map(str, g)) for g in groups)
+            + " float64 scores; rlox's rows take numpy arrays and run on the CPU only"
         )
     env = result["env"]
     if env.get("cpu_flags") is not None:

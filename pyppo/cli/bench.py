@@ -31,7 +31,7 @@ sweeps in ``--output DIR`` (default: the current directory), or the JSON at ``--
 Exit status: 0; 1 when an op disagreed with its reference; 2 on a usage error; 3 with
 ``--check-targets`` when a target was missed.
 
-``--peer verl|openrlhf|trl|all`` times the installed peer library's own functions against
+``--peer verl|openrlhf|trl|rlox|all`` times the installed peer library's own functions against
 pyppo's drop-in adapters (:mod:`pyppo.integrations`) instead, at the peer's typical shapes, and
 checks that both return the same values (:mod:`pyppo.bench.peers`; the rows:
 :mod:`pyppo.bench.peer_cases`). JSON: ``bench-peer-<peer>-YYYYMMDD-HHMMSS.json``. ``--ops`` then
@@ -50,7 +50,7 @@ from ..run.rundir import check_output_dir
 __all__ = ["add_arguments", "run"]
 
 SUITE_CHOICES = ("ops", "gpu", "memory", "all")
-PEER_CHOICES = ("verl", "openrlhf", "trl", "all")
+PEER_CHOICES = ("verl", "openrlhf", "trl", "rlox", "all")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """``pyppo info``: versions and build flags of the installed pyppo, the peers it patches, the
-experiment trackers installed, and the prompt sources ``--prompts`` takes (the built-in sets, the
-file formats, reasoning-gym's tasks)."""
+experiment trackers installed, the prompt sources ``--prompts`` takes (the built-in sets, the
+file formats, reasoning-gym's tasks), and this machine's matmul peaks in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -39,8 +39,45 @@ def collect_info() -> dict:
         "trackers": _trackers(),
         "allocator": _allocator(),
         "dtype_auto": _dtype_auto(),
+        "matmul_peaks": _matmul_peaks(),
         "prompt_sources": _prompt_sources(),
     }
+
+
+#: The side of the square matrices ``pyppo info`` times, as ``pyppo profile``'s default peak.
+PEAK_SIZE = 2048
+
+
+def _matmul_peaks() -> dict:
+    """Per device (the CPU, and CUDA when available): FLOP/s of ``torch.mm`` of
+    ``PEAK_SIZE``² matrices in float32 and in bfloat16 on this process's threads (a short
+    measurement: one untimed call, then the median of 3,
+    :func:`pyppo.profile.flops.measure_matmul_flops`; about a second on a 2-core CPU), with
+    whether the device multiplies bfloat16 natively (:func:`pyppo.precision.native_bf16`) and
+    why. The same square peak ``pyppo profile`` reports beside its MFU at the model's shapes."""
+    import torch
+
+    from pyppo.precision import native_bf16
+    from pyppo.profile.flops import measure_matmul_flops
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    out = {}
+    for name in devices:
+        device = torch.device(name)
+        native, reason = native_bf16(device)
+        out[name] = {
+            "size": PEAK_SIZE,
+            "threads": torch.get_num_threads(),
+            **{
+                dtype: measure_matmul_flops(
+                    PEAK_SIZE, dtype=getattr(torch, dtype), device=device, warmup=1, iters=3, max_seconds=0.0
+                )
+                for dtype in ("float32", "bfloat16")
+            },
+            "bf16_native": native,
+            "bf16_reason": reason,
+        }
+    return out
 
 
 def _prompt_sources() -> dict:
@@ -133,6 +170,11 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
+def _gflops(flops_per_s: float) -> str:
+    # Three significant digits: an emulated bf16 peak is well under 1 GFLOP/s.
+    return f"{flops_per_s / 1e9:.3g}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     info = collect_info()
     if args.json:
@@ -190,6 +232,16 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
     for device, auto in info["dtype_auto"].items():
         rows.append((f"dtype auto ({device})", f"{auto['dtype']} ({auto['reason']})"))
+    for device, peak in info["matmul_peaks"].items():
+        native = "native" if peak["bf16_native"] else "not native"
+        rows.append(
+            (
+                f"matmul peak ({device})",
+                f"float32 {_gflops(peak['float32'])} GFLOP/s, bfloat16 {_gflops(peak['bfloat16'])} GFLOP/s "
+                f"(torch.mm {peak['size']}x{peak['size']}, {peak['threads']} threads; bf16 {native}: "
+                f"{peak['bf16_reason']})",
+            )
+        )
     for peer, st in info["integrations"].items():
         written = ", ".join(st["written_for"])
         if st["installed"] is None:

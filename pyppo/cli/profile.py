@@ -22,27 +22,52 @@ Per phase the table also gives the model work done in it:
   logits) is not in it but is given as ``recompute_flops`` and HFU. A model whose config is not
   understood (not a Llama / Qwen2 / SmolLM2-style decoder: missing names, mixture of experts,
   blocks that do not match the config) gets a note and no FLOPs; the reward model is not counted.
-* ``GFLOP/s`` (over the phase's wall seconds) and ``MFU %`` = GFLOP/s / peak, the model FLOPs
-  utilization of PaLM (Chowdhery et al. 2022, appendix B). The peak is measured on the models'
-  device with the run's threads, just before and just after the profiled step (the higher is
-  kept; on a shared machine the other load varies, and an MFU above 100 % gets a note): the
-  median of timed ``torch.mm`` calls on ``--peak-size`` square matrices (default 2048) in the
-  compute dtype (float32, or bfloat16 with ``--dtype bfloat16``, float32 shown beside it), and at
-  the policy's own GEMM shapes (below the table). ``--peak-size 0`` skips it (no MFU).
+* ``GFLOP/s``: over the phase's wall seconds.
+* ``ideal ms``: the seconds the phase's matrix products would take at the rates ``torch.mm``
+  reaches at their own shapes (:mod:`pyppo.profile.floors`): per decoder call of ``m = batch ·
+  q_len`` rows, the q/k/v/o projections, the MLP's gate/up and down, LoRA adapters, attention's
+  scores and weighted values (``torch.bmm`` over ``batch · heads``, timed at the full ``q_len ×
+  kv_len``), the heads, and in the update each product's input- and weight-gradient products at
+  theirs; the sum over them of FLOPs / FLOP/s at that shape. Each distinct shape is timed once,
+  in the compute dtype (bfloat16 under ``--dtype bfloat16`` autocast, else float32) on the
+  models' device with the run's threads, after the step (its shapes are known only then), at
+  most 0.2 s each.
+* ``shape MFU %`` = ideal ms / ms: the model FLOPs utilization of PaLM (Chowdhery et al. 2022,
+  appendix B) with the peak taken per product at its shape, so that a phase of skinny products
+  (a decode step's ``[B, hidden]`` rows, the LM head's 49152 columns) is held to what the
+  machine reaches there. The headline MFU; the step row's is the step's ideal seconds over its
+  seconds. Above 100 % gets a note (other load on a shared machine between the measurement and
+  the step, or the model's kernels beating ``torch.mm`` at a shape).
+* ``square MFU %`` = GFLOP/s / the square peak: the median of timed ``torch.mm`` calls on
+  ``--peak-size`` square matrices (default 2048) in the compute dtype (float32 shown beside it),
+  measured just before and just after the step, the higher kept. ``--peak-size 0`` skips every
+  measurement: no MFU, no floors.
 * ``tokens``, ``pad`` and ``tokens/s``: generate: tokens sampled, ``B × T`` (pad: sampled after a
   row's EOS; the prompt positions prefilled and their padding are given below the table); a
   forward: positions fed, ``B × (P + T)`` as the micro-batches were fed (pad: padding positions);
   update: those × ``ppo_epochs`` (each through the policy and the value model, if any). The step row:
   total FLOPs, the step's MFU, tokens sampled per step second.
 
+Below the table: the hardware FLOPs utilization (recomputation included), the three shapes that
+take most of the step's ideal time with their rates, and the generate phase against its two
+floors: the compute floor (its ideal ms) and the byte floor, the bytes its forwards must read
+(every linear weight once a forward, 2 bytes each under bfloat16 autocast, 4 in float32, and the
+KV cache of every position scored) over the read bandwidth measured after the step (``torch.sum``
+of a 256 MiB float32 tensor); the larger floor is the bound: on a 2-core CPU at batch 32, the
+compute one.
+
 Files written to ``--output DIR`` (default: the current directory):
 
 * ``trace.json``: the Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing);
 * ``profile.json``: the table (each phase row with ``flops``, ``forward_flops``,
-  ``backward_flops``, ``recompute_flops``, ``flops_per_s``, ``mfu``, ``hfu``, ``tokens``,
-  ``padding_tokens``, ``tokens_per_s``; ``null`` where unknown), ``flops`` (the step's totals,
-  the peak measurements, each model's shape, notes), the pyppo ops by time, the step's metrics
-  and the settings.
+  ``backward_flops``, ``recompute_flops``, ``flops_per_s``, ``ideal_seconds``,
+  ``recompute_ideal_seconds``, ``mfu`` and ``hfu`` (at the shapes), ``square_mfu`` and
+  ``square_hfu``, ``tokens``, ``padding_tokens``, ``tokens_per_s``; generate also
+  ``bytes_read`` and ``byte_floor_seconds``; ``null`` where unknown), ``flops`` (the step's
+  totals; ``peak``: the square peak, every measured shape's rate under ``shapes`` and the
+  ``bandwidth``; ``floors.generate``: both floors, the phase's time over each and which binds;
+  the slowest products, each model's shape, notes), the pyppo ops by time, the step's metrics and
+  the settings.
 
 Times include the profiler's own overhead (a few percent for a model forward; more for phases
 made of many tiny ops, e.g. token-by-token generation). On CUDA the pyppo seconds are host-side
@@ -93,7 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2048,
         metavar="N",
-        help="the MFU's peak: torch.mm of N x N matrices, measured around the step (default 2048; 0 = no peak, no MFU)",
+        help="the square peak: torch.mm of N x N matrices, measured around the step (default 2048; 0 = no "
+        "measurement of the machine: no MFU, no floors)",
     )
     prof.add_argument("--record-shapes", action="store_true", help="record op input shapes in the trace")
     prof.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")

@@ -1,9 +1,10 @@
-"""pyppo's ops inside the RL trainers people already run: veRL, OpenRLHF and TRL.
+"""pyppo's ops inside the RL libraries people already run: veRL, OpenRLHF, TRL and rlox.
 
 Each submodule (:mod:`pyppo.integrations.verl`, :mod:`~pyppo.integrations.openrlhf`,
-:mod:`~pyppo.integrations.trl`) holds adapters: functions with the exact signature, defaults,
-return types, dtypes and masking conventions of the peer function of the same name, computed with
-pyppo's ops. Call them directly, or swap them into the installed peer in one line::
+:mod:`~pyppo.integrations.trl`, :mod:`~pyppo.integrations.rlox`) holds adapters: functions with the
+exact signature, defaults, return types, dtypes and masking conventions of the peer function of
+the same name, computed with pyppo's ops. Call them directly, or swap them into the installed
+peer in one line::
 
     import pyppo.integrations.verl
     pyppo.integrations.verl.patch()      # or pyppo.integrations.patch("verl")
@@ -24,7 +25,7 @@ from ._patching import Patch, PeerVersionWarning
 
 __all__ = ["PEERS", "Patch", "PeerVersionWarning", "patch", "unpatch", "patched", "peer_status"]
 
-PEERS = ("verl", "openrlhf", "trl")
+PEERS = ("verl", "openrlhf", "trl", "rlox")
 
 
 def _peer_module(peer: str):

@@ -1,8 +1,10 @@
 """The models of a PPO run: loading a policy from a model source (:mod:`.loading`), the value
-model and the frozen reference built from it (:mod:`.value`), LoRA adapters (:mod:`.lora`), and
+model and the frozen reference built from it (:mod:`.value`), a frozen model's linear weights
+held in the autocast dtype (:mod:`.frozen`), LoRA adapters (:mod:`.lora`), and
 writing a policy as a directory that ``transformers`` loads (:mod:`.export`)."""
 
 from .export import check_exportable, is_export, save_policy
+from .frozen import hold_linear_weights
 from .loading import (
     DEFAULT_MODEL,
     EMBEDDED_MODELS,
@@ -21,6 +23,7 @@ __all__ = [
     "add_lora",
     "cache_root",
     "check_exportable",
+    "hold_linear_weights",
     "is_export",
     "is_lora",
     "load_model_and_tokenizer",

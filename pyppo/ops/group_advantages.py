@@ -8,18 +8,10 @@ __all__ = ["group_advantages", "GROUP_ESTIMATORS"]
 
 GROUP_ESTIMATORS = ("grpo", "rloo")
 
-
-def _contiguous_group_ids(response_mask: torch.Tensor, group_size) -> torch.Tensor:
-    """``arange(B) // group_size``: rows ``[k·n, (k+1)·n)`` form group ``k``."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"pyppo.group_advantages: group_size must be an int >= 1, got {group_size!r}")
-    B = response_mask.shape[0] if response_mask.dim() > 0 else 0
-    if response_mask.dim() == 2 and B % group_size:
-        raise ValueError(
-            f"pyppo.group_advantages: B = {B} rows are not a whole number of groups of group_size = {group_size}; "
-            "pass group_ids for groups of unequal sizes"
-        )
-    return torch.arange(B, device=response_mask.device) // group_size
+# The two overloads of the op: groups by id, and groups of group_size consecutive rows (no ids
+# tensor to build: the kernel walks each run of rows directly).
+_BY_IDS = torch.ops.pyppo.group_advantages.default
+_BY_SIZE = torch.ops.pyppo.group_advantages.group_size
 
 
 def group_advantages(
@@ -93,10 +85,14 @@ def group_advantages(
         >>> group_advantages(scores, mask, group_size=3)[:, 0]  # groups [1, 0, 0] and [1, 1, 1]
         tensor([ 1.1547, -0.5773, -0.5773,  0.0000,  0.0000,  0.0000])
     """
-    if (group_size is None) == (group_ids is None):
-        raise ValueError("pyppo.group_advantages: pass exactly one of group_size and group_ids")
     if group_ids is None:
-        group_ids = _contiguous_group_ids(response_mask, group_size)
-    return torch.ops.pyppo.group_advantages.default(
-        scores, response_mask, group_ids, str(estimator), float(eps), bool(std_normalize)
-    )
+        if group_size is None:
+            raise ValueError("pyppo.group_advantages: pass exactly one of group_size and group_ids")
+        # The op's int argument would take a bool or round nothing else; its value (>= 1, dividing
+        # B) is checked by the op.
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise ValueError(f"pyppo.group_advantages: group_size must be an int >= 1, got {group_size!r}")
+        return _BY_SIZE(scores, response_mask, group_size, str(estimator), float(eps), bool(std_normalize))
+    if group_size is not None:
+        raise ValueError("pyppo.group_advantages: pass exactly one of group_size and group_ids")
+    return _BY_IDS(scores, response_mask, group_ids, str(estimator), float(eps), bool(std_normalize))

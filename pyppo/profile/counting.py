@@ -1,19 +1,32 @@
 """The model work of a profiled step: every forward's shapes, recorded by hooks on the models
-(:class:`ShapeRecorder`), counted as FLOPs per phase (:mod:`pyppo.profile.flops`), the device's
-measured matmul peak, MFU / HFU (PaLM, Chowdhery et al. 2022, appendix B), and
-:func:`profile_step`, which runs one step under :mod:`torch.profiler` and builds the table."""
+(:class:`ShapeRecorder`), counted as FLOPs per phase (:mod:`pyppo.profile.flops`) and as matrix
+products by shape (:mod:`pyppo.profile.floors`); the machine measured around the step (the
+square matmul peak, the rates at the step's product shapes, the read bandwidth); MFU / HFU (PaLM,
+Chowdhery et al. 2022, appendix B) against the products' rates at their shapes and against the
+square peak, the generate phase's compute and byte floors; and :func:`profile_step`, which runs
+one step under :mod:`torch.profiler` and builds the table."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from ..trainer.step_stats import current_phase
+from .floors import (
+    READ_BANDWIDTH_METHOD,
+    GemmShape,
+    generate_bytes,
+    ideal_seconds,
+    measure_gemm_rates,
+    measure_read_bandwidth,
+    phase_gemms,
+)
 from .flops import (
     Flops,
     TransformerShape,
@@ -28,7 +41,16 @@ from .flops import (
 )
 from .phases import phase_table
 
-__all__ = ["ShapeRecorder", "count_phases", "flop_table", "measure_peak", "profile_step", "square_peaks"]
+__all__ = [
+    "ShapeRecorder",
+    "count_phases",
+    "flop_table",
+    "generate_floors",
+    "measure_peak",
+    "profile_step",
+    "square_peaks",
+    "step_shapes",
+]
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs, MFU and tokens
@@ -74,6 +96,7 @@ class CountedModel:
     head_size: Tuple[int, int]  # (in_features, out_features); (0, 0) = no head
     lora_layers: List[nn.Module] = field(default_factory=list)
     adapter_params: int = 0  # LoRA A and B elements of all blocks, while enabled
+    adapter_shapes: List[Tuple[int, int]] = field(default_factory=list)  # (in, out) of each A and B
     scores_recomputed: bool = True  # a fused attention kernel: not transformers' "eager" attention
 
     def enabled_adapter_params(self) -> int:
@@ -89,16 +112,18 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _lora_layers(module: nn.Module) -> Tuple[List[nn.Module], int]:
-    layers, params = [], 0
+def _lora_layers(module: nn.Module) -> Tuple[List[nn.Module], List[Tuple[int, int]]]:
+    """peft's LoRA layers under ``module`` and the ``(in, out)`` of each active adapter's ``A``
+    (``in → r``) and ``B`` (``r → out``), both ``nn.Linear``."""
+    layers, shapes = [], []
     for m in module.modules():
         a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
         if isinstance(a, nn.ModuleDict) and isinstance(b, nn.ModuleDict) and len(a):
             layers.append(m)
             for name in getattr(m, "active_adapters", list(a)):
                 if name in a and name in b:
-                    params += a[name].weight.numel() + b[name].weight.numel()
-    return layers, params
+                    shapes += [tuple(reversed(a[name].weight.shape)), tuple(reversed(b[name].weight.shape))]
+    return layers, shapes
 
 
 def _counted_model(name: str, config, body: nn.Module, head: Optional[nn.Module]) -> CountedModel:
@@ -108,7 +133,7 @@ def _counted_model(name: str, config, body: nn.Module, head: Optional[nn.Module]
     except UnsupportedConfig as exc:
         shape, note = None, str(exc)
     weight = getattr(head, "weight", None)
-    layers, adapter_params = _lora_layers(body)
+    layers, adapter_shapes = _lora_layers(body)
     return CountedModel(
         name=name,
         shape=shape,
@@ -117,7 +142,8 @@ def _counted_model(name: str, config, body: nn.Module, head: Optional[nn.Module]
         head_trained=bool(weight is not None and weight.requires_grad),
         head_size=(int(weight.shape[1]), int(weight.shape[0])) if isinstance(weight, torch.Tensor) else (0, 0),
         lora_layers=layers,
-        adapter_params=adapter_params,
+        adapter_params=sum(k * n for k, n in adapter_shapes),
+        adapter_shapes=adapter_shapes,
         scores_recomputed=getattr(config, "_attn_implementation", None) != "eager",
     )
 
@@ -355,20 +381,47 @@ def square_peaks(trainer, size: int = 2048) -> Dict[str, float]:
     return peaks
 
 
+def step_shapes(recorder: ShapeRecorder, checkpointing: bool = False) -> Set[GemmShape]:
+    """The distinct product shapes of the step the ``recorder`` saw, forward, backward and
+    recomputed (:func:`~pyppo.profile.floors.phase_gemms`)."""
+    gemms = phase_gemms(recorder.calls, recorder.models, checkpointing=checkpointing)
+    return {shape for g in gemms.values() for part in ("forward", "backward", "recompute") for shape in g[part]}
+
+
 def measure_peak(
-    trainer, batch, models: Dict[str, CountedModel], size: int = 2048, before: Optional[Dict[str, float]] = None
+    trainer,
+    shapes: Iterable[GemmShape] = (),
+    size: int = 2048,
+    before: Optional[Dict[str, float]] = None,
+    shape_seconds: float = 0.2,
 ) -> dict:
-    """The matmul peak the MFU divides by, measured here: :func:`square_peaks` now and, given,
-    ``before`` (the same measured before the step), keeping the higher of the two: on a shared
-    machine the other load changes while the step runs, and a peak taken in a busier moment than
-    the step's would overstate the MFU. Also ``torch.mm`` at the policy's own GEMM shapes (a
-    training micro-batch's ``[b·(P+T), hidden] × [hidden, intermediate]``, a decode step's
-    ``[B, hidden] × [hidden, intermediate]``, the LM head's ``[b·T, hidden] × [hidden, vocab]``).
-    FLOP/s throughout."""
+    """What the MFU columns and the floors divide by, measured on the trainer's device and this
+    process's threads, in this order after the step:
+
+    * the square peak: :func:`square_peaks` now and, given, ``before`` (the same measured before
+      the step), keeping the higher of the two: on a shared machine the other load changes while
+      the step runs, and a peak taken in a busier moment than the step's would overstate the MFU;
+    * ``shapes``: FLOP/s of ``torch.mm`` / ``torch.bmm`` at each distinct product shape of the
+      step in the compute dtype (:func:`~pyppo.profile.floors.measure_gemm_rates`, at most
+      ``shape_seconds`` of samples each), after the step only: the shapes are known once it has
+      run (the prompt and response lengths change from step to step);
+    * ``bandwidth``: :func:`~pyppo.profile.floors.measure_read_bandwidth`.
+
+    Returns ``{"size", "dtype", "flops_per_s" (the square peak of the compute dtype), "by_dtype",
+    "before_step", "after_step", "threads", "device", "shapes": [{"batch", "m", "k", "n",
+    "flops_per_s"}, ...], "shape_max_seconds", "bandwidth": {"bytes_per_s", "method"},
+    "seconds": {"square", "shapes", "bandwidth"}}`` (FLOP/s, bytes/s; seconds each measurement
+    took after the step)."""
     device, dtype = trainer.device, trainer.dtype
+    t0 = time.perf_counter()
     after = square_peaks(trainer, size)
+    t1 = time.perf_counter()
+    rates = measure_gemm_rates(shapes, dtype=dtype, device=device, max_seconds=shape_seconds)
+    t2 = time.perf_counter()
+    bandwidth = measure_read_bandwidth(device)
+    t3 = time.perf_counter()
     by_dtype = {k: max(v, (before or {}).get(k, 0.0)) for k, v in after.items()}
-    peak = {
+    return {
         "size": size,
         "dtype": _dtype_name(dtype),
         "flops_per_s": by_dtype[_dtype_name(dtype)],
@@ -377,47 +430,76 @@ def measure_peak(
         "after_step": after,
         "threads": torch.get_num_threads(),
         "device": str(device),
-        "model_shapes": [],
+        "shapes": [{**shape._asdict(), "flops_per_s": fps} for shape, fps in rates.items()],
+        "shape_max_seconds": shape_seconds,
+        "bandwidth": {"bytes_per_s": bandwidth, "method": READ_BANDWIDTH_METHOD},
+        "seconds": {"square": t1 - t0, "shapes": t2 - t1, "bandwidth": t3 - t2},
     }
-    shape = models["policy"].shape
-    if shape is not None:
-        B, P, T = len(batch), batch.prompt_length, batch.response_length
-        b = min(B, trainer.micro_batch_size)
-        for what, m, k, n in (
-            ("blocks, a training micro-batch", b * (P + T), shape.hidden, shape.intermediate),
-            ("blocks, a decode step", B, shape.hidden, shape.intermediate),
-            ("LM head, a micro-batch's responses", b * T, shape.hidden, shape.vocab),
-        ):
-            peak["model_shapes"].append(
-                {
-                    "what": what,
-                    "m": m,
-                    "k": k,
-                    "n": n,
-                    "flops_per_s": measure_matmul_flops(m, k, n, dtype=dtype, device=device, max_seconds=1.0),
-                }
-            )
-    return peak
 
 
 def _ratio(num, den):
     return num / den if num is not None and den else None
 
 
+def _shape_rates(peak: Optional[dict]) -> Optional[Dict[GemmShape, float]]:
+    if not peak or "shapes" not in peak:
+        return None
+    return {GemmShape(s["batch"], s["m"], s["k"], s["n"]): s["flops_per_s"] for s in peak["shapes"]}
+
+
+def _ideal(gemms: Optional[dict], rates: Optional[Dict[GemmShape, float]]) -> Tuple[Optional[float], Optional[float]]:
+    """(model, recomputed) ideal seconds of a phase's products; ``None`` s without rates."""
+    if gemms is None or rates is None or gemms["omitted"]:
+        return None, None
+    model = ideal_seconds(gemms["forward"], rates) + ideal_seconds(gemms["backward"], rates)
+    return model, ideal_seconds(gemms["recompute"], rates)
+
+
+def generate_floors(seconds: float, ideal: Optional[float], read: Optional[dict], bandwidth: Optional[float]) -> dict:
+    """The generate phase against its two floors: ``compute_floor_seconds`` (``ideal``, its
+    products at their shapes' rates), ``byte_floor_seconds`` (``read["total"]`` bytes, from
+    :func:`~pyppo.profile.floors.generate_bytes`, over ``bandwidth`` bytes/s), the phase's
+    ``seconds`` over each, and ``bound``: ``"compute"`` or ``"memory"``, the larger floor (``None``
+    where a floor is unknown)."""
+    byte_floor = _ratio(read["total"], bandwidth) if read else None
+    bound = None
+    if ideal is not None and byte_floor is not None:
+        bound = "compute" if ideal >= byte_floor else "memory"
+    return {
+        "seconds": seconds,
+        "compute_floor_seconds": ideal,
+        "byte_floor_seconds": byte_floor,
+        "time_over_compute_floor": _ratio(seconds, ideal),
+        "time_over_byte_floor": _ratio(seconds, byte_floor),
+        "bound": bound,
+        "bytes": read,
+        "bandwidth_bytes_per_s": bandwidth,
+    }
+
+
 def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optional[dict]) -> dict:
     """The FLOP, MFU and token columns of :func:`phase_table`'s ``table`` (its rows are updated in
     place) and the step's totals. Each row gains ``flops`` (model FLOPs: forward + backward),
-    ``forward_flops``, ``backward_flops``, ``recompute_flops``, ``flops_per_s``, ``mfu``, ``hfu``,
-    ``tokens``, ``padding_tokens`` and ``tokens_per_s``; ``generate`` also
-    ``prefill_tokens``, ``prefill_padding_tokens`` and ``decode_forwards``. ``None`` where unknown
-    or not applicable. Returns ``{"step": ..., "peak": peak, "models": ..., "notes": [...]}``."""
+    ``forward_flops``, ``backward_flops``, ``recompute_flops``, ``flops_per_s``,
+    ``ideal_seconds`` (its model FLOPs at the rates ``peak["shapes"]`` measured at their shapes:
+    :func:`~pyppo.profile.floors.ideal_seconds`), ``recompute_ideal_seconds``, ``mfu`` (``ideal
+    seconds / seconds``), ``hfu`` (the same with the recomputed products), ``square_mfu`` and
+    ``square_hfu`` (FLOP/s over ``peak["flops_per_s"]``, the square peak), ``tokens``,
+    ``padding_tokens`` and ``tokens_per_s``; ``generate`` also ``prefill_tokens``,
+    ``prefill_padding_tokens``, ``decode_forwards``, ``bytes_read`` and ``byte_floor_seconds``
+    (:func:`generate_floors`). ``None`` where unknown or not applicable. Returns ``{"step": ...,
+    "peak": peak, "floors": {"generate": ...}, "models": ..., "notes": [...]}``."""
     c, models = trainer.config, recorder.models
     counted = count_phases(recorder.calls, models, checkpointing=c.gradient_checkpointing)
+    gemms = phase_gemms(recorder.calls, models, checkpointing=c.gradient_checkpointing)
     peak_fps = peak["flops_per_s"] if peak else None
+    rates = _shape_rates(peak)
+    bandwidth = ((peak or {}).get("bandwidth") or {}).get("bytes_per_s")
     real_prompt, real_response = int(batch.query_mask.sum()), int(batch.response_mask.sum())
     sampled_total = None
-    total = recompute_total = 0
+    total = recompute_total = ideal_total = again_total = 0
     known = True
+    floors = {}
     for row in table["phases"]:
         phase, seconds = row["phase"], row["seconds"]
         n = counted.get(phase)
@@ -428,8 +510,12 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
                 "backward_flops",
                 "recompute_flops",
                 "flops_per_s",
+                "ideal_seconds",
+                "recompute_ideal_seconds",
                 "mfu",
                 "hfu",
+                "square_mfu",
+                "square_hfu",
                 "tokens",
                 "padding_tokens",
                 "tokens_per_s",
@@ -438,12 +524,17 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
         if n is not None:
             flops = None if n["omitted"] else n["forward"].total + n["backward"].total
             recompute = None if n["omitted"] else n["recompute"].total
+            ideal, again = _ideal(gemms.get(phase), rates)
             if phase == "generate":
                 tokens, padding = n["sampled"], n["sampled"] - real_response
+                read = None if n["omitted"] else generate_bytes(recorder.calls, models, _element_size(trainer.dtype))
+                floors["generate"] = generate_floors(seconds, ideal, read, bandwidth)
                 cols.update(
                     prefill_tokens=n["prefill"],
                     prefill_padding_tokens=max(0, n["prefill"] - real_prompt),
                     decode_forwards=max(0, n["forwards"] - 1),
+                    bytes_read=read["total"] if read else None,
+                    byte_floor_seconds=floors["generate"]["byte_floor_seconds"],
                 )
                 sampled_total = (tokens, padding)
             else:
@@ -456,31 +547,43 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
                 backward_flops=None if flops is None else n["backward"].total,
                 recompute_flops=recompute,
                 flops_per_s=_ratio(flops, seconds),
+                ideal_seconds=ideal,
+                recompute_ideal_seconds=again,
+                mfu=_ratio(ideal, seconds),
+                hfu=None if ideal is None else _ratio(ideal + again, seconds),
                 tokens=tokens,
                 padding_tokens=padding,
                 tokens_per_s=_ratio(tokens, seconds),
             )
-            cols["mfu"] = _ratio(cols["flops_per_s"], peak_fps)
-            cols["hfu"] = None if flops is None else _ratio(_ratio(flops + recompute, seconds), peak_fps)
+            cols["square_mfu"] = _ratio(cols["flops_per_s"], peak_fps)
+            cols["square_hfu"] = None if flops is None else _ratio(_ratio(flops + recompute, seconds), peak_fps)
             if flops is None:
                 known = False
             else:
                 total += flops
                 recompute_total += recompute
+                if ideal is not None:
+                    ideal_total += ideal
+                    again_total += again
         row.update(cols)
     step_s = table["step_seconds"]
     step_flops = total if known else None
+    step_ideal = ideal_total if known and rates is not None else None
     tokens, padding = sampled_total or (None, None)
     step = {
         "flops": step_flops,
         "recompute_flops": recompute_total if known else None,
         "flops_per_s": _ratio(step_flops, step_s),
+        "ideal_seconds": step_ideal,
+        "recompute_ideal_seconds": again_total if step_ideal is not None else None,
+        "mfu": _ratio(step_ideal, step_s),
+        "hfu": None if step_ideal is None else _ratio(step_ideal + again_total, step_s),
         "tokens": tokens,
         "padding_tokens": padding,
         "tokens_per_s": _ratio(tokens, step_s),
     }
-    step["mfu"] = _ratio(step["flops_per_s"], peak_fps)
-    step["hfu"] = None if step_flops is None else _ratio(_ratio(step_flops + recompute_total, step_s), peak_fps)
+    step["square_mfu"] = _ratio(step["flops_per_s"], peak_fps)
+    step["square_hfu"] = None if step_flops is None else _ratio(_ratio(step_flops + recompute_total, step_s), peak_fps)
 
     notes = [
         f"FLOPs/MFU omitted for the {m.name} model: its config is not understood ({m.note})"
@@ -488,8 +591,9 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
         if m.note
     ]
     notes += [
-        f"{row['title']}: MFU above 100 %: the step ran at more than the measured peak (other load on the "
-        "machine changed between the measurements and the step?)"
+        f"{row['title']}: MFU above 100 %: the phase ran faster than its products at the rates measured at "
+        "their shapes (other load on the machine changed between the measurement and the step, or the "
+        "model's kernels beat torch.mm at those shapes?)"
         for row in table["phases"]
         if (row.get("mfu") or 0) > 1
     ]
@@ -501,6 +605,7 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
     return {
         "step": step,
         "peak": peak,
+        "floors": floors,
         "attention": "causal",
         "ppo_epochs": c.ppo_epochs,
         "gradient_checkpointing": c.gradient_checkpointing,
@@ -509,8 +614,31 @@ def flop_table(trainer, batch, recorder: ShapeRecorder, table: dict, peak: Optio
             m.name: {"weights": m.weights_trained, "head": m.head_trained, "lora_params": m.adapter_params}
             for m in models.values()
         },
+        "slowest_products": _slowest_products(gemms, rates),
         "notes": notes,
     }
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _slowest_products(gemms: Dict[str, dict], rates: Optional[Dict[GemmShape, float]], top: int = 3) -> List[dict]:
+    """The ``top`` shapes that take the most of the step's ideal seconds (model products, all
+    phases), with their measured rates: where the ideal time goes."""
+    if rates is None:
+        return []
+    by_shape: Dict[GemmShape, int] = {}
+    for g in gemms.values():
+        if not g["omitted"]:
+            for part in ("forward", "backward"):
+                for shape, flops in g[part].items():
+                    by_shape[shape] = by_shape.get(shape, 0) + flops
+    ranked = sorted(by_shape.items(), key=lambda item: -item[1] / rates[item[0]])[:top]
+    return [
+        {**shape._asdict(), "flops": flops, "flops_per_s": rates[shape], "ideal_seconds": flops / rates[shape]}
+        for shape, flops in ranked
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,10 +653,13 @@ def profile_step(
     record_shapes: bool = False,
     with_stack: bool = False,
     peak_size: int = 2048,
+    shape_seconds: float = 0.2,
 ) -> dict:
     """Run ``warmup_steps`` unprofiled steps, then one step under the profiler (and a
-    :class:`ShapeRecorder`); measure the matmul peak just before and after it (:func:`measure_peak`,
-    ``size = peak_size``; 0 skips it, and the MFU); write ``trace.json`` to ``output_dir`` and return ``{"metrics": ...,
+    :class:`ShapeRecorder`); measure the square matmul peak just before and after it, the rates at
+    the step's product shapes and the read bandwidth after it (:func:`measure_peak`, ``size =
+    peak_size``, ``shape_seconds`` per shape; ``peak_size`` 0 skips all three, and with them the
+    MFU and the floors); write ``trace.json`` to ``output_dir`` and return ``{"metrics": ...,
     "flops": flop_table(...), **phase_table(...)}``."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -556,6 +687,9 @@ def profile_step(
     prof.export_chrome_trace(str(output_dir / "trace.json"))
     table = phase_table(prof.events(), metrics)
     table["metrics"] = {k: float(v) for k, v in metrics.items()}
-    peak = measure_peak(trainer, result.batch, recorder.models, peak_size, before) if peak_size else None
+    peak = None
+    if peak_size:
+        shapes = step_shapes(recorder, trainer.config.gradient_checkpointing)
+        peak = measure_peak(trainer, shapes, peak_size, before, shape_seconds)
     table["flops"] = flop_table(trainer, result.batch, recorder, table, peak)
     return table

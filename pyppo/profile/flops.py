@@ -1,5 +1,6 @@
 """FLOPs of a decoder-only transformer, counted from its config and the shapes it is fed, and the
-matmul peak they are measured against (``pyppo profile``'s GFLOP, MFU and tokens/s columns).
+square matmul peak (``pyppo profile``'s GFLOP, GFLOP/s and square MFU columns; the MFU at the
+model's own shapes is :mod:`pyppo.profile.floors`').
 
 What is counted (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1;
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from ..trainer.step_stats import PHASES
 
-__all__ = ["PHASE_TITLES", "format_table", "phase_table"]
+__all__ = ["FLOP_COLUMNS", "PHASE_TITLES", "format_table", "phase_table"]
 
 #: trainer phase key -> the name shown in the table
 PHASE_TITLES = {
@@ -133,16 +133,99 @@ def _sig(x: Optional[float], digits: int = 3) -> str:
     return f"{x:.{max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))}f}"
 
 
+#: The FLOP columns of the table; "shape MFU %" is the headline MFU (:func:`_flop_notes`).
+FLOP_COLUMNS = ("GFLOP", "GFLOP/s", "ideal ms", "shape MFU %", "square MFU %", "tokens", "pad", "tokens/s")
+
+
+def _percent(x: Optional[float]) -> str:
+    return _sig(None if x is None else 100 * x)
+
+
 def _flop_cells(r: dict) -> tuple:
-    """GFLOP, GFLOP/s, MFU %, tokens, pad, tokens/s of a row (a phase's or the step's)."""
+    """The :data:`FLOP_COLUMNS` cells of a row (a phase's or the step's)."""
     if r.get("tokens") is None:  # no model work in it
-        return ("-",) * 6
+        return ("-",) * len(FLOP_COLUMNS)
     if r.get("flops") is None:  # a model whose config is not understood
-        flops = ("n/a",) * 3
+        flops = ("n/a",) * 5
     else:
-        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
-        flops = (_sig(r["flops"] / 1e9), _sig(r["flops_per_s"] / 1e9 if r["flops_per_s"] else None), _sig(mfu))
+        flops = (
+            _sig(r["flops"] / 1e9),
+            _sig(r["flops_per_s"] / 1e9 if r["flops_per_s"] else None),
+            _sig(None if r.get("ideal_seconds") is None else 1e3 * r["ideal_seconds"]),
+            _percent(r.get("mfu")),
+            _percent(r.get("square_mfu")),
+        )
     return flops + (str(r["tokens"]), str(r["padding_tokens"]), _sig(r["tokens_per_s"]))
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return _sig(None if seconds is None else 1e3 * seconds)
+
+
+def _bytes(n: float) -> str:
+    return f"{_sig(n / 1e9)} GB" if n >= 1e9 else f"{_sig(n / 1e6)} MB"
+
+
+def _peak_notes(info: dict) -> List[str]:
+    """The MFU, HFU, peak, product and floor lines below the table."""
+    peak, step = info["peak"], info["step"]
+    if not peak:
+        return ["peak: not measured (--peak-size 0), so no MFU and no floors"]
+    rates = [s["flops_per_s"] for s in peak["shapes"]]
+    spread = f", {_sig(min(rates) / 1e9)} to {_sig(max(rates) / 1e9)} GFLOP/s" if rates else ""
+    lines = [
+        "shape MFU % = ideal ms / ms, PaLM's model FLOPs utilization (Chowdhery et al. 2022, appendix B) "
+        "with the peak taken at each product's own shape: ideal ms = the sum over the phase's matrix products "
+        "(q/k/v/o projections, MLP, LoRA adapters, heads; attention's scores and weighted values as torch.bmm "
+        "over batch x heads, timed at the full q_len x kv_len; backward: each product's input- and "
+        "weight-gradient products) of its FLOPs / torch.mm's FLOP/s at that [m x k] x [k x n] shape in "
+        f"{peak['dtype']} on {peak['device']}, {peak['threads']} thread(s), measured after the step "
+        f"({len(rates)} distinct shapes{spread}). square MFU % = GFLOP/s / the square peak."
+    ]
+    if step["recompute_flops"]:
+        what = "gradient checkpointing's second forward, " if info["gradient_checkpointing"] else ""
+        lines.append(
+            f"The step's backwards also recompute {_sig(step['recompute_flops'] / 1e9)} GFLOP ({what}the scores "
+            "of the attention kernel, the logits of linear_logprobs), not in the MFU: hardware FLOPs utilization "
+            f"{_percent(step['hfu'])} % at the shapes, {_percent(step['square_hfu'])} % of the square peak."
+        )
+    others = [f"{k} {_sig(v / 1e9)}" for k, v in peak["by_dtype"].items() if k != peak["dtype"]]
+    lines.append(
+        f"square peak: torch.mm {peak['size']}x{peak['size']} {peak['dtype']}: {_sig(peak['flops_per_s'] / 1e9)} "
+        f"GFLOP/s" + (f" ({', '.join(others)})" if others else "") + ", the higher of before and after the step."
+    )
+    if info["slowest_products"]:
+        lines.append(
+            "most of the step's ideal time: "
+            + ", ".join(
+                f"[{s['m']}x{s['k']}]x[{s['k']}x{s['n']}]" + (f" x {s['batch']}" if s["batch"] > 1 else "") + " "
+                f"{_sig(s['flops'] / 1e9)} GFLOP at {_sig(s['flops_per_s'] / 1e9)} GFLOP/s "
+                f"({_ms(s['ideal_seconds'])} ms)"
+                for s in info["slowest_products"]
+            )
+        )
+    gen = info["floors"].get("generate")
+    if gen and gen["bytes"]:
+        read, bw = gen["bytes"], gen["bandwidth_bytes_per_s"]
+        line = (
+            f"generate floors: compute {_ms(gen['compute_floor_seconds'])} ms (its ideal ms); bytes "
+            f"{_ms(gen['byte_floor_seconds'])} ms: {read['forwards']} forwards read {_bytes(read['total'])} "
+            f"(linear weights {_bytes(read['weights_per_forward'])} a forward in {peak['dtype']}, "
+            f"{read['element_size']} bytes a weight; KV cache "
+            f"{_bytes(read['kv_cache'])} in all) at {_sig(bw / 1e9)} GB/s ({peak['bandwidth']['method']}). "
+            f"The phase took {_sig(gen['time_over_compute_floor'])}x its compute floor and "
+            f"{_sig(gen['time_over_byte_floor'])}x its byte floor: "
+            + ("compute-bound (its compute floor is the higher)." if gen["bound"] == "compute" else "")
+            + ("memory-bound (its byte floor is the higher)." if gen["bound"] == "memory" else "")
+        )
+        lines.append(line)
+    secs = peak["seconds"]
+    lines.append(
+        f"measured after the step in {_sig(sum(secs.values()))} s: square peak {_sig(secs['square'])} s, "
+        f"{len(rates)} shapes {_sig(secs['shapes'])} s (at most {peak['shape_max_seconds']} s each), "
+        f"bandwidth {_sig(secs['bandwidth'])} s."
+    )
+    return lines
 
 
 def _flop_notes(table: dict) -> List[str]:
@@ -156,31 +239,7 @@ def _flop_notes(table: dict) -> List[str]:
             "and the shapes it was fed in this step (forward hooks); causal attention; "
             "backward 2x the forward for trained weights, 1x for frozen ones (pyppo.profile.flops)."
         )
-    recompute = info["step"]["recompute_flops"]
-    if recompute:
-        hfu = info["step"]["hfu"]
-        hfu = _sig(None if hfu is None else 100 * hfu)
-        what = "gradient checkpointing's second forward, " if info["gradient_checkpointing"] else ""
-        lines.append(
-            f"MFU = GFLOP/s / peak (PaLM's definition: model FLOPs only). The step's backwards also "
-            f"recompute {_sig(recompute / 1e9)} GFLOP ({what}the scores of the attention kernel, the "
-            f"logits of linear_logprobs): hardware FLOPs utilization {hfu} %."
-        )
-    peak = info["peak"]
-    if peak:
-        others = [f"{k} {_sig(v / 1e9)}" for k, v in peak["by_dtype"].items() if k != peak["dtype"]]
-        line = (
-            f"peak: torch.mm {peak['size']}x{peak['size']} {peak['dtype']} on {peak['device']}, {peak['threads']} "
-            f"thread(s): {_sig(peak['flops_per_s'] / 1e9)} GFLOP/s" + (f" ({', '.join(others)})" if others else "")
-        )
-        if peak["model_shapes"]:
-            line += "; at the policy's shapes: " + ", ".join(
-                f"[{s['m']}x{s['k']}]x[{s['k']}x{s['n']}] {_sig(s['flops_per_s'] / 1e9)} ({s['what']})"
-                for s in peak["model_shapes"]
-            )
-        lines.append(line)
-    else:
-        lines.append("peak: not measured (--peak-size 0), so no MFU")
+    lines += _peak_notes(info)
     gen = rows.get("generate", {})
     if gen.get("tokens") is not None:
         lines.append(
@@ -198,7 +257,7 @@ def format_table(table: dict, header: str = "") -> str:
     with_flops = "flops" in table
     cols = ("phase", "ms", "% of step", "pyppo ops ms", "pyppo % of phase")
     if with_flops:
-        cols += ("GFLOP", "GFLOP/s", "MFU %", "tokens", "pad", "tokens/s")
+        cols += FLOP_COLUMNS
     extra = _flop_cells if with_flops else (lambda r: ())
     body = []
     for r in table["phases"]:
@@ -222,7 +281,7 @@ def format_table(table: dict, header: str = "") -> str:
             "",
             "",
         )
-        + (("",) * 6 if with_flops else ())
+        + (("",) * len(FLOP_COLUMNS) if with_flops else ())
     )
     body.append(
         (

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..precision import autocast
+from .categorical import fast_multinomial
 from .engine import Continuation, Rollout, RolloutEngine
 from .tokens import PromptEncoder, cut_rollout, left_pad, response_mask_from_eos
 
@@ -153,7 +154,10 @@ def packed_linear_weights(model: nn.Module, batch_size: int) -> Iterator[int]:
 @torch.no_grad()
 def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, gen_config, **kwargs: Any) -> Any:
     """``model.generate`` on left-padded prompts with exactly ``gen_config``; on a CPU in float32,
-    with the linear layers' weights pre-packed for the batch (:func:`packed_linear_weights`).
+    with the linear layers' weights pre-packed for the batch (:func:`packed_linear_weights`), and
+    on a CPU each token drawn by inverse transform in float64
+    (:func:`pyppo.rollout.categorical.fast_multinomial`: the same distribution as
+    ``torch.multinomial``'s, another random stream).
 
     Args:
         model: a ``transformers`` causal LM.
@@ -168,6 +172,7 @@ def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor
     with ExitStack() as stack:
         stack.enter_context(_only_this_generation_config(model, gen_config))
         stack.enter_context(packed_linear_weights(model, query_ids.shape[0]))
+        stack.enter_context(fast_multinomial())
         return model.generate(
             input_ids=query_ids, attention_mask=query_mask.long(), generation_config=gen_config, **kwargs
         )

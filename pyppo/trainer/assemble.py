@@ -21,6 +21,7 @@ from ..data.messages import is_prompt
 from ..models import (
     ValueModel,
     add_lora,
+    hold_linear_weights,
     load_model_and_tokenizer,
     make_reference,
     resolve_model_source,
@@ -230,6 +231,11 @@ def assemble_models(
             :func:`check_trainable`.
     """
     policy, ref, value_model = prepare_models(c, policy, ref_policy, value_model, world.device)
+    if ref is not None and ref_policy is None and dtype != torch.float32:
+        # The reference pyppo copied runs only under this autocast: its linear weights in the
+        # autocast dtype are the operands autocast would cast them to (the same KL), at half the
+        # bytes. A reference the caller passed is theirs, and is left as it is.
+        hold_linear_weights(ref, dtype)
     check_lora_exportable(policy, c)
     check_trainable(policy, value_model, c)
     head = LogprobHead(policy, temperature=c.temperature, from_hidden=c.logprobs_from_hidden, dtype=dtype)
@@ -380,15 +386,19 @@ def make_adamw(model: nn.Module, lr: float, c: PPOConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, eps=c.adam_eps, weight_decay=c.weight_decay, fused=fused or None)
 
 
-def share_reward_weights(ref: Optional[nn.Module], reward_fn: RewardFn) -> int:
-    """Bytes of the classifier reward models' weights now shared with the frozen reference (equal
-    and frozen in both: :func:`pyppo.models.share_frozen_weights`); 0 for other rewards, or without
-    a separate reference (LoRA)."""
+def share_reward_weights(ref: Optional[nn.Module], reward_fn: RewardFn, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the classifier reward models' weights no longer held: each computes in the run's
+    ``dtype`` (:meth:`~pyppo.rewards.SequenceClassifierReward.compute_in`: under bf16 autocast its
+    linear weights are held in bf16, as the reference's are), then shares the tensors that are
+    equal and frozen in it and the reference (:func:`pyppo.models.share_frozen_weights`); 0 for
+    other rewards."""
     shared = 0
     for part in reward_parts(reward_fn):  # each of several rewards
         reward = getattr(part, "__wrapped__", part)  # load_reward's validating wrapper
-        if ref is not None and isinstance(reward, SequenceClassifierReward):
-            shared += share_frozen_weights(ref, reward.model)
+        if isinstance(reward, SequenceClassifierReward):
+            shared += reward.compute_in(dtype)
+            if ref is not None:
+                shared += share_frozen_weights(ref, reward.model)
     return shared
 
 

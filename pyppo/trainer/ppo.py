@@ -168,7 +168,7 @@ class PPOTrainer(MinibatchUpdate):
 
         self.estimator = get_estimator(c.advantage_estimator)
         self.models: StepModels = assemble.assemble_models(c, policy, ref_policy, value_model, self.world, self.dtype)
-        self.shared_weight_bytes = assemble.share_reward_weights(self.models.reference, reward_fn)
+        self.shared_weight_bytes = assemble.share_reward_weights(self.models.reference, reward_fn, self.models.dtype)
         self.local_mini_batch_size = c.mini_batch_size // self.world.size
         self.micro_batch_size = c.micro_batch_size or self.local_mini_batch_size
 

@@ -74,7 +74,7 @@ def test_info_json(capsys):
     assert isinstance(info["cuda"], bool) and info["num_threads"] >= 1
     import importlib.metadata as md
 
-    assert set(info["integrations"]) == {"verl", "openrlhf", "trl"}
+    assert set(info["integrations"]) == {"verl", "openrlhf", "trl", "rlox"}
     for peer, st in info["integrations"].items():
         try:
             installed = md.version(peer)
@@ -146,6 +146,42 @@ def test_info_names_the_installed_trackers(capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["trackers"] == dict.fromkeys(
         ("tensorboard", "wandb", "trackio", "mlflow")
     )
+
+
+def test_info_shows_the_matmul_peaks(capsys, monkeypatch):
+    """float32 and bfloat16, each measured on this process's threads, and whether bf16 is native
+    here; the same in --json. The measurement is replaced by fixed rates: speeds are not tested."""
+    import torch
+
+    from pyppo.precision import native_bf16
+    from pyppo.profile import flops
+
+    seen = []
+
+    def fake(m, *args, dtype=torch.float32, device="cpu", **kwargs):
+        seen.append((m, dtype, str(device)))
+        return {torch.float32: 123.4e9, torch.bfloat16: 456.7e9}[dtype]
+
+    monkeypatch.setattr(flops, "measure_matmul_flops", fake)
+    assert cli.main(["info"]) == 0
+    native, reason = native_bf16(torch.device("cpu"))
+    row = re.search(r"^matmul peak \(cpu\) +(.*)$", capsys.readouterr().out, re.M).group(1)
+    threads = torch.get_num_threads()
+    assert row == (
+        f"float32 123 GFLOP/s, bfloat16 457 GFLOP/s (torch.mm 2048x2048, {threads} threads; "
+        f"bf16 {'native' if native else 'not native'}: {reason})"
+    )
+    assert (2048, torch.float32, "cpu") in seen and (2048, torch.bfloat16, "cpu") in seen
+    assert cli.main(["info", "--json"]) == 0
+    peaks = json.loads(capsys.readouterr().out)["matmul_peaks"]["cpu"]
+    assert peaks == {
+        "size": 2048,
+        "threads": threads,
+        "float32": 123.4e9,
+        "bfloat16": 456.7e9,
+        "bf16_native": native,
+        "bf16_reason": reason,
+    }
 
 
 def test_python_dash_m_pyppo():

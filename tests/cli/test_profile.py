@@ -3,6 +3,7 @@ count behind its GFLOP / MFU columns (``pyppo.profile.flops``) against ``FlopCou
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -17,7 +18,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyppo import cli
-from pyppo.profile import counting, flops, phases
+from pyppo.profile import counting, floors, flops, phases
 from pyppo.trainer.step_stats import PHASES, PhaseTimer, current_phase
 from support.tiny_models import TINY_CONFIG, save_tiny_causal_lm, tiny_arch, tiny_causal_lm, tiny_tokenizer
 
@@ -296,6 +297,20 @@ def _trainer(arch="llama", **config):
     )
 
 
+def _check_gemms_add_up(recorder, counted, *, causal: bool, checkpointing: bool = False) -> None:
+    """The products the ideal time is taken over carry exactly the FLOPs the count gives, per
+    phase and per part (forward, backward, recompute), causal or not."""
+    gemms = floors.phase_gemms(recorder.calls, recorder.models, causal=causal, checkpointing=checkpointing)
+    assert set(gemms) == set(counted)
+    for phase, n in counted.items():
+        for part in ("forward", "backward", "recompute"):
+            assert sum(gemms[phase][part].values()) == n[part].total, (phase, part)
+    causal_gemms = floors.phase_gemms(recorder.calls, recorder.models, checkpointing=checkpointing)
+    causal_count = counting.count_phases(recorder.calls, recorder.models, checkpointing=checkpointing)
+    for phase, n in causal_count.items():
+        assert sum(causal_gemms[phase]["forward"].values()) == n["forward"].total, phase
+
+
 @pytest.mark.parametrize(
     "arch, config",
     [
@@ -320,6 +335,7 @@ def test_step_flops_per_phase_match_flop_counter(arch, config):
         assert not n["omitted"]
         ours = n["forward"].total + n["backward"].total + n["recompute"].total
         assert ours == pytest.approx(counter.flops[phase], rel=0.01), phase
+    _check_gemms_add_up(recorder, counted, causal=False, checkpointing=trainer.config.gradient_checkpointing)
     update = counted["update"]
     assert update["backward"].total > update["forward"].total > 0
 
@@ -335,6 +351,8 @@ def test_lora_step_flops_close_to_flop_counter():
     for phase, n in counted.items():
         ours = n["forward"].total + n["backward"].total + n["recompute"].total
         assert ours == pytest.approx(counter.flops[phase], rel=0.03), phase
+    _check_gemms_add_up(recorder, counted, causal=False)
+    assert sum(k * n for k, n in recorder.models["policy"].adapter_shapes) == recorder.models["policy"].adapter_params
     # the reference is the policy with its adapters disabled: no adapter FLOPs in its forward
     assert counted["ref_forward"]["forward"].adapters == 0 < counted["generate"]["forward"].adapters
 
@@ -401,8 +419,11 @@ def test_profile_notes_a_model_it_cannot_count(tmp_path):
 def test_profile_reports_flops_mfu_and_tokens(profiled):
     status, out, stdout = profiled
     assert status == 0, stdout
-    for column in ("GFLOP", "GFLOP/s", "MFU %", "tokens/s"):
-        assert column in stdout
+    header = next(line for line in stdout.splitlines() if line.startswith("phase "))
+    assert header.split("  ")[-1].strip() == "tokens/s"
+    positions = [header.index(column) for column in phases.FLOP_COLUMNS]
+    assert positions == sorted(positions)  # every FLOP column, in order, after the time columns
+    assert "shape MFU % = ideal ms / ms" in stdout and "square MFU % = GFLOP/s / the square peak" in stdout
     result = json.loads((out / "profile.json").read_text())
     info = result["flops"]
     peak = info["peak"]
@@ -413,25 +434,223 @@ def test_profile_reports_flops_mfu_and_tokens(profiled):
     dtype = "bfloat16" if native_bf16(torch.device("cpu"))[0] else "float32"
     assert peak["dtype"] == dtype
     assert peak["flops_per_s"] == max(peak["before_step"][dtype], peak["after_step"][dtype])
-    assert len(peak["model_shapes"]) == 3 and all(s["flops_per_s"] > 0 for s in peak["model_shapes"])
-    assert not info["notes"]
+    shapes = {(s["batch"], s["m"], s["k"], s["n"]): s["flops_per_s"] for s in peak["shapes"]}
+    assert len(shapes) == len(peak["shapes"]) and all(math.isfinite(v) and v > 0 for v in shapes.values())
+    hidden, heads = TINY_CONFIG["hidden_size"], TINY_CONFIG["num_attention_heads"]
+    assert (1, 2, hidden, TINY_CONFIG["intermediate_size"]) in shapes  # a decode step's gate / up, B = 2
+    assert (1, 2, hidden, TINY_CONFIG["vocab_size"]) in shapes  # its LM head
+    assert (2 * heads, 1, hidden // heads) == next(s for s in shapes if s[0] > 1 and s[1] == 1)[:3]  # its Q K^T
+    assert peak["bandwidth"]["bytes_per_s"] > 0 and "torch.sum" in peak["bandwidth"]["method"]
+    assert set(peak["seconds"]) == {"square", "shapes", "bandwidth"}
+    assert not [n for n in info["notes"] if "not understood" in n or "saw no model call" in n]
     rows = {r["phase"]: r for r in result["phases"]}
     model_rows = [r for r in rows.values() if r["tokens"] is not None]
     assert {"generate", "ref_forward", "update"} <= {r["phase"] for r in model_rows}
     for r in model_rows:
-        for key in ("flops", "flops_per_s", "mfu", "hfu", "tokens_per_s"):
+        for key in ("flops", "flops_per_s", "ideal_seconds", "mfu", "hfu", "square_mfu", "square_hfu", "tokens_per_s"):
             assert math.isfinite(r[key]) and r[key] > 0, (r["phase"], key)
-        assert r["mfu"] < 1 and r["hfu"] >= r["mfu"]
+        assert r["mfu"] == pytest.approx(r["ideal_seconds"] / r["seconds"])
+        assert r["hfu"] == pytest.approx((r["ideal_seconds"] + r["recompute_ideal_seconds"]) / r["seconds"])
+        assert r["square_mfu"] == pytest.approx(r["flops_per_s"] / peak["flops_per_s"])
+        assert r["hfu"] >= r["mfu"] and r["square_hfu"] >= r["square_mfu"]
         assert r["flops"] == r["forward_flops"] + r["backward_flops"]
         assert 0 <= r["padding_tokens"] < r["tokens"]
     for phase in ("score", "advantages"):
-        assert rows[phase]["flops"] is None and rows[phase]["tokens"] is None
+        assert rows[phase]["flops"] is None and rows[phase]["tokens"] is None and rows[phase]["mfu"] is None
     gen = rows["generate"]
     assert gen["tokens"] == 2 * (gen["decode_forwards"] + 1)  # B = 2 rows, one token per forward
     assert gen["backward_flops"] == 0 and rows["update"]["backward_flops"] > rows["update"]["forward_flops"]
+    floor = info["floors"]["generate"]
+    assert floor["compute_floor_seconds"] == gen["ideal_seconds"]
+    assert floor["byte_floor_seconds"] == pytest.approx(floor["bytes"]["total"] / peak["bandwidth"]["bytes_per_s"])
+    assert gen["byte_floor_seconds"] == floor["byte_floor_seconds"] and gen["bytes_read"] == floor["bytes"]["total"]
+    assert floor["bytes"]["forwards"] == gen["decode_forwards"] + 1
+    assert floor["bound"] in ("compute", "memory") and "generate floors: compute" in stdout
     step = info["step"]
     assert step["flops"] == pytest.approx(sum(r["flops"] for r in model_rows))
-    assert 0 < step["mfu"] < 1 and step["tokens"] == gen["tokens"]
+    assert step["ideal_seconds"] == pytest.approx(sum(r["ideal_seconds"] for r in model_rows))
+    assert step["mfu"] == pytest.approx(step["ideal_seconds"] / result["step_seconds"])
+    assert step["square_mfu"] > 0 and step["tokens"] == gen["tokens"]
+    assert 1 <= len(info["slowest_products"]) <= 3
+
+
+def _tiny_shape(**kw) -> flops.TransformerShape:
+    sizes = dict(layers=2, hidden=8, intermediate=12, heads=2, kv_heads=1, head_dim=4, vocab=10)
+    return flops.TransformerShape(**{**sizes, **kw})
+
+
+def _counted(shape, **kw) -> counting.CountedModel:
+    return counting.CountedModel("policy", shape, None, True, True, (shape.hidden, shape.vocab), **kw)
+
+
+G = floors.GemmShape
+
+
+def test_gemms_of_a_decoder_call_by_hand():
+    """2 layers, hidden 8, gated MLP 12, 2 heads / 1 kv head of 4; one call on [1, 2] positions
+    (m = 2), causal: 3 query-key pairs per head."""
+    shape = _tiny_shape()
+    call = counting.Call("update", "policy", "blocks", batch=1, q_len=2, kv_len=2, grad=True)
+    forward = {
+        G(1, 2, 8, 8): 2 * (2 * 2 * 8 * 8 * 2),  # q and o, 2 layers
+        G(1, 2, 8, 4): 2 * (2 * 2 * 8 * 4 * 2),  # k, v
+        G(1, 2, 8, 12): 2 * (2 * 2 * 8 * 12 * 2),  # gate, up
+        G(1, 2, 12, 8): 2 * 2 * 12 * 8 * 2,  # down
+        G(2, 2, 4, 2): 2 * 2 * 2 * 4 * 3,  # Q K^T: 2 layers x 2 heads x head_dim 4 x 3 pairs, 2 FLOPs each
+        G(2, 2, 2, 4): 2 * 2 * 2 * 4 * 3,  # P V
+    }
+    backward = {
+        G(1, 2, 8, 8): 1024,  # q and o's input gradients, [2, 8] x [8, 8]
+        G(1, 8, 2, 8): 1024,  # their weight gradients, [8, 2] x [2, 8]
+        G(1, 2, 4, 8): 512,  # k, v input gradients
+        G(1, 8, 2, 4): 512,  # k, v weight gradients
+        G(1, 2, 12, 8): 1536,  # gate, up input gradients
+        G(1, 8, 2, 12): 1536,  # gate, up weight gradients
+        G(1, 2, 8, 12): 768,  # down's input gradient
+        G(1, 12, 2, 8): 768,  # down's weight gradient
+        G(2, 2, 2, 4): 96 + 96,  # dQ = dS K, and dV = P^T dO
+        G(2, 4, 2, 2): 96,  # dK = dS^T Q
+        G(2, 2, 4, 2): 96,  # dP = dO V^T
+    }
+    gemms = floors.phase_gemms([call], {"policy": _counted(shape)})["update"]
+    assert gemms["forward"] == forward and gemms["backward"] == backward
+    fwd = flops.block_flops(shape, batch=1, q_len=2, kv_len=2)
+    assert sum(forward.values()) == fwd.total == 3840 + 192
+    assert sum(backward.values()) == flops.backward_flops(fwd, weights_trained=True, head_trained=True).total
+    assert gemms["recompute"] == {G(2, 2, 4, 2): 96}  # the fused kernel's scores again
+
+    # Frozen weights (LoRA's base): input gradients only, and the adapters' products with theirs.
+    lora = _counted(shape, adapter_params=8 * 2 + 2 * 12, adapter_shapes=[(8, 2), (2, 12)], scores_recomputed=False)
+    lora = dataclasses.replace(lora, weights_trained=False)
+    call = dataclasses.replace(call, adapter_params=lora.adapter_params)
+    gemms = floors.phase_gemms([call], {"policy": lora}, checkpointing=True)["update"]
+    assert G(1, 8, 2, 8) not in gemms["backward"] and gemms["backward"][G(1, 2, 8, 8)] == 1024
+    assert gemms["forward"][G(1, 2, 8, 2)] == 2 * 2 * 8 * 2 and gemms["forward"][G(1, 2, 2, 12)] == 2 * 2 * 2 * 12
+    assert gemms["backward"][G(1, 8, 2, 2)] == 2 * 2 * 8 * 2  # A's weight gradient
+    assert gemms["backward"][G(1, 2, 12, 2)] == 2 * 2 * 2 * 12  # B's input gradient
+    # checkpointing: the forward again but its down projection
+    assert gemms["recompute"] == {k: v for k, v in gemms["forward"].items() if k != G(1, 2, 12, 8)}
+
+
+def test_ideal_seconds_and_mfu_by_hand():
+    """A fixed FLOP/s per shape: the ideal seconds are the sum of FLOPs / rate, product by
+    product, and the shape MFU is that over the phase's seconds."""
+    shape = _tiny_shape()
+    calls = [
+        counting.Call("generate", "policy", "blocks", batch=1, q_len=2, kv_len=2),
+        counting.Call("generate", "policy", "head", positions=1, in_features=8, out_features=10),
+    ]
+    gemms = floors.phase_gemms(calls, {"policy": _counted(shape)})["generate"]
+    rates = {
+        G(1, 2, 8, 8): 100.0,
+        G(1, 2, 8, 4): 50.0,
+        G(1, 2, 8, 12): 200.0,
+        G(1, 2, 12, 8): 150.0,
+        G(2, 2, 4, 2): 10.0,
+        G(2, 2, 2, 4): 20.0,
+        G(1, 1, 8, 10): 4.0,
+    }
+    ideal = 1024 / 100 + 512 / 50 + 1536 / 200 + 768 / 150 + 96 / 10 + 96 / 20 + 160 / 4
+    assert floors.ideal_seconds(gemms["forward"], rates) == pytest.approx(ideal)
+    assert ideal == pytest.approx(87.68)
+    with pytest.raises(KeyError):  # a shape that was not measured is an error, not a silent zero
+        floors.ideal_seconds({G(1, 3, 8, 8): 1}, rates)
+
+
+def _fixed_rates(monkeypatch, rate):
+    """Every measurement of the machine replaced: ``rate(shape)`` FLOP/s at a product shape,
+    1e9 FLOP/s for the square peak, 1e10 bytes/s."""
+    monkeypatch.setattr(floors, "measure_gemm_flops", lambda shape, **kw: rate(shape))
+    monkeypatch.setattr(counting, "measure_matmul_flops", lambda *a, **kw: 1e9)
+    monkeypatch.setattr(counting, "measure_read_bandwidth", lambda *a, **kw: 1e10)
+
+
+def _profiled_step(trainer):
+    with counting.ShapeRecorder(trainer) as recorder:
+        result = trainer.step()
+    table = {
+        "phases": [
+            {"phase": p, "title": phases.PHASE_TITLES[p], "seconds": result.metrics[f"time_{p}"]}
+            for p in PHASES
+            if f"time_{p}" in result.metrics
+        ],
+        "step_seconds": result.metrics["step_seconds"],
+    }
+    return recorder, result, table
+
+
+def test_shape_mfu_with_a_fixed_rate_per_shape(monkeypatch):
+    """Every product taking exactly one second a call (FLOP/s = its FLOPs a call): the generate
+    phase's ideal seconds are its products' calls, counted by hand from the forwards it ran."""
+    _fixed_rates(monkeypatch, lambda shape: float(shape.flops))
+    trainer = _trainer()
+    recorder, result, table = _profiled_step(trainer)
+    peak = counting.measure_peak(trainer, counting.step_shapes(recorder), 64)
+    assert peak["flops_per_s"] == 1e9 and peak["bandwidth"]["bytes_per_s"] == 1e10
+    info = counting.flop_table(trainer, result.batch, recorder, table, peak)
+    gen = next(r for r in table["phases"] if r["phase"] == "generate")
+    calls = [c for c in recorder.calls if c.phase == "generate"]
+    layers = TINY_CONFIG["num_hidden_layers"]
+    expected = sum(c.kind == "head" for c in calls)  # the LM head, once a forward
+    for c in calls:
+        if c.kind == "blocks":
+            expected += 7 * layers  # q, k, v, o, gate, up, down in each layer
+            # scores and values carry the causal pairs, timed at the full q_len x kv_len
+            expected += 2 * layers * flops.attention_pairs(c.q_len, c.kv_len) / (c.q_len * c.kv_len)
+    assert sum(c.kind == "head" for c in calls) == sum(c.kind == "blocks" for c in calls) > 1
+    assert gen["ideal_seconds"] == pytest.approx(expected)
+    assert gen["mfu"] == pytest.approx(expected / gen["seconds"])
+    assert gen["square_mfu"] == pytest.approx(gen["flops"] / gen["seconds"] / 1e9)
+    assert info["floors"]["generate"]["compute_floor_seconds"] == gen["ideal_seconds"]
+
+
+def test_one_rate_for_every_shape_gives_the_square_mfu(monkeypatch):
+    """At one FLOP/s for every shape, equal to the square peak, the shape MFU is the square MFU:
+    the products carry all of the counted FLOPs, none twice."""
+    _fixed_rates(monkeypatch, lambda shape: 1e9)
+    trainer = _trainer(gradient_checkpointing=True)
+    recorder, result, table = _profiled_step(trainer)
+    peak = counting.measure_peak(trainer, counting.step_shapes(recorder, True), 64)
+    info = counting.flop_table(trainer, result.batch, recorder, table, peak)
+    rows = [r for r in table["phases"] if r["flops"]]
+    assert {r["phase"] for r in rows} >= {"generate", "policy_forward", "update"}
+    for r in rows + [info["step"]]:
+        assert r["mfu"] == pytest.approx(r["square_mfu"], rel=1e-9)
+        assert r["hfu"] == pytest.approx(r["square_hfu"], rel=1e-9)
+
+
+def test_byte_floor_by_hand():
+    """Two generate forwards of 2 rows (a prefill of 3 positions, then a decode step over 4 keys)
+    and their LM head, bfloat16: 2 bytes a weight and a cached element."""
+    shape = _tiny_shape()
+    calls = [
+        counting.Call("generate", "policy", "blocks", batch=2, q_len=3, kv_len=3),
+        counting.Call("generate", "policy", "head", positions=2, in_features=8, out_features=10),
+        counting.Call("generate", "policy", "blocks", batch=2, q_len=1, kv_len=4),
+        counting.Call("generate", "policy", "head", positions=2, in_features=8, out_features=10),
+        counting.Call("update", "policy", "blocks", batch=2, q_len=4, kv_len=4, grad=True),  # not read
+    ]
+    read = floors.generate_bytes(calls, {"policy": _counted(shape)}, element_size=2)
+    matmul_params = 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 12)  # 960: q, o; k, v; gate, up, down
+    assert shape.matmul_params == matmul_params
+    weights = 2 * (matmul_params + 8 * 10) * 2
+    kv = 2 * 2 * 1 * 4 * 2 * (3 + 4) * 2  # keys and values x layers x kv heads x head_dim x rows x keys x bytes
+    assert read == {
+        "weights": weights,
+        "kv_cache": kv,
+        "total": weights + kv,
+        "forwards": 2,
+        "weights_per_forward": weights // 2,
+        "element_size": 2,
+    }
+    assert weights + kv == 4608
+    floor = counting.generate_floors(1.0, 0.5, read, bandwidth=4608 * 4.0)  # a byte floor of 0.25 s
+    assert floor["byte_floor_seconds"] == pytest.approx(0.25) and floor["compute_floor_seconds"] == 0.5
+    assert floor["time_over_byte_floor"] == pytest.approx(4.0) and floor["time_over_compute_floor"] == 2.0
+    assert floor["bound"] == "compute"
+    assert counting.generate_floors(1.0, 0.5, read, bandwidth=4608.0)["bound"] == "memory"
+    assert counting.generate_floors(1.0, 0.5, read, bandwidth=None)["bound"] is None
+    assert floors.generate_bytes(calls[4:], {"policy": _counted(shape)}, element_size=2) is None
 
 
 def test_matmul_peak_is_measured(device):
@@ -441,21 +660,24 @@ def test_matmul_peak_is_measured(device):
     if device == "cpu":
         bf16 = flops.measure_matmul_flops(128, dtype=torch.bfloat16, warmup=1, iters=3)
         assert math.isfinite(bf16) and bf16 > 0
+    for shape in (G(1, 3, 16, 8), G(4, 1, 8, 5)):  # torch.mm, torch.bmm
+        for dtype in (torch.float32, torch.bfloat16):
+            fps = floors.measure_gemm_flops(shape, dtype=dtype, device=device, max_seconds=0.01)
+            assert math.isfinite(fps) and fps > 0
+    rates = floors.measure_gemm_rates([G(1, 3, 16, 8)] * 2, dtype=torch.float32, device=device, max_seconds=0.01)
+    assert list(rates) == [G(1, 3, 16, 8)]
+    bandwidth = floors.measure_read_bandwidth(device, nbytes=1 << 20, repeats=3)
+    assert math.isfinite(bandwidth) and bandwidth > 0
 
 
 def test_an_mfu_above_the_peak_gets_a_note():
     trainer = _trainer()
-    with counting.ShapeRecorder(trainer) as recorder:
-        result = trainer.step()
-    table = {
-        "phases": [
-            {"phase": p, "title": phases.PHASE_TITLES[p], "seconds": result.metrics[f"time_{p}"]} for p in PHASES
-        ],
-        "step_seconds": result.metrics["step_seconds"],
-    }
-    slow_peak = {"flops_per_s": 1.0}  # 1 FLOP/s: every phase beats it
+    recorder, result, table = _profiled_step(trainer)
+    # 1 FLOP/s at every shape: every phase beats it
+    shapes = [{**s._asdict(), "flops_per_s": 1.0} for s in counting.step_shapes(recorder)]
+    slow_peak = {"flops_per_s": 1.0, "shapes": shapes, "bandwidth": {"bytes_per_s": 1.0}}
     info = counting.flop_table(trainer, result.batch, recorder, table, slow_peak)
-    assert all(r["mfu"] > 1 for r in table["phases"] if r["flops"])
+    assert all(r["mfu"] > 1 and r["square_mfu"] > 1 for r in table["phases"] if r["flops"])
     assert any("update: MFU above 100 %" in note for note in info["notes"])
 
 
@@ -467,7 +689,10 @@ def test_peak_size_zero_skips_the_mfu(tiny_dir, tmp_path):
         )
     result = json.loads((tmp_path / "profile.json").read_text())
     assert result["flops"]["peak"] is None and result["flops"]["step"]["mfu"] is None
-    assert result["flops"]["step"]["flops"] > 0 and "no MFU" in buf.getvalue()
+    assert result["flops"]["step"]["flops"] > 0 and "no MFU and no floors" in buf.getvalue()
+    gen = result["flops"]["floors"]["generate"]
+    assert gen["bytes"]["total"] > 0 and gen["byte_floor_seconds"] is None and gen["compute_floor_seconds"] is None
+    assert all(r["mfu"] is None and r["square_mfu"] is None for r in result["phases"])
 
 
 def test_current_phase_follows_the_timer():

@@ -176,7 +176,7 @@ def test_patched_context_restores_on_error(peer_root):
 
 
 def test_unknown_peer_name_is_a_valueerror():
-    with pytest.raises(ValueError, match=r"peer must be one of verl, openrlhf, trl; got 'deepspeed'"):
+    with pytest.raises(ValueError, match=r"peer must be one of verl, openrlhf, trl, rlox; got 'deepspeed'"):
         integrations.patch("deepspeed")
 
 
@@ -185,7 +185,7 @@ def test_adapter_modules_do_not_import_their_peer():
     # importing an adapter module must not import the peer package.
     code = (
         "import sys, importlib\n"
-        "for peer in ('verl', 'openrlhf', 'trl'):\n"
+        "for peer in ('verl', 'openrlhf', 'trl', 'rlox'):\n"
         "    mod = importlib.import_module('pyppo.integrations.' + peer)\n"
         "    assert peer not in sys.modules, peer\n"
         "    assert mod.PEER.name == peer and mod.PEER.targets\n"

@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pyppo.ops import group_advantages, masked_whiten
 from support.reference import (
@@ -338,6 +340,151 @@ def test_different_devices_is_a_runtime_error():
     scores, mask, ids = _ok()
     with pytest.raises(RuntimeError, match="group_ids is on meta but response_mask is on cpu"):
         group_advantages(scores, mask, group_ids=ids.to("meta"))
+
+
+# --------------------------------------------------------------------- the group_size overload
+
+SIZED = torch.ops.pyppo.group_advantages.group_size
+
+
+def sized_inputs(n, groups, T, dtype, seed):
+    """groups x n scores with ties and, when n > 1, a first group of equal scores."""
+    g = gen(seed)
+    B = n * groups
+    scores = (torch.randn(B, generator=g, dtype=F64) * 3).round(decimals=1).to(dtype)
+    if n > 1 and groups:
+        scores[:n] = scores[0]
+    return scores, random_mask(B, T, g)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("estimator,std_normalize", ESTIMATORS, ids=EST_IDS)
+@pytest.mark.parametrize(
+    "n,groups,T",
+    [(1, 5, 3), (2, 9, 1), (8, 21, 1), (8, 19, 7), (3, 8, 2), (64, 3, 1), (100, 2, 5), (3, 0, 4), (4, 4, 0)],
+)
+def test_group_size_overload_gives_the_bits_of_its_ids(dtype, estimator, std_normalize, n, groups, T):
+    # The overload reads each run of n rows directly (eight groups at a time, then the ragged
+    # rest) instead of looking rows up by id: the same float64 operations in the same order.
+    scores, mask = sized_inputs(n, groups, T, dtype, n * 1000 + groups * 10 + T)
+    ids = torch.arange(n * groups) // n
+    kw = dict(estimator=estimator, std_normalize=std_normalize)
+    out = SIZED(scores, mask, n, estimator, 1e-6, std_normalize)
+    assert bits_equal(out, group_advantages(scores, mask, group_ids=ids, **kw))
+    assert bits_equal(out, group_advantages(scores, mask, group_size=n, **kw))
+    if n * groups:
+        check(scores, mask, ids, **kw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    groups=st.integers(0, 40),
+    T=st.integers(0, 4),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    estimator=st.sampled_from(["grpo", "rloo"]),
+    std_normalize=st.booleans(),
+    eps=st.sampled_from([1e-6, 0.0, 0.5]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_group_size_overload_bits_property(n, groups, T, dtype, estimator, std_normalize, eps, seed):
+    # Every block split (whole blocks of eight groups, a ragged rest), every width of group.
+    scores, mask = sized_inputs(n, groups, T, dtype, seed)
+    ids = torch.arange(n * groups) // n
+    kw = dict(estimator=estimator, eps=eps, std_normalize=std_normalize)
+    assert bits_equal(
+        group_advantages(scores, mask, group_size=n, **kw), group_advantages(scores, mask, group_ids=ids, **kw)
+    )
+
+
+def test_group_size_overload_is_thread_count_invariant():
+    # Enough groups and T for the blocks of groups to be split across threads.
+    scores, mask = sized_inputs(8, 2000, 64, torch.float32, 61)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = group_advantages(scores, mask, group_size=8)
+        torch.set_num_threads(2)
+        two = group_advantages(scores, mask, group_size=8)
+    finally:
+        torch.set_num_threads(threads)
+    assert bits_equal(one, two)
+    assert bits_equal(one, group_advantages(scores, mask, group_ids=torch.arange(len(scores)) // 8))
+
+
+def test_group_size_overload_opcheck():
+    scores, mask = sized_inputs(4, 5, 7, torch.float32, 62)
+    torch.library.opcheck(SIZED, (scores, mask, 4, "grpo", 1e-6, True))
+    torch.library.opcheck(SIZED, (scores.double(), mask.float(), 2, "rloo", 0.0, False))
+    torch.library.opcheck(SIZED, (scores.bfloat16(), mask.long().t().contiguous().t(), 1, "grpo", 0.1, False))
+    torch.library.opcheck(SIZED, (scores[:0], mask[:0], 3, "grpo", 1e-6, True))
+
+
+def test_group_size_overload_is_not_differentiable():
+    scores, mask = sized_inputs(4, 3, 5, torch.float32, 63)
+    out = group_advantages(scores.requires_grad_(), mask, group_size=4)
+    assert not out.requires_grad and out.grad_fn is None
+
+
+@pytest.mark.parametrize("path", ["meta", "fake"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_group_size_overload_fake_kernel(path, dtype):
+    scores, mask = sized_inputs(3, 4, 5, dtype, 64)
+    out = call_on(path, lambda s, m: group_advantages(s, m, group_size=3), scores, mask)
+    assert out.shape == (12, 5) and out.dtype == out_dtype(dtype)
+
+
+def _bad_sized_cases():
+    scores, mask = sized_inputs(2, 3, 5, torch.float32, 65)
+    op = lambda s, m, n=2, est="grpo", eps=1e-6: SIZED(s, m, n, est, eps, True)  # noqa: E731
+    return {
+        "group_size_zero": (lambda s, m: op(s, m, n=0), "group_size must be an int >= 1, got 0", scores, mask),
+        "group_size_negative": (lambda s, m: op(s, m, n=-2), "group_size must be an int >= 1, got -2", scores, mask),
+        "not_dividing": (
+            lambda s, m: op(s, m, n=4),
+            r"B = 6 rows are not a whole number of groups of group_size = 4",
+            scores,
+            mask,
+        ),
+        "estimator": (lambda s, m: op(s, m, est="ppo"), "estimator must be one of", scores, mask),
+        "eps": (lambda s, m: op(s, m, eps=-1.0), "eps must be a finite number >= 0", scores, mask),
+        "scores_shape": (op, r"scores must have shape \[B\] = \[6\]", scores[:4], mask),
+        "scores_dtype": (op, "scores must be float32", scores.long(), mask),
+        "mask_1d": (op, r"response_mask must be 2-D \[B, T\]", scores, mask[:, 0]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_sized_cases()))
+def test_group_size_overload_errors(case):
+    fn, message, *args = _bad_sized_cases()[case]
+    with pytest.raises(ValueError, match=message) as e:
+        fn(*args)
+    assert str(e.value).startswith("pyppo.group_advantages: ")
+
+
+@pytest.mark.parametrize("case", sorted(_bad_sized_cases()))
+def test_group_size_overload_errors_are_the_same_on_every_path(path, case):
+    fn, _, *args = _bad_sized_cases()[case]
+    assert_same_error(path, fn, *args)
+
+
+@pytest.mark.parametrize("bad,row", [(math.nan, 3), (math.inf, 0), (-math.inf, 5)])
+def test_group_size_overload_names_the_first_non_finite_score(device, bad, row):
+    scores, mask = sized_inputs(2, 3, 4, torch.float32, 66)
+    scores[row] = bad
+    scores[-1] = math.nan if row < 5 else scores[-1]
+    with pytest.raises(ValueError, match=rf"scores\[{row}\] = {bad} is not finite"):
+        group_advantages(scores.to(device), mask.to(device), group_size=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+@pytest.mark.parametrize("estimator,std_normalize", ESTIMATORS, ids=EST_IDS)
+def test_group_size_overload_device_matches_the_cpu_bits(device, dtype, estimator, std_normalize):
+    scores, mask = sized_inputs(8, 37, 33, dtype, 67)
+    kw = dict(estimator=estimator, std_normalize=std_normalize)
+    cpu = group_advantages(scores, mask, group_size=8, **kw)
+    out = group_advantages(scores.to(device), mask.to(device), group_size=8, **kw)
+    assert out.device.type == device and bits_equal(out.cpu(), cpu)
 
 
 # ------------------------------------------------------------------------ on every device

@@ -193,3 +193,36 @@ def test_sampling_with_packed_weights_draws_the_same_tokens(monkeypatch):
     plain = generate(model, ids, mask, gen)
     assert packed_layers == [len(_linears(model))]
     assert torch.equal(packed, plain)
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-5), ("bfloat16", 0.02)])
+def test_the_decode_paths_logprobs_of_its_samples_are_the_trainers(monkeypatch, dtype, atol):
+    # What the sampler drew each token from (the KV-cached decode forwards, packed weights in
+    # float32, the float64 inverse-transform draw) against the trainer's own forward of the
+    # finished sequences (old_logprobs, whose first ratio is exactly 1 whatever was sampled).
+    # bf16: the decode's logits are rounded to bf16 (an ulp is 2^-8 of them) where the trainer's
+    # hidden-state path keeps the head's float32 accumulation, and the two forwards round their
+    # bf16 activations in other orders.
+    import pyppo.rollout.hf_generate as rollout
+    from pyppo.trainer.rollout_forwards import rollout_forwards
+    from pyppo.trainer.step_stats import PhaseTimer
+    from support.trainer_fixture import make_trainer, small_config
+
+    seen = {}
+    real = rollout.generate
+
+    def capturing(model, query_ids, query_mask, gen_config, **kwargs):
+        out = real(model, query_ids, query_mask, gen_config, output_logits=True, return_dict_in_generate=True, **kwargs)
+        seen["logits"] = torch.stack(out.logits, 1).float() / gen_config.temperature
+        return out.sequences
+
+    monkeypatch.setattr(rollout, "generate", capturing)
+    tr = make_trainer(small_config(steps=1, dtype=dtype, temperature=0.7, max_new_tokens=10))
+    batch = tr.rollout(["say something nice", "why", "the quick brown fox", "a"])
+    rollout_forwards(tr.models, batch, torch.arange(len(batch)), 2, PhaseTimer())
+    T = batch.response_length
+    decode = torch.log_softmax(seen["logits"][:, :T], -1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    mask = batch.loss_mask
+    assert int(mask.sum()) > 8
+    err = (decode - batch.old_logprobs)[mask].abs().max()
+    assert float(err) <= atol, float(err)

@@ -61,13 +61,14 @@ def _check(r, engines, dtypes):
     ]
     for row in r["rows"]:
         assert set(row["seconds"]) == set(engines) and all(v > 0 for v in row["seconds"].values())
-        floor = row["tokens"] * r["linear_weight_bytes"] / (r["copy_bandwidth_GBps"] * 1e9)
+        itemsize = {"float32": 4, "bfloat16": 2}[row["dtype"]]
+        floor = row["tokens"] * r["linear_weight_elements"] * itemsize / (r["copy_bandwidth_GBps"] * 1e9)
         assert abs(row["floor_seconds"] - floor) <= 1e-9 * floor
 
 
-def test_sampling_bench_times_the_default_engine_packed_and_plain(tmp_path):
-    r = _run(tmp_path, save_tiny_causal_lm(tmp_path / "tiny"), "plain,transformers")
-    _check(r, {"plain", "transformers"}, ["float32", "bfloat16"])
+def test_sampling_bench_times_the_default_engine_packed_plain_and_with_torch_multinomial(tmp_path):
+    r = _run(tmp_path, save_tiny_causal_lm(tmp_path / "tiny"), "plain,multinomial,transformers")
+    _check(r, {"plain", "multinomial", "transformers"}, ["float32", "bfloat16"])
     assert all(row["vllm_sync_seconds"] is None for row in r["rows"]) and r["vllm_lora_sync_seconds"] == {}
 
 
@@ -94,5 +95,5 @@ def test_sampling_bench_times_vllm_with_its_weight_sync(tmp_path):
 def test_a_bad_shape_is_one_clear_error():
     with pytest.raises(SystemExit, match="--shapes: '8by32' is not BxT"):
         sampling.main(["--shapes", "8by32"])
-    with pytest.raises(SystemExit, match="--engines: 'sglang' is not transformers, plain or vllm"):
+    with pytest.raises(SystemExit, match="--engines: 'sglang' is not transformers, plain, multinomial or vllm"):
         sampling.main(["--engines", "sglang"])

@@ -22,6 +22,7 @@ def _run(code: str, cwd) -> str:
 def test_info_and_adapters_import_without_numpy(tmp_path):
     out = _run(
         "import pyppo.integrations.verl, pyppo.integrations.openrlhf, pyppo.integrations.trl\n"
+        "import pyppo.integrations.rlox\n"
         "import pyppo.ops, pyppo.bench.suites\n"
         "from pyppo.cli.main import main\n"
         "sys.argv = ['pyppo', 'info', '--json']\n"
@@ -29,7 +30,7 @@ def test_info_and_adapters_import_without_numpy(tmp_path):
         tmp_path,
     )
     info = json.loads(out)
-    assert set(info["integrations"]) == {"verl", "openrlhf", "trl"}, info.keys()
+    assert set(info["integrations"]) == {"verl", "openrlhf", "trl", "rlox"}, info.keys()
     assert set(info["trackers"]) == {"tensorboard", "wandb", "trackio", "mlflow"}  # from metadata, not imported
 
 

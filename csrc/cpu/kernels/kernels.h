@@ -89,11 +89,14 @@ struct TurnGaeArgs {
 };
 
 // group_advantages: scores [B] and advantages [B, T] contiguous in the accumulation dtype (float
-// or double), group ids [B] already checked to lie in [0, B), mask [B, T] bool.
+// or double), mask [B, T] bool, and the groups: group_size > 0 (B / group_size groups of
+// group_size consecutive rows; group_ids unused) or group_ids [B] already checked to lie in
+// [0, B) (group_size 0).
 struct GroupAdvantagesArgs {
   c10::ScalarType dtype;
   int64_t B, T;
   const void* scores;
+  int64_t group_size;
   const int64_t* group_ids;
   const bool* mask;
   bool rloo, std_normalize;
@@ -122,7 +125,8 @@ struct KernelTable {
   void (*kl_bwd)(const KLArgs&);
   void (*gae)(const GaeArgs&);
   void (*turn_gae)(const TurnGaeArgs&);
-  void (*group_advantages)(const GroupAdvantagesArgs&);
+  // Returns the first row whose score is not finite (then nothing is written) or -1.
+  int64_t (*group_advantages)(const GroupAdvantagesArgs&);
   MaskedMoments (*masked_sum)(const MaskedArgs&);
   double (*masked_sq_dev)(const MaskedArgs&, double mean);  // sum of (x - mean)^2 over valid x
   // out = valid ? (x - mean) * inv_std + add_back : 0
@@ -144,7 +148,7 @@ const KernelTable& cpu_kernels();
   void kl_bwd(const KLArgs& a);                                                                 \
   void gae(const GaeArgs& a);                                                                   \
   void turn_gae(const TurnGaeArgs& a);                                                          \
-  void group_advantages(const GroupAdvantagesArgs& a);                                          \
+  int64_t group_advantages(const GroupAdvantagesArgs& a);                                       \
   MaskedMoments masked_sum(const MaskedArgs& a);                                                \
   double masked_sq_dev(const MaskedArgs& a, double mean);                                       \
   void masked_whiten(const MaskedArgs& a, double mean, double inv_std, double add_back, void* out); \

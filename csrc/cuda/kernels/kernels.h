@@ -144,16 +144,18 @@ struct TurnGaeArgs {
   cudaStream_t stream = nullptr;
 };
 
-// group_advantages: scores [B] and advantages [B, T] contiguous acc arrays, group_ids [B] int64
-// (checked to lie in [0, B) outside graph capture; the kernel only compares them, so any value is
-// safe), mask [B, T] bool. One warp per row scans the batch's ids for the row's group in row
-// order (tiles of kGroupAdvTile ids shared by the block's warps), accumulating the group's
-// statistics in double in the CPU kernel's order: the same bits as on CPU, and a group's result
-// depends only on its members' scores and their order.
+// group_advantages: scores [B] and advantages [B, T] contiguous acc arrays, mask [B, T] bool, and
+// the groups: group_size > 0 (B / group_size groups of group_size consecutive rows; group_ids
+// unused), or group_ids [B] int64 (checked to lie in [0, B) outside graph capture; the kernel only
+// compares them, so any value is safe). One warp per row visits its group's members in row order
+// (with ids: scanning the batch's ids in tiles of kGroupAdvTile shared by the block's warps),
+// accumulating the group's statistics in double in the CPU kernel's order: the same bits as on
+// CPU, and a group's result depends only on its members' scores and their order.
 struct GroupAdvantagesArgs {
   bool is_double = false;
   int64_t B = 0, T = 0;
   const void* scores = nullptr;
+  int64_t group_size = 0;
   const int64_t* group_ids = nullptr;
   const bool* mask = nullptr;
   bool rloo = false, std_normalize = true;
