@@ -200,21 +200,20 @@ def main(argv=None) -> int:
             def unpacked(model, batch_size):
                 yield 0
 
-            def run_plain():
-                packed = hf.packed_linear_weights
-                hf.packed_linear_weights = unpacked
+            def run_without(name, stand_in):
+                # run_hf with one of generate()'s contexts replaced, then put back
+                real = getattr(hf, name)
+                setattr(hf, name, stand_in)
                 try:
                     run_hf()
                 finally:
-                    hf.packed_linear_weights = packed
+                    setattr(hf, name, real)
+
+            def run_plain():
+                run_without("packed_linear_weights", unpacked)
 
             def run_multinomial():
-                draw = hf.fast_multinomial
-                hf.fast_multinomial = contextlib.nullcontext
-                try:
-                    run_hf()
-                finally:
-                    hf.fast_multinomial = draw
+                run_without("fast_multinomial", contextlib.nullcontext)
 
             runs = {"transformers": run_hf, "plain": run_plain, "multinomial": run_multinomial, "vllm": run_vllm}
             times = {name: [] for name in engines}

@@ -171,8 +171,11 @@ def _on_off(flag: bool) -> str:
 
 
 def _gflops(flops_per_s: float) -> str:
-    # Three significant digits: an emulated bf16 peak is well under 1 GFLOP/s.
-    return f"{flops_per_s / 1e9:.3g}"
+    # Three significant digits, no exponent: an emulated bf16 peak is well under 1 GFLOP/s, an
+    # AMX one above 1000.
+    from pyppo.profile.flops import significant
+
+    return significant(flops_per_s / 1e9)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

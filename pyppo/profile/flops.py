@@ -41,6 +41,7 @@ appendix B).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, fields, replace
@@ -62,6 +63,7 @@ __all__ = [
     "recompute_flops",
     "generate_forwards",
     "measure_matmul_flops",
+    "significant",
 ]
 
 #: Config keys of a mixture-of-experts MLP, whose per-token work depends on the routing.
@@ -372,3 +374,12 @@ def measure_matmul_flops(
         if len(times) >= 3 and sum(times) > max_seconds:
             break
     return 2.0 * m * k * n / max(statistics.median(times), 1e-12)
+
+
+def significant(x: Optional[float], digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, without an exponent."""
+    if x is None:
+        return "-"
+    if x == 0 or not math.isfinite(x):
+        return f"{x:.0f}" if x == 0 else str(x)
+    return f"{x:.{max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))}f}"

@@ -4,10 +4,10 @@ and its printed form with the FLOP columns of :mod:`pyppo.profile.counting`."""
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 from ..trainer.step_stats import PHASES
+from .flops import significant as _sig
 
 __all__ = ["FLOP_COLUMNS", "PHASE_TITLES", "format_table", "phase_table"]
 
@@ -122,15 +122,6 @@ def phase_table(events, metrics: dict) -> dict:
         "pyppo_seconds": sum(b - a for a, b in op_spans) * 1e-6,
         "pyppo_ops": sorted(by_name.values(), key=lambda r: -r["seconds"]),
     }
-
-
-def _sig(x: Optional[float], digits: int = 3) -> str:
-    """``x`` to ``digits`` significant digits, without an exponent."""
-    if x is None:
-        return "-"
-    if x == 0 or not math.isfinite(x):
-        return f"{x:.0f}" if x == 0 else str(x)
-    return f"{x:.{max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))}f}"
 
 
 #: The FLOP columns of the table; "shape MFU %" is the headline MFU (:func:`_flop_notes`).
