@@ -15,6 +15,10 @@ round with the same prompts and seed:
 - ``multinomial`` (only when asked for): the same, each token drawn by ``torch.multinomial`` instead
   of :func:`pyppo.rollout.categorical.sample_categorical`, what the float64 inverse-transform draw
   is measured against;
+- ``autocast-attention`` (only when asked for): the same with every attention call left to
+  autocast (a bf16 KV cache and bf16 decode-step attention), what
+  :mod:`pyppo.rollout.decode_attention`'s float32 decode steps are measured against (the same
+  as ``transformers`` in float32);
 - ``vllm``: the vLLM rollout engine's ``vllm.LLM.generate`` (:class:`pyppo.rollout.vllm_engine.VLLMEngine`,
   built once per dtype from the same model), plus its ``sync_weights`` after a change of every
   weight (timed apart, and added: the vLLM engine pays it every step); with ``--lora-rank`` (8 by
@@ -120,8 +124,10 @@ def main(argv=None) -> int:
     shapes, dtypes = parse_shapes(args.shapes), args.dtypes.split(",")
     engines = args.engines.split(",")
     for name in engines:
-        if name not in ("transformers", "plain", "multinomial", "vllm"):
-            raise SystemExit(f"sampling.py: --engines: {name!r} is not transformers, plain, multinomial or vllm")
+        if name not in ("transformers", "plain", "multinomial", "autocast-attention", "vllm"):
+            raise SystemExit(
+                f"sampling.py: --engines: {name!r} is not transformers, plain, multinomial, autocast-attention or vllm"
+            )
     for name in dtypes:
         if name not in ("float32", "bfloat16"):
             raise SystemExit(f"sampling.py: --dtypes: {name!r} is not float32 or bfloat16")
@@ -215,7 +221,16 @@ def main(argv=None) -> int:
             def run_multinomial():
                 run_without("fast_multinomial", contextlib.nullcontext)
 
-            runs = {"transformers": run_hf, "plain": run_plain, "multinomial": run_multinomial, "vllm": run_vllm}
+            def run_autocast_attention():
+                run_without("decode_attention_cache", lambda *args: None)
+
+            runs = {
+                "transformers": run_hf,
+                "plain": run_plain,
+                "multinomial": run_multinomial,
+                "autocast-attention": run_autocast_attention,
+                "vllm": run_vllm,
+            }
             times = {name: [] for name in engines}
             if (B, T) == shapes[0]:  # warm-up, once per dtype (the later shapes reuse what it set up)
                 for name in engines:

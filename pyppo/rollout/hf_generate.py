@@ -19,6 +19,7 @@ from torch import nn
 
 from ..precision import autocast
 from .categorical import fast_multinomial
+from .decode_attention import decode_attention_cache, float32_decode_attention
 from .engine import Continuation, Rollout, RolloutEngine
 from .tokens import PromptEncoder, cut_rollout, left_pad, response_mask_from_eos
 
@@ -157,7 +158,8 @@ def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor
     with the linear layers' weights pre-packed for the batch (:func:`packed_linear_weights`), and
     on a CPU each token drawn by inverse transform in float64
     (:func:`pyppo.rollout.categorical.fast_multinomial`: the same distribution as
-    ``torch.multinomial``'s, another random stream).
+    ``torch.multinomial``'s, another random stream); under a CPU's bf16 autocast the decode steps
+    attend in float32 over a float32 KV cache (:mod:`pyppo.rollout.decode_attention`).
 
     Args:
         model: a ``transformers`` causal LM.
@@ -173,6 +175,10 @@ def generate(model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor
         stack.enter_context(_only_this_generation_config(model, gen_config))
         stack.enter_context(packed_linear_weights(model, query_ids.shape[0]))
         stack.enter_context(fast_multinomial())
+        cache = decode_attention_cache(model, gen_config, kwargs)
+        if cache is not None:
+            stack.enter_context(float32_decode_attention())
+            kwargs["past_key_values"] = cache
         return model.generate(
             input_ids=query_ids, attention_mask=query_mask.long(), generation_config=gen_config, **kwargs
         )

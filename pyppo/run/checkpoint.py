@@ -8,9 +8,11 @@ known path: ``<name>``, or ``<name>.old`` when a save was killed between its two
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import random
+import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -51,16 +53,50 @@ def _is_complete(d: Path) -> bool:
     return d.is_dir() and all((d / name).is_file() for name in CHECKPOINT_FILES)
 
 
+#: Free bytes below which a failed write is taken for a full disk: ``torch.save`` reports one as
+#: a ``RuntimeError`` about the zip writer's position, not as ``ENOSPC``.
+_NEARLY_FULL = 64 << 20
+
+
+def _disk_full(path: Path, exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(path).free < _NEARLY_FULL
+    except OSError:
+        return False
+
+
 def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
     """Write ``payloads`` (file name -> object for ``torch.save``) as the checkpoint ``directory``,
-    swapped in atomically (see the module docstring). Returns the directory."""
+    swapped in atomically (see the module docstring). Returns the directory.
+
+    Raises:
+        OSError: ``ENOSPC`` when the disk filled up while writing, saying so; the partial write
+            is removed and the previous checkpoint stays where it was. Any other error of the
+            writes or renames as it is, with the same guarantee.
+    """
 
     def write(tmp: Path) -> None:
+        written = 0
         for name, obj in payloads.items():
-            with open(tmp / name, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(tmp / name, "wb") as f:
+                    torch.save(obj, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except (OSError, RuntimeError) as exc:
+                if not _disk_full(tmp, exc):
+                    raise
+                written += (tmp / name).stat().st_size if (tmp / name).exists() else 0
+                raise OSError(
+                    errno.ENOSPC,
+                    f"no space left on the disk of {str(directory)!r} while saving the checkpoint "
+                    f"({written / 2**30:.2f} GiB written, {shutil.disk_usage(tmp).free / 2**20:.0f} MiB free); "
+                    "the partial checkpoint is removed and the previous one, if any, is kept. Free some "
+                    "space (a checkpoint holds the models and their optimizer state) and resume with --resume",
+                ) from exc
+            written += (tmp / name).stat().st_size
 
     return swap_in(directory, write, _is_complete)
 

@@ -210,3 +210,54 @@ def test_corrupt_checkpoint_file_is_named_and_nothing_is_restored(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, other.policy.parameters()))
     with pytest.raises(FileNotFoundError, match="checkpoint file missing"):
         other.load_checkpoint(tmp_path / "nothing")
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 442535168 vs 442535056"),
+        OSError(28, "No space left on device"),
+    ],
+)
+def test_a_full_disk_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, failure):
+    # torch.save reports a full disk as a RuntimeError about its zip writer; the user is told
+    # what happened, and the previous checkpoint is left as it was.
+    import shutil
+
+    from pyppo.run import checkpoint
+
+    target = tmp_path / "checkpoint"
+    checkpoint.save(target, {name: {"step": 1} for name in CHECKPOINT_FILES})
+    real_save, calls = torch.save, []
+
+    def filling_save(obj, f):
+        calls.append(f.name)
+        if len(calls) == 2:  # the disk fills during the second file
+            f.write(b"partial")
+            raise failure
+        real_save(obj, f)
+
+    Usage = type(shutil.disk_usage(tmp_path))
+    monkeypatch.setattr(torch, "save", filling_save)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 << 30, 10 << 30, 1 << 20))
+    with pytest.raises(OSError, match="no space left on the disk of .* while saving the checkpoint") as info:
+        checkpoint.save(target, {name: {"step": 2} for name in CHECKPOINT_FILES})
+    assert info.value.errno == 28
+    monkeypatch.undo()
+    assert find_checkpoint(target) == target
+    assert all(torch.load(target / name)["step"] == 1 for name in CHECKPOINT_FILES)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]  # no partial directory left
+
+
+def test_another_save_error_is_raised_as_it_is(tmp_path, monkeypatch):
+    from pyppo.run import checkpoint
+
+    def failing_save(obj, f):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(RuntimeError, match="something else"):
+        checkpoint.save(tmp_path / "checkpoint", {name: {} for name in CHECKPOINT_FILES})

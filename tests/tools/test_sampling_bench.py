@@ -66,9 +66,10 @@ def _check(r, engines, dtypes):
         assert abs(row["floor_seconds"] - floor) <= 1e-9 * floor
 
 
-def test_sampling_bench_times_the_default_engine_packed_plain_and_with_torch_multinomial(tmp_path):
-    r = _run(tmp_path, save_tiny_causal_lm(tmp_path / "tiny"), "plain,multinomial,transformers")
-    _check(r, {"plain", "multinomial", "transformers"}, ["float32", "bfloat16"])
+def test_sampling_bench_times_the_default_engine_packed_plain_with_torch_multinomial_and_autocast_attention(tmp_path):
+    engines = "plain,multinomial,autocast-attention,transformers"
+    r = _run(tmp_path, save_tiny_causal_lm(tmp_path / "tiny"), engines)
+    _check(r, set(engines.split(",")), ["float32", "bfloat16"])
     assert all(row["vllm_sync_seconds"] is None for row in r["rows"]) and r["vllm_lora_sync_seconds"] == {}
 
 
@@ -95,5 +96,7 @@ def test_sampling_bench_times_vllm_with_its_weight_sync(tmp_path):
 def test_a_bad_shape_is_one_clear_error():
     with pytest.raises(SystemExit, match="--shapes: '8by32' is not BxT"):
         sampling.main(["--shapes", "8by32"])
-    with pytest.raises(SystemExit, match="--engines: 'sglang' is not transformers, plain, multinomial or vllm"):
+    with pytest.raises(
+        SystemExit, match="--engines: 'sglang' is not transformers, plain, multinomial, autocast-attention or vllm"
+    ):
         sampling.main(["--engines", "sglang"])
