@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     rows, lora_sync = [], {}
     print(
         f"sampling ({args.model}, {args.threads} threads, {cpu}; load {os.getloadavg()[0]:.1f}); "
-        f"floor = T x {weight_elements / 1e6:.0f} M linear weights x the dtype's bytes at {bandwidth / 1e9:.1f} GB/s"
+        f"floor = T x {weight_elements / 1e6:.3g} M linear weights x the dtype's bytes at {bandwidth / 1e9:.1f} GB/s"
     )
     cols = [f"{name} s" for name in engines] + (["vllm sync s"] if "vllm" in engines else [])
     both = {"transformers", "vllm"} <= set(engines)

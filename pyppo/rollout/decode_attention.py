@@ -18,6 +18,7 @@ exactly 1; ``tests/rollout/test_hf_generate.py`` bounds the difference).
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any, Iterator, Optional
@@ -53,17 +54,29 @@ def _float32_kv_cache():
 def decode_attention_cache(model: nn.Module, gen_config, kwargs: dict) -> Optional[Any]:
     """The cache ``generate`` should start from (a ``DynamicCache`` that holds keys and values in
     float32), or ``None`` to leave the cache
-    to ``transformers``: a CPU model under reduced-precision CPU autocast that samples with the
-    default dynamic cache, and no cache passed by the caller (``kwargs``)."""
+    to ``transformers``: a CPU model with a KV cache (not Mamba's state) under reduced-precision
+    CPU autocast that samples with the default dynamic cache, and no cache, no other
+    ``cache_implementation`` and no ``use_cache=False`` in the caller's ``kwargs``."""
     if _reduced_cpu_autocast() is None or "past_key_values" in kwargs:
         return None
-    if getattr(gen_config, "cache_implementation", None) not in (None, "dynamic") or gen_config.use_cache is False:
-        return None
+    for where in (kwargs, vars(gen_config)):
+        if where.get("cache_implementation") not in (None, "dynamic") or where.get("use_cache") is False:
+            return None
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or getattr(model.config, "is_encoder_decoder", False):
         return None
-    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    supports = getattr(base, "_supports_default_dynamic_cache", None)
     if callable(supports) and not supports():
+        return None
+    # Mamba's family keeps a state of its own (`cache_params`), not a KV cache.
+    if "mamba" in type(base).__name__.lower():
+        return None
+    try:
+        takes_cache = "past_key_values" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    if not takes_cache:
         return None
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     return _float32_kv_cache()(config=config)

@@ -53,14 +53,17 @@ def _is_complete(d: Path) -> bool:
     return d.is_dir() and all((d / name).is_file() for name in CHECKPOINT_FILES)
 
 
-#: Free bytes below which a failed write is taken for a full disk: ``torch.save`` reports one as
-#: a ``RuntimeError`` about the zip writer's position, not as ``ENOSPC``.
+#: Free bytes below which a failed write of ``torch.save``'s zip writer is taken for a full disk:
+#: it reports one as a ``RuntimeError`` about its position or a failed write, not as ``ENOSPC``.
 _NEARLY_FULL = 64 << 20
+_ZIP_WRITER_ERRORS = ("inline_container", "PytorchStreamWriter")
 
 
 def _disk_full(path: Path, exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not any(mark in str(exc) for mark in _ZIP_WRITER_ERRORS):
+        return False
     try:
         return shutil.disk_usage(path).free < _NEARLY_FULL
     except OSError:
@@ -72,8 +75,9 @@ def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
     swapped in atomically (see the module docstring). Returns the directory.
 
     Raises:
-        OSError: ``ENOSPC`` when the disk filled up while writing, saying so; the partial write
-            is removed and the previous checkpoint stays where it was. Any other error of the
+        OSError: ``ENOSPC`` when the disk filled up while writing (an ``OSError`` of ``ENOSPC`` or
+            ``EDQUOT``, or the zip writer's error with less than 64 MiB left), saying so and what to
+            do; the partial write is removed and the previous checkpoint stays where it was. Any other error of the
             writes or renames as it is, with the same guarantee.
     """
 
@@ -89,12 +93,19 @@ def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
                 if not _disk_full(tmp, exc):
                     raise
                 written += (tmp / name).stat().st_size if (tmp / name).exists() else 0
+                previous = find(directory)
+                then = (
+                    f"the previous checkpoint ({str(previous)!r}) is kept: free some space (a checkpoint "
+                    "holds the models and their optimizer state) and resume from it with --resume"
+                    if previous is not None
+                    else "there is no earlier checkpoint to resume from: free some space (a checkpoint "
+                    "holds the models and their optimizer state) and start the run again"
+                )
                 raise OSError(
                     errno.ENOSPC,
                     f"no space left on the disk of {str(directory)!r} while saving the checkpoint "
                     f"({written / 2**30:.2f} GiB written, {shutil.disk_usage(tmp).free / 2**20:.0f} MiB free); "
-                    "the partial checkpoint is removed and the previous one, if any, is kept. Free some "
-                    "space (a checkpoint holds the models and their optimizer state) and resume with --resume",
+                    f"the partial checkpoint is removed, and {then}",
                 ) from exc
             written += (tmp / name).stat().st_size
 

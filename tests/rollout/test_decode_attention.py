@@ -88,6 +88,9 @@ def test_the_cache_is_used_only_under_a_cpus_reduced_autocast():
         assert decode_attention_cache(model, gen, {"past_key_values": object()}) is None  # the caller's cache
         gen.cache_implementation = "static"
         assert decode_attention_cache(model, gen, {}) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert decode_attention_cache(model, _gen(), {"cache_implementation": "static"}) is None
+        assert decode_attention_cache(model, _gen(), {"use_cache": False}) is None
     k = torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
     keys, values = cache.update(k, k, 0)
     assert keys.dtype == values.dtype == torch.float32 and torch.equal(values, k.float())
@@ -122,3 +125,17 @@ def test_generates_prefill_is_unchanged_and_its_decode_steps_as_close(monkeypatc
         ref = _generate(model, prefix, pmask, gen_old, monkeypatch, new_path=False).logits[0]
         diff = (torch.log_softmax(new.logits[step].float(), -1) - torch.log_softmax(ref.float(), -1)).abs().max()
         assert float(diff) < 0.05, (step, float(diff))
+
+
+def test_a_model_without_a_kv_cache_samples_as_before_under_bf16():
+    # Mamba keeps a recurrent state (transformers' cache_params), not a KV cache.
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    model = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=2)).eval()
+    ids = torch.randint(4, 128, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert decode_attention_cache(model, _gen(), {}) is None
+        out = hf.generate(model, ids, mask, _gen(3))
+    assert out.shape == (2, 8)

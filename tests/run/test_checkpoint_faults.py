@@ -246,18 +246,39 @@ def test_a_full_disk_while_saving_says_so_and_keeps_the_previous_checkpoint(tmp_
     with pytest.raises(OSError, match="no space left on the disk of .* while saving the checkpoint") as info:
         checkpoint.save(target, {name: {"step": 2} for name in CHECKPOINT_FILES})
     assert info.value.errno == 28
+    assert "the previous checkpoint" in str(info.value) and "--resume" in str(info.value)
     monkeypatch.undo()
     assert find_checkpoint(target) == target
     assert all(torch.load(target / name)["step"] == 1 for name in CHECKPOINT_FILES)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]  # no partial directory left
 
 
-def test_another_save_error_is_raised_as_it_is(tmp_path, monkeypatch):
+def test_a_full_disk_at_the_first_save_says_there_is_nothing_to_resume(tmp_path, monkeypatch):
+    import shutil
+
+    from pyppo.run import checkpoint
+
+    def full(obj, f):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="no earlier checkpoint to resume from"):
+        checkpoint.save(tmp_path / "checkpoint", {name: {} for name in CHECKPOINT_FILES})
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == [] and shutil.disk_usage(tmp_path).free > 0
+
+
+@pytest.mark.parametrize("free", [1 << 20, 100 << 30])
+def test_another_save_error_is_raised_as_it_is_even_on_a_nearly_full_disk(tmp_path, monkeypatch, free):
+    import shutil
+
     from pyppo.run import checkpoint
 
     def failing_save(obj, f):
-        raise RuntimeError("something else")
+        raise RuntimeError("a bug in my object's pickling")
 
+    Usage = type(shutil.disk_usage(tmp_path))
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(RuntimeError, match="something else"):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(200 << 30, 200 << 30, free))
+    with pytest.raises(RuntimeError, match="a bug in my object's pickling"):
         checkpoint.save(tmp_path / "checkpoint", {name: {} for name in CHECKPOINT_FILES})
