@@ -26,14 +26,17 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..precision import autocast_dtype
+
 __all__ = ["float32_decode_attention", "decode_attention_cache"]
+
+
+_CPU = torch.device("cpu")
 
 
 def _reduced_cpu_autocast() -> Optional[torch.dtype]:
     """The CPU autocast dtype when autocast is on for the CPU in a dtype narrower than float32."""
-    if not torch.is_autocast_enabled("cpu"):
-        return None
-    dtype = torch.get_autocast_dtype("cpu")
+    dtype = autocast_dtype(_CPU)
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
