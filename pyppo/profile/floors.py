@@ -49,13 +49,12 @@ one that binds.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional
 
 import torch
 
-from .flops import attention_pairs
+from .flops import attention_pairs, device_timer
 
 __all__ = [
     "GemmShape",
@@ -184,30 +183,6 @@ def ideal_seconds(products: Products, rates: Mapping[GemmShape, float]) -> float
     return sum(flops / rates[shape] for shape, flops in products.items())
 
 
-def _timer(device: torch.device):
-    """Seconds of ``fn()`` run ``repeat`` times: CUDA events on a GPU, ``perf_counter`` on a CPU."""
-    if device.type == "cuda":
-
-        def cuda_time(fn, repeat: int) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeat):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) * 1e-3
-
-        return cuda_time
-
-    def cpu_time(fn, repeat: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        return time.perf_counter() - t0
-
-    return cpu_time
-
-
 def measure_gemm_flops(
     shape: GemmShape,
     *,
@@ -241,7 +216,7 @@ def measure_gemm_flops(
     def call() -> None:
         mm(x, w, out=out)
 
-    timed = _timer(device)
+    timed = device_timer(device)
     first = timed(call, 1)
     timed(call, 1)
     repeat = max(1, min(10_000, int(min_sample_seconds / max(first, 1e-9)) + 1))
@@ -277,7 +252,7 @@ def measure_read_bandwidth(device: Any = "cpu", nbytes: int = 256 << 20, repeats
     """
     device = torch.device(device)
     x = torch.full((nbytes // 4,), 1.0, dtype=torch.float32, device=device)
-    timed = _timer(device)
+    timed = device_timer(device)
 
     def read() -> None:
         x.sum()

@@ -322,6 +322,30 @@ def generate_forwards(batch: int, prompt_length: int, new_tokens: int) -> List[T
     return [(batch, prompt_length, prompt_length)] + [(batch, 1, prompt_length + t) for t in range(1, new_tokens)]
 
 
+def device_timer(device: torch.device):
+    """Seconds of ``fn()`` run ``repeat`` times: CUDA events on a GPU, ``perf_counter`` on a CPU."""
+    if device.type == "cuda":
+
+        def cuda_time(fn, repeat: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeat):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3
+
+        return cuda_time
+
+    def cpu_time(fn, repeat: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return time.perf_counter() - t0
+
+    return cpu_time
+
+
 def measure_matmul_flops(
     m: int,
     k: Optional[int] = None,
@@ -352,19 +376,10 @@ def measure_matmul_flops(
     a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(k, n, generator=gen).to(device=device, dtype=dtype)
     out = torch.empty(m, n, device=device, dtype=dtype)
-    cuda = device.type == "cuda"
+    timed = device_timer(device)
 
     def once() -> float:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.mm(a, b, out=out)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) * 1e-3
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        return time.perf_counter() - t0
+        return timed(lambda: torch.mm(a, b, out=out), 1)
 
     for _ in range(warmup):
         once()
