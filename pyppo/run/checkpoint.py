@@ -70,6 +70,25 @@ def _disk_full(path: Path, exc: BaseException) -> bool:
         return False
 
 
+def _disk_full_error(directory: str | os.PathLike, tmp: Path) -> OSError:
+    """The ``ENOSPC`` error :func:`save` raises when the disk filled up while it wrote ``tmp``."""
+    written = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
+    previous = find(directory)
+    then = (
+        f"the previous checkpoint ({str(previous)!r}) is kept: free some space (a checkpoint holds the "
+        "models and their optimizer state) and resume from it with --resume"
+        if previous is not None
+        else "there is no earlier checkpoint to resume from: free some space (a checkpoint holds the "
+        "models and their optimizer state) and start the run again"
+    )
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on the disk of {str(directory)!r} while saving the checkpoint "
+        f"({written / 2**30:.2f} GiB written, {shutil.disk_usage(tmp).free / 2**20:.0f} MiB free); "
+        f"the partial checkpoint is removed, and {then}",
+    )
+
+
 def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
     """Write ``payloads`` (file name -> object for ``torch.save``) as the checkpoint ``directory``,
     swapped in atomically (see the module docstring). Returns the directory.
@@ -77,12 +96,11 @@ def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
     Raises:
         OSError: ``ENOSPC`` when the disk filled up while writing (an ``OSError`` of ``ENOSPC`` or
             ``EDQUOT``, or the zip writer's error with less than 64 MiB left), saying so and what to
-            do; the partial write is removed and the previous checkpoint stays where it was. Any other error of the
-            writes or renames as it is, with the same guarantee.
+            do; the partial write is removed and the previous checkpoint stays where it was. Any
+            other error of the writes or renames as it is, with the same guarantee.
     """
 
     def write(tmp: Path) -> None:
-        written = 0
         for name, obj in payloads.items():
             try:
                 with open(tmp / name, "wb") as f:
@@ -92,22 +110,7 @@ def save(directory: str | os.PathLike, payloads: Dict[str, Any]) -> Path:
             except (OSError, RuntimeError) as exc:
                 if not _disk_full(tmp, exc):
                     raise
-                written += (tmp / name).stat().st_size if (tmp / name).exists() else 0
-                previous = find(directory)
-                then = (
-                    f"the previous checkpoint ({str(previous)!r}) is kept: free some space (a checkpoint "
-                    "holds the models and their optimizer state) and resume from it with --resume"
-                    if previous is not None
-                    else "there is no earlier checkpoint to resume from: free some space (a checkpoint "
-                    "holds the models and their optimizer state) and start the run again"
-                )
-                raise OSError(
-                    errno.ENOSPC,
-                    f"no space left on the disk of {str(directory)!r} while saving the checkpoint "
-                    f"({written / 2**30:.2f} GiB written, {shutil.disk_usage(tmp).free / 2**20:.0f} MiB free); "
-                    f"the partial checkpoint is removed, and {then}",
-                ) from exc
-            written += (tmp / name).stat().st_size
+                raise _disk_full_error(directory, tmp) from exc
 
     return swap_in(directory, write, _is_complete)
 
